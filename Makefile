@@ -1,0 +1,26 @@
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[torch,dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	RAY_AUTH_MODE=disabled $(PY) examples/ray_driver.py
+
+test: $(STAMP)
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check metricsvc clients tests examples
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,188 @@
+"""MetricClient: buffer a rank's records for the open step, merge locally, one RPC per flush."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from clients.summarize import Row, merge_rows, rows_to_host, summarize
+from metricsvc.config import DEFAULT_NAME
+from metricsvc.records import Batch, scalar_row
+from metricsvc.reduce import AUTO, ReduceType
+from metricsvc.validation import check_key, check_rank
+
+
+def _kind_name(code: int) -> str:
+    return "AUTO (from the key name)" if code == AUTO else ReduceType(code).name
+
+
+@dataclass
+class _Entry:
+    code: int
+    expected: int
+    row: Row
+
+
+class MetricClient:
+    """A rank's handle on the MetricWorker: record metrics for the open step, then flush.
+
+    Recording never syncs a device: tensors are summarised on their device and
+    merged there; ``wait_submit`` copies every row of the step to the host once
+    and sends one batch in one actor call.
+    """
+
+    def __init__(
+        self,
+        worker: Any = None,
+        *,
+        rank: int,
+        world_size: int,
+        start_step: int = 0,
+        name: str | None = None,
+        namespace: str | None = None,
+    ) -> None:
+        self.rank, self.world_size = check_rank(rank, world_size)
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self._worker = worker
+        self._name = name or DEFAULT_NAME
+        self._namespace = namespace
+        self.step = int(start_step)
+        self.last_closed: int | None = None
+        self._buffer: dict[str, _Entry] = {}
+        self._seq = 0
+        self._unacked: Batch | None = None
+        self.rpc_count = 0
+        self.host_copies = 0
+
+    @property
+    def worker(self) -> Any:
+        """The MetricWorker handle, looked up by name on first use if none was given."""
+        if self._worker is None:
+            self._worker = ray.get_actor(self._name, namespace=self._namespace)
+        return self._worker
+
+    # -- recording ---------------------------------------------------------------------
+    def stat(
+        self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX, **values: Any
+    ) -> None:
+        """Record masked summaries of tensors/arrays; AVG_MIN_MAX exports mean, min and max.
+
+        Raises:
+            TypeError: a non-numeric value or a non-bool mask (the key is named).
+            ValueError: a mask whose shape differs from the value's.
+        """
+        code = int(ReduceType.parse(reduce))
+        rows = {check_key(k): summarize(v, mask, key=k) for k, v in values.items()}
+        self._record_all(rows, code, 0)
+
+    def scalar(self, **values: float) -> None:
+        """Record rank-identical numbers (e.g. a learning rate); mismatches are flagged."""
+        rows = {check_key(k): summarize(v, key=k) for k, v in values.items()}
+        self._record_all(rows, int(ReduceType.SCALAR), 0)
+
+    def weighted_mean(self, key: str, value: float, weight: float) -> None:
+        """Record ``value`` counted ``weight`` times into the mean of ``key``."""
+        check_key(key)
+        if not weight >= 0:
+            raise ValueError(f"weight for key {key!r} must be >= 0, got {weight}")
+        self._record_all({key: scalar_row(float(value), float(weight))}, int(ReduceType.AVG), 0)
+
+    def submit_metric(self, metrics: Mapping[str, Any], world_size: int | None = None) -> None:
+        """Record a plain dict, siiRL style: the reduction comes from each key's last segment.
+
+        ``world_size`` is the number of ranks expected to send these keys
+        (siiRL passes 1 for keys only rank 0 computes); default: all ranks.
+        """
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"submit_metric expects a mapping, got {type(metrics).__name__}")
+        expected = self._expected(world_size, metrics)
+        rows = {check_key(k): summarize(v, key=k) for k, v in metrics.items()}
+        self._record_all(rows, AUTO, expected)
+
+    def _expected(self, world_size: int | None, metrics: Mapping[str, Any]) -> int:
+        if world_size is None:
+            return 0
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+        if not 1 <= world_size <= self.world_size:
+            first = next(iter(metrics), "<none>")
+            raise ValueError(
+                f"world_size for keys like {first!r} must be in [1, {self.world_size}] "
+                f"(this client's world size), got {world_size}"
+            )
+        return 0 if world_size == self.world_size else world_size
+
+    def _record_all(self, rows: dict[str, Row], code: int, expected: int) -> None:
+        # Check every key before touching the buffer: a bad call records nothing.
+        for key in rows:
+            entry = self._buffer.get(key)
+            if entry is not None and entry.code != code:
+                raise ValueError(
+                    f"key {key!r} was recorded as {_kind_name(entry.code)} in step {self.step}; "
+                    f"recording it as {_kind_name(code)} would mix reductions"
+                )
+        for key, row in rows.items():
+            entry = self._buffer.get(key)
+            if entry is None:
+                self._buffer[key] = _Entry(code, expected, row)
+            else:
+                entry.row = merge_rows(entry.row, row)
+                entry.expected = max(entry.expected, expected)
+
+    # -- flushing ----------------------------------------------------------------------
+    def wait_submit(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Close this rank's step: one host copy, one actor call, return after the ack.
+
+        On a timeout or an actor error the batch is kept; calling again resends
+        the same batch, which the service merges once. If the service rejects the
+        batch, it is dropped, the step stays open and the error is raised.
+        """
+        batch = self._unacked or self._build_batch()
+        self._unacked = batch
+        self._buffer = {}
+        self.rpc_count += 1
+        try:
+            ack = ray.get(self.worker.submit.remote(batch), timeout=timeout_s)
+        except ValueError:
+            self._unacked = None  # rejected by the service: retrying cannot help
+            raise
+        self._unacked = None
+        self.last_closed = batch.step
+        self.step = batch.step + 1
+        return ack
+
+    def _build_batch(self) -> Batch:
+        keys = tuple(self._buffer)
+        entries = list(self._buffer.values())
+        data, copies = rows_to_host([e.row for e in entries])
+        self.host_copies += copies
+        self._seq += 1
+        return Batch.build(
+            step=self.step,
+            rank=self.rank,
+            world_size=self.world_size,
+            seq=self._seq,
+            final=True,
+            keys=keys,
+            data=data,
+            kinds=[e.code for e in entries],
+            expected=[e.expected for e in entries],
+        )
+
+    def pending_keys(self) -> list[str]:
+        """Return the keys recorded in the open step so far."""
+        return list(self._buffer)
+
+    # -- reading -----------------------------------------------------------------------
+    def wait_final_res(self, step: int | None = None, timeout: float | None = None) -> dict:
+        """Return the merged metrics of ``step`` (default: the last step this rank closed)."""
+        if step is None:
+            step = self.last_closed
+        self.rpc_count += 1
+        ref = self.worker.wait_final_res.remote(step, timeout)
+        # The actor enforces ``timeout``; the margin here only guards a lost actor.
+        return ray.get(ref, timeout=None if timeout is None else timeout + 30)

@@ -1,0 +1,30 @@
+"""metricsvc: exact, non-blocking metrics aggregation for distributed training on Ray."""
+
+from metricsvc.aggregator import Aggregator, StepResult
+from metricsvc.config import ServiceConfig, load_config
+from metricsvc.records import Batch
+from metricsvc.reduce import ReduceType
+from metricsvc.validation import BatchRejected
+from metricsvc.worker import (
+    MetricWorker,
+    StepNotFinal,
+    StepUnavailable,
+    get_metric_worker,
+    start_metric_worker,
+)
+
+__all__ = [
+    "Aggregator",
+    "Batch",
+    "BatchRejected",
+    "MetricWorker",
+    "ReduceType",
+    "ServiceConfig",
+    "StepNotFinal",
+    "StepResult",
+    "StepUnavailable",
+    "get_metric_worker",
+    "load_config",
+    "start_metric_worker",
+]
+__version__ = "0.1.0"

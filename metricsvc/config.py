@@ -1,0 +1,179 @@
+"""Configuration: pydantic v2 models, loaded from YAML, a dict, or built in code.
+
+Unknown keys are errors that name the key. Secrets never live here: sinks that
+need an API key read it from the environment themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from metricsvc.reduce import ReduceType
+from metricsvc.validation import Limits
+
+DEFAULT_NAME = "metricsvc_worker"
+_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ConsoleSinkConfig(_Strict):
+    """Aligned table of each finished step, printed by the actor."""
+
+    enabled: bool = True
+    every: int = Field(1, ge=1, description="print every N-th finished step")
+    max_rows: int = Field(200, ge=1, description="rows shown per step before eliding")
+
+
+class JsonlSinkConfig(_Strict):
+    """The journal: one JSON line per finished step under the run folder."""
+
+    enabled: bool = True
+    filename: str = "metrics.jsonl"
+    fsync: bool = Field(False, description="fsync after every line (slower, crash-proof)")
+
+    @field_validator("filename")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not _SAFE_PART.match(v):
+            raise ValueError(f"filename must be a plain file name, got {v!r}")
+        return v
+
+
+class SinksConfig(_Strict):
+    """Which sinks receive finished steps."""
+
+    console: ConsoleSinkConfig = ConsoleSinkConfig()
+    jsonl: JsonlSinkConfig = JsonlSinkConfig()
+
+
+class RunConfig(_Strict):
+    """Where a run's files go: ``<root>/<experiment>/<trial>/``."""
+
+    root: str = "runs"
+    experiment: str = "default"
+    trial: str | None = Field(None, description="default: the actor's start time")
+
+    @field_validator("experiment", "trial")
+    @classmethod
+    def _one_path_part(cls, v: str | None) -> str | None:
+        if v is not None and not _SAFE_PART.match(v):
+            raise ValueError(f"must be one plain path part (letters, digits, ._-), got {v!r}")
+        return v
+
+    def run_dir(self, trial: str | None = None) -> Path:
+        """Return the run folder, naming the trial by the current time if unset."""
+        name = trial or self.trial or time.strftime("%Y%m%d-%H%M%S")
+        return Path(self.root).expanduser() / self.experiment / name
+
+
+class LimitsConfig(_Strict):
+    """Bounds that keep the actor's memory finite; past them a batch is rejected."""
+
+    max_pending_steps: int = Field(64, ge=1)
+    max_keys_per_batch: int = Field(100_000, ge=1)
+    max_key_length: int = Field(512, ge=8)
+    max_batch_bytes: int = Field(64 * 2**20, ge=1024)
+    max_world_size: int = Field(1024, ge=1)
+    keep_results: int = Field(1000, ge=1, description="finished steps kept for wait_final_res")
+
+    def to_limits(self) -> Limits:
+        """Return the validation limits this config sets."""
+        return Limits(
+            max_key_length=self.max_key_length,
+            max_keys_per_batch=self.max_keys_per_batch,
+            max_batch_bytes=self.max_batch_bytes,
+            max_world_size=self.max_world_size,
+        )
+
+
+class OutputConfig(_Strict):
+    """Naming of exported keys."""
+
+    mean_suffix: str = Field("mean", description="'mean' (siiRL/verl) or 'avg' (AReaL)")
+
+
+class ServiceConfig(_Strict):
+    """Everything the MetricWorker actor needs; the driver passes it at start."""
+
+    name: str = DEFAULT_NAME
+    namespace: str | None = None
+    num_cpus: float = Field(0, ge=0)
+    max_restarts: int = Field(3, ge=-1)
+    straggler_timeout_s: float | None = Field(
+        600.0, gt=0, description="finish a step as partial this long after its first batch"
+    )
+    reduce_rules: dict[str, str] = Field(
+        default_factory=dict, description="glob -> reduce kind for plain submit_metric keys"
+    )
+    renames: dict[str, str] = Field(default_factory=dict, description="output key prefix renames")
+    output: OutputConfig = OutputConfig()
+    limits: LimitsConfig = LimitsConfig()
+    run: RunConfig = RunConfig()
+    sinks: SinksConfig = SinksConfig()
+
+    @field_validator("reduce_rules")
+    @classmethod
+    def _known_kinds(cls, rules: dict[str, str]) -> dict[str, str]:
+        for pattern, kind in rules.items():
+            ReduceType.parse(kind)  # raises ValueError naming the kind
+            if not pattern:
+                raise ValueError("reduce_rules: empty glob pattern")
+        return rules
+
+    @property
+    def max_concurrency(self) -> int:
+        """Concurrent calls the actor accepts: every rank may wait on it at once."""
+        return self.limits.max_world_size + 64
+
+    def parsed_rules(self) -> dict[str, ReduceType]:
+        """Return the reduce rules with kinds parsed."""
+        return {p: ReduceType.parse(k) for p, k in self.reduce_rules.items()}
+
+
+ConfigSource = ServiceConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+def load_config(source: ConfigSource = None, **overrides: Any) -> ServiceConfig:
+    """Return a ServiceConfig from a YAML path, a dict, a ServiceConfig or None (defaults).
+
+    ``overrides`` replace top-level fields (e.g. ``name=...``).
+
+    Raises:
+        FileNotFoundError: the YAML path does not exist.
+        ValueError: the config is invalid; the message names each bad key.
+    """
+    origin = "config"
+    if source is None:
+        data: dict[str, Any] = {}
+    elif isinstance(source, ServiceConfig):
+        data = source.model_dump()
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        path = Path(source)
+        origin = str(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        data = loaded
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ServiceConfig.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors()
+        )
+        raise ValueError(f"{origin}: invalid config: {problems}") from None

@@ -1,0 +1,134 @@
+"""Summary records and their merge algebra (pure numpy: no Ray, no I/O, no torch).
+
+A record is one float64 row of sufficient statistics per key:
+``(sum, count, min, max, sumsq, nonfinite)``. Merging adds sums, counts,
+squares and non-finite counts, and takes the min of mins and the max of maxes.
+The identity record (count 0, min +inf, max -inf) merges as a no-op, so an
+empty population is a documented value, never a fabricated 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+SUM, COUNT, MIN, MAX, SUMSQ, NONFINITE = range(6)
+FIELDS = ("sum", "count", "min", "max", "sumsq", "nonfinite")
+NFIELDS = len(FIELDS)
+
+_IDENTITY_ROW = np.array([0.0, 0.0, np.inf, -np.inf, 0.0, 0.0], dtype=np.float64)
+
+
+def identity(n: int = 1) -> np.ndarray:
+    """Return ``n`` identity records as an ``[n, NFIELDS]`` float64 matrix."""
+    return np.tile(_IDENTITY_ROW, (n, 1))
+
+
+def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Return the merge of two record matrices of equal shape; neither is changed."""
+    out = a + b  # sum, count, sumsq and nonfinite add; min/max fixed below
+    out[..., MIN] = np.minimum(a[..., MIN], b[..., MIN])
+    out[..., MAX] = np.maximum(a[..., MAX], b[..., MAX])
+    return out
+
+
+def merge_into(acc: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> None:
+    """Merge ``rows`` into ``acc[idx]`` in place; ``idx`` must hold unique row numbers."""
+    cur = acc[idx]
+    acc[idx] = merge(cur, rows)
+
+
+def summarize_array(values: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Summarise a numpy array (optionally masked) into one record row.
+
+    NaN and +-inf in valid positions are counted in ``nonfinite`` and excluded
+    from every other field; masked-out positions never matter.
+    """
+    v = np.asarray(values, dtype=np.float64).ravel()
+    valid = np.ones(v.shape, dtype=bool) if mask is None else np.asarray(mask).ravel()
+    finite = np.isfinite(v)
+    use = valid & finite
+    row = _IDENTITY_ROW.copy()
+    row[NONFINITE] = np.count_nonzero(valid & ~finite)
+    x = v[use]
+    if x.size:
+        row[SUM] = x.sum()
+        row[COUNT] = x.size
+        row[MIN] = x.min()
+        row[MAX] = x.max()
+        row[SUMSQ] = np.dot(x, x)
+    return row
+
+
+def scalar_row(value: float, weight: float = 1.0) -> np.ndarray:
+    """Return the record of one plain number counted ``weight`` times."""
+    row = _IDENTITY_ROW.copy()
+    if not np.isfinite(value):
+        row[NONFINITE] = 1.0
+        return row
+    row[SUM] = value * weight
+    row[COUNT] = weight
+    row[MIN] = value
+    row[MAX] = value
+    row[SUMSQ] = value * value * weight
+    return row
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One rank's contribution to one step, columnar: no per-key objects cross the wire.
+
+    ``kinds`` holds a reduce-kind code per key (``reduce.AUTO`` lets the service
+    choose from the key name); ``expected`` the number of ranks expected to send
+    each key (0 means the step's world size).
+    """
+
+    step: int
+    rank: int
+    world_size: int
+    seq: int
+    final: bool
+    keys: tuple[str, ...]
+    data: np.ndarray  # [K, NFIELDS] float64
+    kinds: np.ndarray  # [K] int8
+    expected: np.ndarray  # [K] int32
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        step: int,
+        rank: int,
+        world_size: int,
+        seq: int,
+        final: bool,
+        keys: Sequence[str],
+        data: np.ndarray,
+        kinds: Sequence[int],
+        expected: Sequence[int],
+    ) -> Batch:
+        """Build a batch, coercing the columns to their wire dtypes."""
+        k = len(keys)
+        return cls(
+            step=int(step),
+            rank=int(rank),
+            world_size=int(world_size),
+            seq=int(seq),
+            final=bool(final),
+            keys=tuple(keys),
+            data=np.ascontiguousarray(data, dtype=np.float64).reshape(k, NFIELDS),
+            kinds=np.asarray(kinds, dtype=np.int8).reshape(k),
+            expected=np.asarray(expected, dtype=np.int32).reshape(k),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Return the approximate wire size of the batch in bytes."""
+        return int(
+            self.data.nbytes
+            + self.kinds.nbytes
+            + self.expected.nbytes
+            + sum(len(key) for key in self.keys)
+        )

@@ -1,0 +1,167 @@
+"""Reduce kinds, the key -> kind rule for plain dicts, and finalisation of merged records.
+
+The reduction is declared per key when it is recorded (``ReduceType``) and
+dispatched through a table here. Plain ``submit_metric`` dicts carry the
+``AUTO`` code; the service resolves it from config rules (glob -> kind), then
+the *exact* last path segment of the key, then the mean. Never substrings.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from enum import IntEnum
+
+import numpy as np
+
+from metricsvc.records import COUNT, MAX, MIN, SUM, SUMSQ
+
+
+class ReduceType(IntEnum):
+    """How a key's records merge across micro-batches and ranks, and what it exports."""
+
+    AVG_MIN_MAX = 1  # -> key/mean, key/min, key/max
+    AVG = 2  # -> key: count-weighted mean
+    MEAN = 2  # alias of AVG (siiRL / verl spelling)
+    SUM = 3  # -> key: sum of all valid elements
+    MIN = 4
+    MAX = 5
+    SCALAR = 6  # rank-identical value (e.g. a learning rate); mismatches are flagged
+    STD = 7  # -> key/std: exact population std from merged moments
+
+    @classmethod
+    def parse(cls, value: ReduceType | str | int) -> ReduceType:
+        """Return the kind named by an enum, its name (any case) or its code."""
+        if isinstance(value, ReduceType):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError:
+                names = ", ".join(sorted(cls.__members__))
+                raise ValueError(f"unknown reduce kind {value!r}; expected one of {names}") from None
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            return cls(int(value))
+        raise TypeError(f"expected a ReduceType, its name or code, got {type(value).__name__}")
+
+
+AUTO = 0  # wire code: "choose from the key name" (plain submit_metric values)
+VALID_CODES = frozenset({AUTO, *(int(k) for k in ReduceType)})
+
+# Exact last path segment -> kind. ``std``, ``median`` and ``pNN`` of plain
+# per-rank numbers cannot be merged exactly; they are averaged and flagged
+# approximate in the step meta (record tensors with stat(reduce=STD) instead).
+_SEGMENT_KINDS: dict[str, ReduceType] = {
+    "mean": ReduceType.AVG,
+    "avg": ReduceType.AVG,
+    "min": ReduceType.MIN,
+    "max": ReduceType.MAX,
+    "sum": ReduceType.SUM,
+    "total": ReduceType.SUM,
+    "count": ReduceType.SUM,
+}
+_APPROXIMATE_SEGMENT = re.compile(r"^(std|median|p\d{1,2}(\.\d+)?)$")
+
+
+def kind_for_key(key: str, rules: Sequence[tuple[str, ReduceType]] = ()) -> ReduceType:
+    """Return the reduce kind of a plain-dict key: config rules, last segment, else mean."""
+    for pattern, kind in rules:
+        if fnmatch.fnmatchcase(key, pattern):
+            return kind
+    return _SEGMENT_KINDS.get(key.rsplit("/", 1)[-1], ReduceType.AVG)
+
+
+def is_approximate_plain_key(key: str) -> bool:
+    """Return True when a plain per-rank value of this key cannot be merged exactly."""
+    return _APPROXIMATE_SEGMENT.match(key.rsplit("/", 1)[-1]) is not None
+
+
+class KindResolver:
+    """Resolve wire codes to kinds, caching the rule lookups of ``AUTO`` keys."""
+
+    def __init__(self, rules: Mapping[str, ReduceType | str] | None = None) -> None:
+        self._rules = [(p, ReduceType.parse(k)) for p, k in (rules or {}).items()]
+        self._cache: dict[str, ReduceType] = {}
+
+    def resolve(self, key: str, code: int) -> ReduceType:
+        """Return the kind for ``key`` sent with wire ``code``."""
+        if code != AUTO:
+            return ReduceType(code)
+        kind = self._cache.get(key)
+        if kind is None:
+            kind = self._cache[key] = kind_for_key(key, self._rules)
+        return kind
+
+
+class Renamer:
+    """Apply prefix renames (e.g. ``timing_s/`` -> ``perf/delta_time/``) to output keys."""
+
+    def __init__(self, renames: Mapping[str, str] | None = None) -> None:
+        # Longest prefix first so that nested prefixes rename predictably.
+        self._pairs = sorted((renames or {}).items(), key=lambda kv: -len(kv[0]))
+
+    def __call__(self, key: str) -> str:
+        for old, new in self._pairs:
+            if key.startswith(old):
+                return new + key[len(old) :]
+        return key
+
+
+def output_names(key: str, kind: ReduceType, mean_suffix: str = "mean") -> tuple[str, ...]:
+    """Return the exported names of a key recorded with ``kind``."""
+    if kind is ReduceType.AVG_MIN_MAX:
+        return (f"{key}/{mean_suffix}", f"{key}/min", f"{key}/max")
+    if kind is ReduceType.STD:
+        return (f"{key}/std",)
+    return (key,)
+
+
+def _std(row: np.ndarray) -> float:
+    n = row[COUNT]
+    mean = row[SUM] / n
+    return math.sqrt(max(row[SUMSQ] / n - mean * mean, 0.0))
+
+
+def finalize_row(row: np.ndarray, kind: ReduceType) -> tuple[float, ...] | None:
+    """Return the exported values of one merged record, or None for an empty population.
+
+    SUM of an empty population is 0 (the empty sum); every other kind omits it.
+    """
+    if kind is ReduceType.SUM:
+        return (float(row[SUM]),)
+    if row[COUNT] <= 0:
+        return None
+    mean = float(row[SUM] / row[COUNT])
+    if kind is ReduceType.AVG_MIN_MAX:
+        return (mean, float(row[MIN]), float(row[MAX]))
+    if kind in (ReduceType.AVG, ReduceType.SCALAR):
+        return (mean,)
+    if kind is ReduceType.MIN:
+        return (float(row[MIN]),)
+    if kind is ReduceType.MAX:
+        return (float(row[MAX]),)
+    if kind is ReduceType.STD:
+        return (_std(row),)
+    raise ValueError(f"no finaliser for reduce kind {kind!r}")
+
+
+def finalize(
+    keys: Iterable[str],
+    kinds: Iterable[ReduceType],
+    data: np.ndarray,
+    *,
+    mean_suffix: str = "mean",
+    rename: Renamer | None = None,
+) -> dict[str, float]:
+    """Return ``{output name: value}`` for merged records; empty populations are omitted."""
+    rename = rename or Renamer()
+    out: dict[str, float] = {}
+    for key, kind, row in zip(keys, kinds, data):
+        values = finalize_row(row, kind)
+        if values is None:
+            continue
+        for name, value in zip(output_names(key, kind, mean_suffix), values):
+            out[rename(name)] = value
+    return out

@@ -1,0 +1,54 @@
+"""A compact aligned table of each finished step, grouped by key prefix."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from itertools import groupby
+from pathlib import Path
+from typing import Any, TextIO
+
+from metricsvc.config import ConsoleSinkConfig
+
+
+def format_step(
+    step: int, metrics: Mapping[str, float], meta: Mapping[str, Any], max_rows: int = 200
+) -> str:
+    """Return the table printed for one step."""
+    ranks = f"{len(meta.get('ranks', []))}/{meta.get('world_size', '?')} ranks"
+    head = f"step {step} | {ranks} | {len(metrics)} metrics"
+    if meta.get("partial"):
+        head += f" | PARTIAL, missing ranks {meta.get('missing_ranks')}"
+    keys = sorted(metrics)
+    width = max((len(k) for k in keys[:max_rows]), default=10)
+    rule = "-" * max(len(head), width + 16)
+    lines = [head]
+    for prefix, group in groupby(keys[:max_rows], key=lambda k: k.split("/", 1)[0]):
+        lines.append(f"{prefix} " + rule[len(prefix) + 1 :])
+        lines.extend(f"{k:<{width}}  {metrics[k]:>14.6g}" for k in group)
+    if len(keys) > max_rows:
+        lines.append(f"... {len(keys) - max_rows} more")
+    return "\n".join(lines) + "\n"
+
+
+class ConsoleSink:
+    """Print every N-th finished step as an aligned table."""
+
+    name = "console"
+
+    def __init__(self, config: ConsoleSinkConfig | None = None, stream: TextIO | None = None) -> None:
+        self.config = config or ConsoleSinkConfig()
+        self._stream = stream
+
+    def open(self, run_dir: Path) -> None:
+        del run_dir  # the console writes no files
+
+    def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
+        if step % self.config.every and not meta.get("partial"):
+            return
+        stream = self._stream or sys.stdout
+        stream.write(format_step(step, metrics, meta, self.config.max_rows))
+        stream.flush()
+
+    def close(self) -> None:
+        """Nothing to release."""

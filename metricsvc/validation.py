@@ -1,0 +1,129 @@
+"""Boundary checks shared by the client (before sending) and the actor (on receipt).
+
+Every message names the key (or field) and says what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from metricsvc.records import NFIELDS, Batch
+from metricsvc.reduce import VALID_CODES
+
+
+class BatchRejected(ValueError):
+    """A batch the service refused; nothing of it was merged."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits applied to every key and batch."""
+
+    max_key_length: int = 512
+    max_keys_per_batch: int = 100_000
+    max_batch_bytes: int = 64 * 2**20
+    max_world_size: int = 4096
+
+
+def check_key(key: object, limits: Limits = Limits()) -> str:
+    """Return ``key`` if it is a usable metric name, else raise naming it."""
+    if not isinstance(key, str):
+        raise TypeError(f"metric keys must be str, got {type(key).__name__} ({key!r})")
+    if not key:
+        raise ValueError("metric key must be a non-empty string")
+    if len(key) > limits.max_key_length:
+        raise ValueError(
+            f"metric key {key[:60]!r}... is {len(key)} characters; "
+            f"the limit is {limits.max_key_length}"
+        )
+    if not key.isprintable():
+        raise ValueError(f"metric key {key!r} contains non-printable characters")
+    return key
+
+
+def check_rank(rank: object, world_size: object) -> tuple[int, int]:
+    """Return ``(rank, world_size)`` as ints if ``0 <= rank < world_size``, else raise."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    rank, world_size = int(rank), int(world_size)  # type: ignore[arg-type]
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    return rank, world_size
+
+
+def check_batch(batch: object, limits: Limits = Limits()) -> Batch:
+    """Return ``batch`` if it is a well-formed wire batch, else raise ``BatchRejected``."""
+    if not isinstance(batch, Batch):
+        raise BatchRejected(f"expected a metricsvc Batch, got {type(batch).__name__}")
+    try:
+        check_rank(batch.rank, batch.world_size)
+    except (TypeError, ValueError) as err:
+        raise BatchRejected(f"step {batch.step}: {err}") from None
+    if batch.world_size > limits.max_world_size:
+        raise BatchRejected(
+            f"world_size {batch.world_size} exceeds the limit {limits.max_world_size}"
+        )
+    if batch.step < 0:
+        raise BatchRejected(f"step must be >= 0, got {batch.step}")
+    k = len(batch.keys)
+    if k > limits.max_keys_per_batch:
+        raise BatchRejected(
+            f"batch of rank {batch.rank} step {batch.step} has {k} keys; "
+            f"the limit is {limits.max_keys_per_batch}"
+        )
+    if batch.nbytes > limits.max_batch_bytes:
+        raise BatchRejected(
+            f"batch of rank {batch.rank} step {batch.step} is {batch.nbytes} bytes; "
+            f"the limit is {limits.max_batch_bytes}"
+        )
+    _check_columns(batch, k)
+    for key in batch.keys:
+        try:
+            check_key(key, limits)
+        except (TypeError, ValueError) as err:
+            raise BatchRejected(str(err)) from None
+    if len(set(batch.keys)) != k:
+        seen: set[str] = set()
+        dup = next(key for key in batch.keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        raise BatchRejected(f"key {dup!r} appears twice in one batch")
+    _check_values(batch)
+    return batch
+
+
+def _check_columns(batch: Batch, k: int) -> None:
+    shapes = {
+        "data": (batch.data, (k, NFIELDS), np.float64),
+        "kinds": (batch.kinds, (k,), np.int8),
+        "expected": (batch.expected, (k,), np.int32),
+    }
+    for name, (arr, shape, dtype) in shapes.items():
+        if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != dtype:
+            got = (
+                f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+            )
+            raise BatchRejected(
+                f"batch column {name!r}: expected {np.dtype(dtype)}{shape}, got {got}"
+            )
+
+
+def _check_values(batch: Batch) -> None:
+    bad_kind = ~np.isin(batch.kinds, list(VALID_CODES))
+    if bad_kind.any():
+        i = int(np.flatnonzero(bad_kind)[0])
+        raise BatchRejected(f"key {batch.keys[i]!r}: unknown reduce code {int(batch.kinds[i])}")
+    bad_expected = (batch.expected < 0) | (batch.expected > batch.world_size)
+    if bad_expected.any():
+        i = int(np.flatnonzero(bad_expected)[0])
+        raise BatchRejected(
+            f"key {batch.keys[i]!r}: expected contributors must be in [0, {batch.world_size}], "
+            f"got {int(batch.expected[i])}"
+        )
+    counts = batch.data[:, 1]
+    if np.isnan(batch.data).any() or (counts < 0).any():
+        i = int(np.flatnonzero(np.isnan(batch.data).any(axis=1) | (counts < 0))[0])
+        raise BatchRejected(f"key {batch.keys[i]!r}: corrupt record {batch.data[i].tolist()}")

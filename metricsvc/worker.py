@@ -1,0 +1,263 @@
+"""The MetricWorker Ray actor: a thin async shell around the Aggregator.
+
+The actor is asynchronous: a rank's ``submit`` merges and returns at once, and
+any number of ``wait_final_res`` callers wait on a condition without holding a
+thread. Finished steps go to the sinks through a background dispatcher, so no
+sink I/O sits on the merge path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+
+from metricsvc.aggregator import Aggregator, StepResult
+from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config
+from metricsvc.records import Batch
+from metricsvc.sinks import SinkDispatcher, build_sinks
+from metricsvc.validation import BatchRejected
+
+log = logging.getLogger(__name__)
+
+
+class StepNotFinal(TimeoutError):
+    """``wait_final_res`` gave up: the step did not become final within the timeout."""
+
+
+class StepUnavailable(LookupError):
+    """The asked-for step has no result here (never submitted, or evicted from memory)."""
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+class MetricWorkerImpl:
+    """Actor body; use ``MetricWorker`` (the Ray actor class) or ``start_metric_worker``."""
+
+    def __init__(self, config: ConfigSource = None) -> None:
+        self.config: ServiceConfig = load_config(config)
+        cfg = self.config
+        self.aggregator = Aggregator(
+            straggler_timeout_s=cfg.straggler_timeout_s,
+            max_pending_steps=cfg.limits.max_pending_steps,
+            limits=cfg.limits.to_limits(),
+            reduce_rules=cfg.parsed_rules(),
+            renames=cfg.renames,
+            mean_suffix=cfg.output.mean_suffix,
+        )
+        self.run_dir = cfg.run.run_dir().resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump()))
+        self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir)
+        self._results: OrderedDict[int, StepResult] = OrderedDict()
+        self._changed = asyncio.Condition()
+        self._ticker: asyncio.Task[None] | None = None
+        self._started = time.time()
+        self.calls: Counter[str] = Counter()
+        self._closed = False
+
+    # -- ranks -------------------------------------------------------------------------
+    async def submit(self, batch: Batch) -> dict[str, Any]:
+        """Merge one rank's batch; return the ack ``{"status", "step", "seq"}``.
+
+        Raises:
+            BatchRejected: (a ValueError) the batch was refused; nothing was merged.
+        """
+        self.calls["submit"] += 1
+        self._ensure_ticker()
+        try:
+            outcome = self.aggregator.submit(batch)
+        except BatchRejected as err:
+            log.warning("rejected batch: %s", err)
+            raise
+        if outcome.status == "late":
+            self.sinks.event(
+                {
+                    "type": "late_batch",
+                    "step": batch.step,
+                    "rank": batch.rank,
+                    "seq": batch.seq,
+                    "keys": len(batch.keys),
+                }
+            )
+        if outcome.finished:
+            await self._publish(outcome.finished)
+        elif batch.final:
+            await self._notify()  # wait_final_res(step=None) watches newest_closed
+        return {"status": outcome.status, "step": batch.step, "seq": batch.seq}
+
+    # -- readers -----------------------------------------------------------------------
+    async def wait_final_res(
+        self, step: int | None = None, timeout_s: float | None = None
+    ) -> dict[str, float]:
+        """Return the merged metrics of ``step`` once it is final.
+
+        ``step=None`` means the newest step any rank has closed (waiting for one
+        if none has). Raises ``StepNotFinal`` (a TimeoutError) after ``timeout_s``.
+        """
+        return (await self._wait(step, timeout_s)).metrics
+
+    async def wait_final(self, step: int | None = None, timeout_s: float | None = None) -> dict:
+        """Like ``wait_final_res`` but return ``{"step", "metrics", "meta"}``."""
+        result = await self._wait(step, timeout_s)
+        return {"step": result.step, "metrics": result.metrics, "meta": result.meta}
+
+    async def _wait(self, step: int | None, timeout_s: float | None) -> StepResult:
+        agg = self.aggregator
+        try:
+            async with self._changed:
+                if step is None:
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: agg.newest_closed is not None), timeout_s
+                    )
+                    step = agg.newest_closed
+                target = int(step)  # type: ignore[arg-type]
+                await asyncio.wait_for(
+                    self._changed.wait_for(
+                        lambda: agg.last_emitted is not None and agg.last_emitted >= target
+                    ),
+                    timeout_s,
+                )
+        except asyncio.TimeoutError:
+            raise StepNotFinal(self._not_final_message(step, timeout_s)) from None
+        result = self._results.get(target)
+        if result is None:
+            raise StepUnavailable(
+                f"step {target} has no result: no rank submitted it, or it was evicted "
+                f"(keep_results={self.config.limits.keep_results}); "
+                f"the journal under {self.run_dir} holds every finished step"
+            )
+        return result
+
+    def _not_final_message(self, step: int | None, timeout_s: float | None) -> str:
+        if step is None:
+            return f"no rank closed any step within {timeout_s} s"
+        missing = self.aggregator.missing_ranks(step)
+        if missing is None:
+            return f"step {step} not final after {timeout_s} s: no rank has submitted it yet"
+        return (
+            f"step {step} not final after {timeout_s} s: "
+            f"ranks {missing} have not closed it (wait_submit)"
+        )
+
+    def get_result(self, step: int) -> dict | None:
+        """Return ``{"step", "metrics", "meta"}`` of a finished step, or None; never waits."""
+        result = self._results.get(step)
+        return None if result is None else {"step": step, "metrics": result.metrics, "meta": result.meta}
+
+    def health(self) -> dict[str, Any]:
+        """Return the actor's state: pending steps, counters, sink errors, run folder."""
+        agg = self.aggregator
+        return {
+            "name": self.config.name,
+            "pending_steps": agg.pending_summary(),
+            "last_final_step": agg.last_emitted,
+            "newest_closed_step": agg.newest_closed,
+            "batches": agg.counts["batches"],
+            "rejected_batches": agg.counts["rejected"],
+            "duplicate_batches": agg.counts["duplicate"],
+            "late_batches": agg.counts["late"],
+            "partial_steps": agg.counts["partial"],
+            "calls": dict(self.calls),
+            "sink_errors": {k: dict(v) for k, v in self.sinks.errors.items()},
+            "run_dir": str(self.run_dir),
+            "uptime_s": time.time() - self._started,
+            "closed": self._closed,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every finished step so far has been handed to the sinks."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.sinks.flush, timeout_s)
+
+    async def close(self) -> dict[str, Any]:
+        """Flush and close every sink; a second call is harmless. Returns ``health()``."""
+        if not self._closed:
+            self._closed = True
+            if self._ticker is not None:
+                self._ticker.cancel()
+            await asyncio.get_running_loop().run_in_executor(None, self.sinks.close)
+        return self.health()
+
+    def __ray_shutdown__(self) -> None:
+        # Called by Ray when the actor is terminated: never leave a half-written sink.
+        self.sinks.close(timeout_s=10)
+
+    # -- internals ---------------------------------------------------------------------
+    async def _publish(self, finished: list[StepResult]) -> None:
+        keep = self.config.limits.keep_results
+        for result in finished:
+            self._results[result.step] = result
+            while len(self._results) > keep:
+                self._results.popitem(last=False)
+            self.sinks.publish(result.step, result.metrics, result.meta)
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None and self.config.straggler_timeout_s is not None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        period = min(1.0, self.config.straggler_timeout_s / 4)  # type: ignore[operator]
+        while True:
+            await asyncio.sleep(period)
+            finished = self.aggregator.expire()
+            if finished:
+                for r in finished:
+                    if r.meta["partial"]:
+                        log.warning("step %d finished partial: missing ranks %s",
+                                    r.step, r.meta["missing_ranks"])
+                await self._publish(finished)
+
+
+_DEFAULTS = ServiceConfig()
+
+MetricWorker = ray.remote(
+    num_cpus=0,
+    max_restarts=_DEFAULTS.max_restarts,
+    max_concurrency=_DEFAULTS.max_concurrency,
+)(MetricWorkerImpl)
+"""The Ray actor class. ``start_metric_worker`` creates the named singleton from a config."""
+
+
+def start_metric_worker(
+    config: ConfigSource = None, *, name: str | None = None, namespace: str | None = None
+) -> Any:
+    """Create (or return the existing) named MetricWorker singleton and wait until it serves.
+
+    ``config`` is a YAML path, a dict, a ServiceConfig or None; ``name`` and
+    ``namespace`` override the config's. Calling it twice returns the same actor.
+    """
+    cfg = load_config(config, name=name, namespace=namespace)
+    handle = MetricWorker.options(  # type: ignore[attr-defined]
+        name=cfg.name,
+        namespace=cfg.namespace,
+        get_if_exists=True,
+        max_restarts=cfg.max_restarts,
+        max_concurrency=cfg.max_concurrency,
+        num_cpus=cfg.num_cpus,
+    ).remote(cfg.model_dump())
+    ray.get(handle.health.remote())  # surfaces a failing __init__ here, not later
+    return handle
+
+
+def get_metric_worker(name: str | None = None, namespace: str | None = None) -> Any:
+    """Return the handle of a running MetricWorker by name (default: the config default)."""
+    return ray.get_actor(name or DEFAULT_NAME, namespace=namespace)

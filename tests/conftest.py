@@ -1,0 +1,55 @@
+"""Shared fixtures: one real local Ray cluster per session, fresh named actors per test."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test cluster, no token needed
+
+import ray  # noqa: E402
+
+import metricsvc  # noqa: E402
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Start a real local Ray for the whole session."""
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        namespace="metricsvc-tests",
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def make_worker(ray_cluster, tmp_path):
+    """Return ``make(**config) -> (handle, config)`` creating a uniquely named MetricWorker."""
+    handles = []
+
+    def make(**overrides):
+        cfg = {
+            "name": f"mw-{os.getpid()}-{next(_names)}",
+            "run": {"root": str(tmp_path / "runs"), "experiment": "t", "trial": "0"},
+            "sinks": {"console": {"enabled": False}},
+        }
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+                cfg[key] = {**cfg[key], **value}
+            else:
+                cfg[key] = value
+        handle = metricsvc.start_metric_worker(cfg)
+        handles.append(handle)
+        return handle, metricsvc.load_config(cfg)
+
+    yield make
+    for handle in handles:
+        ray.kill(handle)

@@ -1,0 +1,190 @@
+"""The step state machine without Ray: completion, order, dedup, late batches, rejection."""
+
+import numpy as np
+import pytest
+
+from metricsvc import records
+from metricsvc.aggregator import Aggregator
+from metricsvc.records import Batch
+from metricsvc.reduce import AUTO, ReduceType
+from metricsvc.validation import BatchRejected, Limits
+
+
+def batch(step, rank, world_size=2, seq=None, final=True, kind=AUTO, expected=0, **values):
+    keys = tuple(values)
+    data = [records.summarize_array(np.atleast_1d(np.asarray(v, dtype=float))) for v in
+            values.values()]
+    return Batch.build(step=step, rank=rank, world_size=world_size,
+                       seq=seq if seq is not None else step * 100 + 1, final=final, keys=keys,
+                       data=np.array(data).reshape(len(keys), records.NFIELDS),
+                       kinds=[int(kind)] * len(keys), expected=[expected] * len(keys))
+
+
+def test_step_is_final_only_when_world_size_ranks_closed_it():
+    agg = Aggregator()
+    assert agg.submit(batch(0, 0, x=1.0)).finished == []
+    done = agg.submit(batch(0, 1, x=3.0)).finished
+    assert [r.step for r in done] == [0]
+    assert done[0].metrics == {"x": 2.0}
+    assert done[0].meta["partial"] is False and done[0].meta["ranks"] == [0, 1]
+
+
+def test_steps_finish_in_order_when_ranks_close_a_later_step_first():
+    agg = Aggregator()
+    agg.submit(batch(0, 0, x=1.0))
+    agg.submit(batch(1, 0, x=10.0))
+    # rank 1 is ahead and closes step 1 first: step 1 is complete but must wait for step 0
+    assert agg.submit(batch(1, 1, x=30.0)).finished == []
+    done = agg.submit(batch(0, 1, x=3.0)).finished
+    assert [(r.step, r.metrics["x"]) for r in done] == [(0, 2.0), (1, 20.0)]
+
+
+def test_retried_batch_is_merged_once_before_and_after_the_step_finished():
+    agg = Aggregator()
+    b = batch(0, 0, seq=7, x=5.0)
+    assert agg.submit(b).status == "merged"
+    assert agg.submit(b).status == "duplicate"
+    done = agg.submit(batch(0, 1, x=1.0)).finished
+    assert done[0].metrics["x"] == 3.0
+    assert agg.submit(b).status == "duplicate"
+    assert agg.counts["duplicate"] == 2 and agg.counts["late"] == 0
+
+
+def test_batch_for_an_emitted_step_is_late_and_never_changes_the_result():
+    agg = Aggregator()
+    agg.submit(batch(0, 0, x=1.0))
+    result = agg.submit(batch(0, 1, x=1.0)).finished[0]
+    assert agg.submit(batch(0, 1, seq=999, x=100.0)).status == "late"
+    assert result.metrics == {"x": 1.0} and agg.counts["late"] == 1
+
+
+def test_nonfinal_batches_merge_with_the_final_one():
+    agg = Aggregator()
+    agg.submit(batch(0, 0, seq=1, final=False, x=[1.0, 2.0]))
+    agg.submit(batch(0, 0, seq=2, final=True, x=[3.0]))
+    done = agg.submit(batch(0, 1, x=[6.0])).finished[0]
+    assert done.metrics["x"] == 3.0
+    assert "contributors" not in done.meta  # rank 0 counts once for x, not twice
+
+
+def test_key_sent_by_some_ranks_merges_over_those_and_is_reported():
+    agg = Aggregator()
+    agg.submit(batch(0, 0, world_size=3, x=[2.0, 4.0], y=1.0))
+    agg.submit(batch(0, 1, world_size=3, x=[6.0]))
+    done = agg.submit(batch(0, 2, world_size=3)).finished[0]
+    assert done.metrics == {"x": 4.0, "y": 1.0}
+    assert done.meta["contributors"] == {"x": [2, 3], "y": [1, 3]}
+
+
+def test_expected_contributors_below_world_size_are_not_flagged():
+    agg = Aggregator()
+    agg.submit(batch(0, 0, expected=1, **{"timing_s/gen": 2.5}))
+    done = agg.submit(batch(0, 1)).finished[0]
+    assert done.metrics == {"timing_s/gen": 2.5} and "contributors" not in done.meta
+
+
+def test_empty_population_everywhere_is_absent_not_zero():
+    agg = Aggregator()
+    empty = np.array([], dtype=float)
+    agg.submit(batch(0, 0, kind=ReduceType.AVG_MIN_MAX, length=empty))
+    done = agg.submit(batch(0, 1, kind=ReduceType.AVG_MIN_MAX, length=empty)).finished[0]
+    assert done.metrics == {}
+
+
+def test_nonfinite_values_are_counted_and_excluded_whatever_the_arrival_order():
+    results = []
+    for order in ([0, 1], [1, 0]):
+        agg = Aggregator()
+        parts = {0: [1.0, np.nan], 1: [np.inf, 3.0]}
+        for r in order:
+            out = agg.submit(batch(0, r, x=parts[r])).finished
+        results.append(out[0])
+    assert results[0].metrics == results[1].metrics == {"x": 2.0}
+    assert results[0].meta["nonfinite"] == {"x": 2}
+
+
+def test_rejected_batch_changes_nothing_and_the_step_still_completes():
+    agg = Aggregator()
+    agg.submit(batch(0, 0, kind=ReduceType.AVG, x=1.0))
+    with pytest.raises(BatchRejected, match="key 'x': recorded as AVG .* sent it as SUM"):
+        agg.submit(batch(0, 1, seq=5, kind=ReduceType.SUM, x=9.0, y=2.0))
+    with pytest.raises(BatchRejected, match="world_size 3, but the step was opened with"):
+        agg.submit(batch(0, 1, world_size=3, seq=6, x=9.0))
+    done = agg.submit(batch(0, 1, kind=ReduceType.AVG, x=3.0)).finished[0]
+    assert done.metrics == {"x": 2.0} and agg.counts["rejected"] == 2
+
+
+def test_rank_cannot_add_to_a_step_it_closed():
+    agg = Aggregator()
+    agg.submit(batch(0, 0, seq=1, x=1.0))
+    with pytest.raises(BatchRejected, match="rank 0 already closed this step"):
+        agg.submit(batch(0, 0, seq=2, x=1.0))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (dict(rank=2), r"rank must be in \[0, 2\)"),
+        (dict(keys=("a", "a")), "key 'a' appears twice"),
+        (dict(keys=("",)), "non-empty"),
+        (dict(kinds=np.array([42], dtype=np.int8)), "unknown reduce code 42"),
+        (dict(expected=np.array([5], dtype=np.int32)), r"expected contributors must be in"),
+        (dict(data=np.zeros((1, 3))), "batch column 'data'"),
+        (dict(step=-1), "step must be >= 0"),
+    ],
+)
+def test_malformed_batches_are_rejected_with_a_clear_message(mutate, message):
+    import dataclasses
+
+    base = batch(0, 0, x=1.0)
+    if "keys" in mutate and len(mutate["keys"]) == 2:
+        base = batch(0, 0, x=1.0, y=2.0)
+    bad = dataclasses.replace(base, **mutate)
+    agg = Aggregator()
+    with pytest.raises(BatchRejected, match=message):
+        agg.submit(bad)
+    assert agg.counts["rejected"] == 1 and agg.pending_summary() == {}
+
+
+def test_limits_reject_long_keys_and_too_many_pending_steps():
+    agg = Aggregator(limits=Limits(max_key_length=8), max_pending_steps=2)
+    with pytest.raises(BatchRejected, match="the limit is 8"):
+        agg.submit(batch(0, 0, **{"a_very_long_key": 1.0}))
+    agg.submit(batch(0, 0, x=1.0))
+    agg.submit(batch(1, 0, x=1.0))
+    with pytest.raises(BatchRejected, match="max_pending_steps=2"):
+        agg.submit(batch(2, 0, x=1.0))
+
+
+def test_straggler_timeout_finishes_a_partial_step_and_later_steps_proceed():
+    now = [0.0]
+    agg = Aggregator(straggler_timeout_s=5.0, clock=lambda: now[0])
+    agg.submit(batch(0, 0, world_size=3, x=1.0))
+    agg.submit(batch(0, 1, world_size=3, x=3.0))
+    now[0] = 4.9
+    assert agg.expire() == []
+    now[0] = 5.0
+    (done,) = agg.expire()
+    assert done.meta["partial"] is True and done.meta["missing_ranks"] == [2]
+    assert done.metrics == {"x": 2.0}
+    assert agg.submit(batch(0, 2, world_size=3, seq=50, x=100.0)).status == "late"
+    for r in range(3):
+        out = agg.submit(batch(1, r, world_size=3, x=float(r))).finished
+    assert [r.step for r in out] == [1] and out[0].meta["partial"] is False
+
+
+def test_scalar_mismatch_and_approximate_plain_keys_are_flagged():
+    agg = Aggregator()
+    agg.submit(batch(0, 0, seq=1, final=False, **{"lat/p95": 3.0}))
+    agg.submit(batch(0, 0, seq=2, kind=ReduceType.SCALAR, lr=1e-5))
+    done = agg.submit(batch(0, 1, kind=ReduceType.SCALAR, lr=2e-5)).finished[0]
+    assert done.meta["scalar_mismatch"] == ["lr"]
+    assert done.meta["approximate"] == ["lat/p95"]
+
+
+def test_renames_and_suffix_apply_to_outputs():
+    agg = Aggregator(renames={"timing_s/": "perf/delta_time/"}, mean_suffix="avg")
+    agg.submit(batch(0, 0, kind=ReduceType.AVG_MIN_MAX, **{"timing_s/gen": [1.0, 3.0]}))
+    done = agg.submit(batch(0, 1)).finished[0]
+    assert done.metrics == {"perf/delta_time/gen/avg": 2.0, "perf/delta_time/gen/min": 1.0,
+                            "perf/delta_time/gen/max": 3.0}

@@ -1,0 +1,75 @@
+"""The record algebra: identity, associativity, commutativity, exactness on random splits."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metricsvc import records
+from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ, Batch
+
+
+def _whole(x):
+    return records.summarize_array(x)
+
+
+def test_identity_merge_is_a_no_op_and_does_not_change_arguments():
+    row = records.summarize_array(np.array([1.0, -2.0, 5.0]))[None]
+    ident = records.identity(1)
+    before = row.copy()
+    assert np.array_equal(records.merge(row, ident), row)
+    assert np.array_equal(records.merge(ident, row), row)
+    assert np.array_equal(row, before) and np.array_equal(ident, records.identity(1))
+
+
+def test_summary_excludes_nonfinite_and_masked_positions():
+    v = np.array([1.0, np.nan, np.inf, 4.0, 1e300 * 10, 7.0])
+    mask = np.array([True, True, True, True, False, False])
+    row = records.summarize_array(v, mask)
+    assert row[SUM] == 5.0 and row[COUNT] == 2 and row[MIN] == 1.0 and row[MAX] == 4.0
+    assert row[SUMSQ] == 17.0 and row[NONFINITE] == 2
+
+
+def test_empty_population_is_the_identity_not_zero():
+    row = records.summarize_array(np.array([3.0]), np.array([False]))
+    assert np.array_equal(row, records.identity(1)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=80),
+    cuts=st.lists(st.integers(0, 80), max_size=6),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_merge_of_random_splits_in_random_order_equals_whole(data, cuts, seed):
+    x = np.array(data)
+    parts = np.split(x, sorted({c % (len(x) + 1) for c in cuts}))
+    rows = [records.summarize_array(p)[None] for p in parts]
+    order = np.random.default_rng(seed).permutation(len(rows))
+    acc = records.identity(1)
+    for i in order:
+        acc = records.merge(acc, rows[i])
+    whole = _whole(x)
+    assert acc[0, COUNT] == whole[COUNT] and acc[0, MIN] == whole[MIN]
+    assert acc[0, MAX] == whole[MAX]
+    np.testing.assert_allclose(acc[0, SUM], whole[SUM], rtol=1e-9, atol=1e-6)
+    np.testing.assert_allclose(acc[0, SUMSQ], whole[SUMSQ], rtol=1e-9)
+
+
+def test_merge_into_touches_only_the_given_rows():
+    acc = records.identity(3)
+    rows = np.stack([records.scalar_row(2.0), records.scalar_row(-1.0)])
+    records.merge_into(acc, rows, np.array([2, 0]))
+    assert acc[2, SUM] == 2.0 and acc[0, SUM] == -1.0 and acc[1, COUNT] == 0
+
+
+def test_scalar_row_weight_counts_the_value_weight_times():
+    row = records.scalar_row(3.0, weight=4.0)
+    assert row[SUM] == 12.0 and row[COUNT] == 4.0 and row[MIN] == row[MAX] == 3.0
+    assert records.scalar_row(float("nan"))[NONFINITE] == 1
+
+
+def test_batch_build_coerces_wire_dtypes():
+    b = Batch.build(step=1, rank=0, world_size=2, seq=1, final=True, keys=["a"],
+                    data=[[1, 1, 1, 1, 1, 0]], kinds=[2], expected=[0])
+    assert b.data.dtype == np.float64 and b.kinds.dtype == np.int8 and b.expected.dtype == np.int32
+    assert b.nbytes > 0

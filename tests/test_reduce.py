@@ -1,0 +1,89 @@
+"""Reduce kinds: the plain-dict rule table (never substrings) and finalisation."""
+
+import math
+
+import numpy as np
+import pytest
+
+from metricsvc import records
+from metricsvc.reduce import (
+    KindResolver,
+    ReduceType,
+    Renamer,
+    finalize,
+    is_approximate_plain_key,
+    kind_for_key,
+)
+
+RULE_TABLE = [
+    # the siiRL pitfall: "min" is a substring of "minerva", this key is still a mean
+    ("val-core/minerva_math/acc/mean", ReduceType.AVG),
+    ("critic/score/min", ReduceType.MIN),
+    ("critic/score/max", ReduceType.MAX),
+    ("critic/maximum_thing", ReduceType.AVG),
+    ("perf/total_num_tokens", ReduceType.AVG),  # "total" only counts as the whole last segment
+    ("tokens/total", ReduceType.SUM),
+    ("reward/sum", ReduceType.SUM),
+    ("samples/count", ReduceType.SUM),
+    ("loss/avg", ReduceType.AVG),
+    ("actor/lr", ReduceType.AVG),
+    ("summary", ReduceType.AVG),
+    ("x/min/y", ReduceType.AVG),
+]
+
+
+@pytest.mark.parametrize(("key", "kind"), RULE_TABLE)
+def test_plain_key_kind_comes_from_exact_last_segment(key, kind):
+    assert kind_for_key(key) is kind
+
+
+def test_config_rules_win_over_the_last_segment():
+    rules = [("timing_s/*", ReduceType.MAX)]
+    assert kind_for_key("timing_s/gen", rules) is ReduceType.MAX
+    assert kind_for_key("timing_s/gen/mean", rules) is ReduceType.MAX
+    assert kind_for_key("other/mean", rules) is ReduceType.AVG
+
+
+def test_resolver_passes_explicit_kinds_and_resolves_auto():
+    r = KindResolver({"a/*": "sum"})
+    assert r.resolve("a/x", 0) is ReduceType.SUM
+    assert r.resolve("a/x", int(ReduceType.MAX)) is ReduceType.MAX
+    assert r.resolve("b/min", 0) is ReduceType.MIN
+
+
+def test_reduce_type_parse_accepts_names_aliases_and_rejects_unknown():
+    assert ReduceType.parse("mean") is ReduceType.AVG is ReduceType.MEAN
+    assert ReduceType.parse("AVG_MIN_MAX") is ReduceType.AVG_MIN_MAX
+    with pytest.raises(ValueError, match="unknown reduce kind 'median'"):
+        ReduceType.parse("median")
+
+
+def test_approximate_plain_keys_are_recognised():
+    assert is_approximate_plain_key("lat/p95") and is_approximate_plain_key("x/std")
+    assert is_approximate_plain_key("x/median") and not is_approximate_plain_key("x/mean")
+
+
+def _rows(*arrays):
+    return np.stack([records.summarize_array(np.asarray(a, dtype=float)) for a in arrays])
+
+
+def test_finalize_exports_names_per_kind_and_omits_empty_populations():
+    data = _rows([1, 2, 3], [4, 6], [], [1, 3], [], [2, 2])
+    kinds = [ReduceType.AVG_MIN_MAX, ReduceType.STD, ReduceType.AVG, ReduceType.SUM,
+             ReduceType.SUM, ReduceType.SCALAR]
+    out = finalize(["a", "b", "c", "d", "e", "f"], kinds, data, mean_suffix="avg")
+    assert out == {"a/avg": 2.0, "a/min": 1.0, "a/max": 3.0, "b/std": 1.0, "d": 4.0,
+                   "e": 0.0, "f": 2.0}
+
+
+def test_std_is_population_std_of_all_values():
+    x = np.array([0.5, 1.5, 2.0, 9.0, -3.0])
+    out = finalize(["s"], [ReduceType.STD], _rows(x))
+    assert math.isclose(out["s/std"], float(np.std(x)), rel_tol=1e-12)
+
+
+def test_renamer_rewrites_prefixes_longest_first():
+    r = Renamer({"timing_s/": "perf/delta_time/", "timing_s/gen": "gen_time"})
+    assert r("timing_s/ref") == "perf/delta_time/ref"
+    assert r("timing_s/gen") == "gen_time"
+    assert r("other") == "other"

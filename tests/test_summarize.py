@@ -1,0 +1,97 @@
+"""Client-side summaries: masked, float64, non-finite excluded, no host transfer while recording."""
+
+import numpy as np
+import pytest
+import torch
+
+from clients.summarize import merge_rows, rows_to_host, summarize
+from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ
+from tests.synccount import HostTransferCounter
+
+
+def _host(row):
+    return row.numpy(force=True) if isinstance(row, torch.Tensor) else row
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_tensor_summary_matches_numpy_in_float64_for_every_dtype(dtype):
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(13, 17, generator=g).to(dtype)
+    mask = torch.rand(13, 17, generator=g) < 0.5
+    row = _host(summarize(v, mask))
+    ref = v.to(torch.float64).numpy()[mask.numpy()]
+    assert row[COUNT] == ref.size and row[MIN] == ref.min() and row[MAX] == ref.max()
+    np.testing.assert_allclose(row[SUM], ref.sum(), rtol=1e-12)
+    np.testing.assert_allclose(row[SUMSQ], (ref * ref).sum(), rtol=1e-12)
+
+
+def test_tensor_summary_stays_on_device_and_never_syncs():
+    v = torch.randn(64, 32)
+    mask = torch.rand(64, 32) > 0.2
+    with HostTransferCounter() as counter:
+        row = summarize(v, mask, key="k")
+        row = merge_rows(row, summarize(v[:3], mask[:3], key="k"))
+    assert isinstance(row, torch.Tensor) and row.dtype == torch.float64
+    assert counter.calls == []
+
+
+def test_nonfinite_in_valid_positions_is_counted_and_masked_garbage_ignored():
+    v = torch.tensor([1.0, float("nan"), float("inf"), 4.0, float("nan"), -float("inf")])
+    mask = torch.tensor([True, True, True, True, False, False])
+    row = _host(summarize(v, mask))
+    assert row[SUM] == 5.0 and row[COUNT] == 2 and row[NONFINITE] == 2
+    assert row[MIN] == 1.0 and row[MAX] == 4.0
+
+
+def test_fully_masked_and_empty_tensors_give_the_identity():
+    for v, m in [(torch.ones(3), torch.zeros(3, dtype=torch.bool)), (torch.ones(0), None)]:
+        row = _host(summarize(v, m))
+        assert row[COUNT] == 0 and row[MIN] == np.inf and row[MAX] == -np.inf and row[SUM] == 0
+
+
+def test_numpy_and_plain_numbers_stay_on_the_host():
+    assert isinstance(summarize(np.arange(4.0)), np.ndarray)
+    row = summarize(np.int64(2**53 + 1))
+    assert row[SUM] == float(np.int64(2**53 + 1)) and row[COUNT] == 1
+    assert summarize([1, 2, 3])[SUM] == 6.0
+
+
+def test_integer_and_bool_tensors_are_accepted():
+    assert _host(summarize(torch.tensor([1, 2, 3])))[SUM] == 6.0
+    assert _host(summarize(torch.tensor([True, False, True])))[SUM] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("values", "mask", "error", "message"),
+    [
+        (torch.ones(4, 9), torch.ones(4, 8, dtype=torch.bool), ValueError,
+         r"expected mask of shape \(4, 9\) for key 'critic/advantages', got \(4, 8\)"),
+        (torch.ones(3), torch.ones(3), TypeError, "mask for key 'critic/advantages' must be bool"),
+        (np.ones(3), np.ones(3, dtype=int), TypeError, "mask for key 'critic/advantages' must be"),
+        (np.ones((2, 2)), np.ones(4, dtype=bool), ValueError, r"expected mask of shape \(2, 2\)"),
+        ("abc", None, TypeError, "value for key 'critic/advantages' must be a number"),
+        (np.array(["a"]), None, TypeError, "must be numeric, got dtype <U1"),
+        (torch.ones(2, dtype=torch.complex64), None, TypeError, "must be a real tensor"),
+        (1 + 2j, None, TypeError, "must be a real number"),
+        ({"a": 1}, None, TypeError, "must be a number, tensor or array"),
+    ],
+)
+def test_bad_input_raises_naming_the_key(values, mask, error, message):
+    with pytest.raises(error, match=message):
+        summarize(values, mask, key="critic/advantages")
+
+
+def test_rows_to_host_makes_one_transfer_for_all_device_rows():
+    rows = [summarize(torch.randn(5) + i) for i in range(40)] + [summarize(np.arange(3.0))]
+    with HostTransferCounter() as counter:
+        data, copies = rows_to_host(rows)
+    assert counter.count == 1 and copies == 1
+    assert data.shape == (41, 6) and data[-1, SUM] == 3.0
+    np.testing.assert_array_equal(data[0], rows[0].numpy())
+
+
+def test_merge_rows_mixes_host_and_device_rows_exactly():
+    a = summarize(torch.tensor([2.0, 6.0]))
+    b = summarize(np.array([12.0]))
+    row = _host(merge_rows(a, b))
+    assert row[SUM] == 20.0 and row[COUNT] == 3 and row[MIN] == 2.0 and row[MAX] == 12.0
