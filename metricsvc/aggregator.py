@@ -22,8 +22,8 @@ from metricsvc.records import COUNT, MAX, MIN, NONFINITE, Batch
 from metricsvc.reduce import (
     AUTO,
     KindResolver,
-    Renamer,
     ReduceType,
+    Renamer,
     finalize,
     is_approximate_plain_key,
 )
@@ -149,7 +149,7 @@ class Aggregator:
         *,
         straggler_timeout_s: float | None = None,
         max_pending_steps: int = 64,
-        limits: Limits = Limits(),
+        limits: Limits | None = None,
         reduce_rules: Mapping[str, ReduceType | str] | None = None,
         renames: Mapping[str, str] | None = None,
         mean_suffix: str = "mean",
@@ -158,7 +158,7 @@ class Aggregator:
     ) -> None:
         self.straggler_timeout_s = straggler_timeout_s
         self.max_pending_steps = max_pending_steps
-        self.limits = limits
+        self.limits = limits or Limits()
         self.mean_suffix = mean_suffix
         self._resolver = KindResolver(reduce_rules)
         self._rename = Renamer(renames)

@@ -41,7 +41,9 @@ class ReduceType(IntEnum):
                 return cls[value.strip().upper()]
             except KeyError:
                 names = ", ".join(sorted(cls.__members__))
-                raise ValueError(f"unknown reduce kind {value!r}; expected one of {names}") from None
+                raise ValueError(
+                    f"unknown reduce kind {value!r}; expected one of {names}"
+                ) from None
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             return cls(int(value))
         raise TypeError(f"expected a ReduceType, its name or code, got {type(value).__name__}")

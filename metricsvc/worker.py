@@ -156,7 +156,9 @@ class MetricWorkerImpl:
     def get_result(self, step: int) -> dict | None:
         """Return ``{"step", "metrics", "meta"}`` of a finished step, or None; never waits."""
         result = self._results.get(step)
-        return None if result is None else {"step": step, "metrics": result.metrics, "meta": result.meta}
+        if result is None:
+            return None
+        return {"step": step, "metrics": result.metrics, "meta": result.meta}
 
     def health(self) -> dict[str, Any]:
         """Return the actor's state: pending steps, counters, sink errors, run folder."""

@@ -222,7 +222,8 @@ def test_wait_final_res_timeout_names_the_missing_ranks(make_worker):
     c = clients_for(cfg, 3)[1]
     c.submit_metric({"x": 1.0})
     c.wait_submit()
-    with pytest.raises(metricsvc.StepNotFinal, match=r"step 0 not final after 0.3 s: ranks \[0, 2\]"):
+    missing = r"step 0 not final after 0.3 s: ranks \[0, 2\]"
+    with pytest.raises(metricsvc.StepNotFinal, match=missing):
         ray.get(handle.wait_final_res.remote(0, 0.3))
     with pytest.raises(TimeoutError, match="step 5 not final after 0.2 s: no rank has submitted"):
         c.wait_final_res(5, timeout=0.2)

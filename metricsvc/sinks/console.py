@@ -36,7 +36,9 @@ class ConsoleSink:
 
     name = "console"
 
-    def __init__(self, config: ConsoleSinkConfig | None = None, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, config: ConsoleSinkConfig | None = None, stream: TextIO | None = None
+    ) -> None:
         self.config = config or ConsoleSinkConfig()
         self._stream = stream
 

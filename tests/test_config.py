@@ -1,0 +1,59 @@
+"""Config loading: YAML presets, dicts, overrides, and errors that name the bad key."""
+
+from pathlib import Path
+
+import pytest
+
+from metricsvc import ServiceConfig, load_config
+from metricsvc.reduce import ReduceType
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    assert isinstance(load_config(path), ServiceConfig)
+
+
+def test_siirl_preset_renames_timing_and_takes_the_slowest_rank():
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "siirl.yaml")
+    assert cfg.renames == {"timing_s/": "perf/delta_time/"}
+    assert cfg.parsed_rules() == {"timing_s/*": ReduceType.MAX}
+
+
+def test_unknown_key_is_an_error_naming_the_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("sinks:\n  jsonl:\n    filenme: x.jsonl\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: invalid config: sinks.jsonl.filenme: Extra"):
+        load_config(path)
+
+
+def test_bad_values_are_errors_naming_the_field():
+    with pytest.raises(ValueError, match="reduce_rules"):
+        load_config({"reduce_rules": {"a/*": "median"}})
+    with pytest.raises(ValueError, match="run.experiment"):
+        load_config({"run": {"experiment": "../escape"}})
+    with pytest.raises(ValueError, match="sinks.jsonl.filename"):
+        load_config({"sinks": {"jsonl": {"filename": "../../etc/x"}}})
+    with pytest.raises(ValueError, match="sinks.console.every"):
+        load_config({"sinks": {"console": {"every": 0}}})
+
+
+def test_missing_file_and_non_mapping_yaml_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_overrides_and_round_trip():
+    cfg = load_config(None, name="other", namespace="ns")
+    assert (cfg.name, cfg.namespace) == ("other", "ns")
+    assert load_config(cfg.model_dump()) == cfg and load_config(cfg) == cfg
+    assert cfg.max_concurrency > cfg.limits.max_world_size
+
+
+def test_run_dir_is_root_experiment_trial(tmp_path):
+    cfg = load_config({"run": {"root": str(tmp_path), "experiment": "e", "trial": "t1"}})
+    assert cfg.run.run_dir() == tmp_path / "e" / "t1"

@@ -1,0 +1,84 @@
+"""Sinks: the protocol, the registry, the journal and console read back, failure isolation."""
+
+import io
+import json
+import math
+
+import pytest
+
+from metricsvc.config import ConsoleSinkConfig, JsonlSinkConfig, SinksConfig
+from metricsvc.sinks import Sink, SinkDispatcher, SinkRegistry, build_sinks, default_registry
+from metricsvc.sinks.console import ConsoleSink
+from metricsvc.sinks.jsonl import JsonlSink, read_journal
+
+
+def test_builtin_sinks_satisfy_the_protocol_and_build_from_config():
+    sinks = build_sinks(SinksConfig(console=ConsoleSinkConfig(enabled=False)))
+    assert [s.name for s in sinks] == ["jsonl"]
+    assert all(isinstance(s, Sink) for s in (ConsoleSink(), JsonlSink()))
+
+
+def test_registry_is_a_fresh_object_and_rejects_unknown_or_duplicate_names():
+    reg = SinkRegistry()
+    reg.register("mine", lambda cfg: ConsoleSink())
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("mine", lambda cfg: ConsoleSink())
+    with pytest.raises(ValueError, match="unknown sink 'wandb'; registered: mine"):
+        reg.create("wandb", None)
+    assert "console" in default_registry() and "console" not in reg
+
+
+def test_journal_lines_read_back_with_nonfinite_values_kept_readable(tmp_path):
+    sink = JsonlSink(JsonlSinkConfig(fsync=True))
+    sink.open(tmp_path)
+    sink.write(0, {"a": 1.5, "b": math.inf}, {"partial": False})
+    sink.write_event({"type": "late_batch", "step": 0})
+    sink.write(1, {"a": 2.0}, {"partial": True, "missing_ranks": [3]})
+    sink.close()
+    sink.close()  # harmless
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line) for line in lines)
+    steps = read_journal(tmp_path / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [0, 1]
+    assert steps[0]["metrics"] == {"a": 1.5, "b": "inf"}
+    assert steps[1]["meta"]["missing_ranks"] == [3]
+
+
+def test_console_prints_every_nth_step_and_always_partial_ones():
+    out = io.StringIO()
+    sink = ConsoleSink(ConsoleSinkConfig(every=2), stream=out)
+    for step in range(4):
+        sink.write(step, {"loss/mean": float(step)}, {"ranks": [0], "world_size": 1})
+    sink.write(5, {"loss/mean": 5.0}, {"ranks": [0], "world_size": 2, "partial": True,
+                                       "missing_ranks": [1]})
+    text = out.getvalue()
+    assert "step 0 |" in text and "step 2 |" in text and "step 1 |" not in text
+    assert "step 5 | 1/2 ranks | 1 metrics | PARTIAL, missing ranks [1]" in text
+    row = next(line for line in text.splitlines() if line.startswith("loss/mean"))
+    assert float(row.split()[-1]) == 0.0
+
+
+class _Exploding:
+    name = "exploding"
+
+    def open(self, run_dir):
+        pass
+
+    def write(self, step, metrics, meta):
+        raise RuntimeError("backend down")
+
+    def close(self):
+        pass
+
+
+def test_a_failing_sink_is_isolated_and_reported(tmp_path):
+    journal = JsonlSink()
+    dispatcher = SinkDispatcher([_Exploding(), journal], tmp_path)
+    for step in range(3):
+        dispatcher.publish(step, {"x": float(step)}, {})
+    assert dispatcher.flush(10)
+    dispatcher.close()
+    dispatcher.close()
+    assert [r["step"] for r in read_journal(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    assert dispatcher.errors["exploding"]["count"] == 3
+    assert "RuntimeError: backend down" in dispatcher.errors["exploding"]["last_error"]
