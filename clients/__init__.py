@@ -2,6 +2,7 @@
 
 from clients.client import MetricClient
 from clients.summarize import summarize
+from clients.tracker import Tracker
 from metricsvc.reduce import ReduceType
 
-__all__ = ["MetricClient", "ReduceType", "summarize"]
+__all__ = ["MetricClient", "ReduceType", "Tracker", "summarize"]

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from clients.summarize import Row, merge_rows, rows_to_host, summarize
+from clients.summarize import Row, add_dense, merge_rows, sketch, summarize, to_host
+from clients.tracker import Tracker
 from metricsvc.config import DEFAULT_NAME
 from metricsvc.records import Batch, scalar_row
 from metricsvc.reduce import AUTO, ReduceType
+from metricsvc.sketch import SketchSpec, dense_to_sparse
 from metricsvc.validation import check_key, check_rank
 
 
@@ -24,6 +27,7 @@ class _Entry:
     code: int
     expected: int
     row: Row
+    sketch: Row | None = None
 
 
 class MetricClient:
@@ -31,7 +35,9 @@ class MetricClient:
 
     Recording never syncs a device: tensors are summarised on their device and
     merged there; ``wait_submit`` copies every row of the step to the host once
-    and sends one batch in one actor call.
+    and sends one batch in one actor call. The recording API is AReaL's
+    ``stats_tracker`` (``stat``, ``denominator``, ``scalar``, ``scope``,
+    ``record_timing``, ``get``) plus siiRL's ``submit_metric``.
     """
 
     def __init__(
@@ -43,6 +49,8 @@ class MetricClient:
         start_step: int = 0,
         name: str | None = None,
         namespace: str | None = None,
+        sketch_spec: SketchSpec | None = None,
+        compile: bool | None = None,
     ) -> None:
         self.rank, self.world_size = check_rank(rank, world_size)
         if start_step < 0:
@@ -50,11 +58,16 @@ class MetricClient:
         self._worker = worker
         self._name = name or DEFAULT_NAME
         self._namespace = namespace
+        self.sketch_spec = sketch_spec or SketchSpec()
+        self.compile = compile
         self.step = int(start_step)
         self.last_closed: int | None = None
         self._buffer: dict[str, _Entry] = {}
+        self._lock = threading.RLock()
         self._seq = 0
         self._unacked: Batch | None = None
+        self._trackers: dict[str, Tracker] = {}
+        self.tracker = Tracker(self)
         self.rpc_count = 0
         self.host_copies = 0
 
@@ -65,32 +78,47 @@ class MetricClient:
             self._worker = ray.get_actor(self._name, namespace=self._namespace)
         return self._worker
 
-    # -- recording ---------------------------------------------------------------------
-    def stat(
-        self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX, **values: Any
-    ) -> None:
-        """Record masked summaries of tensors/arrays; AVG_MIN_MAX exports mean, min and max.
+    # -- the tracker API (default tracker) ---------------------------------------------
+    def stat(self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX,
+             **kwargs: Any) -> None:
+        """Record masked summaries; see ``Tracker.stat``.
 
         Raises:
             TypeError: a non-numeric value or a non-bool mask (the key is named).
-            ValueError: a mask whose shape differs from the value's.
+            ValueError: a mask whose shape differs from the value's, an unknown denominator.
         """
-        code = int(ReduceType.parse(reduce))
-        rows = {check_key(k): summarize(v, mask, key=k) for k, v in values.items()}
-        self._record_all(rows, code, 0)
+        self.tracker.stat(mask, reduce, **kwargs)
 
-    def scalar(self, **values: float) -> None:
-        """Record rank-identical numbers (e.g. a learning rate); mismatches are flagged."""
-        rows = {check_key(k): summarize(v, key=k) for k, v in values.items()}
-        self._record_all(rows, int(ReduceType.SCALAR), 0)
+    def denominator(self, **masks: Any) -> None:
+        """Register bool masks by name; see ``Tracker.denominator``."""
+        self.tracker.denominator(**masks)
+
+    def scalar(self, **values: Any) -> None:
+        """Record rank-identical numbers; see ``Tracker.scalar``."""
+        self.tracker.scalar(**values)
 
     def weighted_mean(self, key: str, value: float, weight: float) -> None:
         """Record ``value`` counted ``weight`` times into the mean of ``key``."""
-        check_key(key)
-        if not weight >= 0:
-            raise ValueError(f"weight for key {key!r} must be >= 0, got {weight}")
-        self._record_all({key: scalar_row(float(value), float(weight))}, int(ReduceType.AVG), 0)
+        self.tracker.weighted_mean(key, value, weight)
 
+    def scope(self, name: str) -> Any:
+        """Nest keys under ``name/``; a context manager and a decorator."""
+        return self.tracker.scope(name)
+
+    def record_timing(self, name: str) -> Any:
+        """Time a block into ``timing_s/<name>`` (MAX across ranks)."""
+        return self.tracker.record_timing(name)
+
+    def get(self, name: str) -> Tracker:
+        """Return the named tracker ``name``: keys prefixed ``name/``, scopes of its own."""
+        check_key(name)
+        with self._lock:
+            tracker = self._trackers.get(name)
+            if tracker is None:
+                tracker = self._trackers[name] = Tracker(self, prefix=f"{name}/")
+            return tracker
+
+    # -- siiRL ---------------------------------------------------------------------------
     def submit_metric(self, metrics: Mapping[str, Any], world_size: int | None = None) -> None:
         """Record a plain dict, siiRL style: the reduction comes from each key's last segment.
 
@@ -100,7 +128,7 @@ class MetricClient:
         if not isinstance(metrics, Mapping):
             raise TypeError(f"submit_metric expects a mapping, got {type(metrics).__name__}")
         expected = self._expected(world_size, metrics)
-        rows = {check_key(k): summarize(v, key=k) for k, v in metrics.items()}
+        rows = {check_key(k): summarize(v, key=k, compile=self.compile) for k, v in metrics.items()}
         self._record_all(rows, AUTO, expected)
 
     def _expected(self, world_size: int | None, metrics: Mapping[str, Any]) -> int:
@@ -116,24 +144,52 @@ class MetricClient:
             )
         return 0 if world_size == self.world_size else world_size
 
-    def _record_all(self, rows: dict[str, Row], code: int, expected: int) -> None:
-        # Check every key before touching the buffer: a bad call records nothing.
-        for key in rows:
-            entry = self._buffer.get(key)
-            if entry is not None and entry.code != code:
-                raise ValueError(
-                    f"key {key!r} was recorded as {_kind_name(entry.code)} in step {self.step}; "
-                    f"recording it as {_kind_name(code)} would mix reductions"
-                )
-        for key, row in rows.items():
-            entry = self._buffer.get(key)
-            if entry is None:
-                self._buffer[key] = _Entry(code, expected, row)
-            else:
+    # -- the buffer ----------------------------------------------------------------------
+    def _record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
+        """Summarise ``{full key: value}`` under one mask and merge into the open step."""
+        rows = {k: summarize(v, mask, key=k, compile=self.compile) for k, v in values.items()}
+        sketches = None
+        if kind is ReduceType.QUANTILES:
+            sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
+        self._record_all(rows, int(kind), 0, sketches)
+
+    def _record_weighted(self, key: str, value: float, weight: float) -> None:
+        if not weight >= 0:
+            raise ValueError(f"weight for key {key!r} must be >= 0, got {weight}")
+        self._record_all({key: scalar_row(float(value), float(weight))}, int(ReduceType.AVG), 0)
+
+    def _record_all(
+        self,
+        rows: dict[str, Row],
+        code: int,
+        expected: int,
+        sketches: dict[str, Row] | None = None,
+    ) -> None:
+        with self._lock:
+            # Check every key before touching the buffer: a bad call records nothing.
+            for key in rows:
+                entry = self._buffer.get(key)
+                if entry is not None and entry.code != code:
+                    raise ValueError(
+                        f"key {key!r} was recorded as {_kind_name(entry.code)} in step "
+                        f"{self.step}; recording it as {_kind_name(code)} would mix reductions"
+                    )
+            for key, row in rows.items():
+                sk = None if sketches is None else sketches[key]
+                entry = self._buffer.get(key)
+                if entry is None:
+                    self._buffer[key] = _Entry(code, expected, row, sk)
+                    continue
                 entry.row = merge_rows(entry.row, row)
                 entry.expected = max(entry.expected, expected)
+                if sk is not None:
+                    entry.sketch = sk if entry.sketch is None else add_dense(entry.sketch, sk)
 
-    # -- flushing ----------------------------------------------------------------------
+    def pending_keys(self) -> list[str]:
+        """Return the keys recorded in the open step so far."""
+        return list(self._buffer)
+
+    # -- flushing ------------------------------------------------------------------------
     def wait_submit(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Close this rank's step: one host copy, one actor call, return after the ack.
 
@@ -141,9 +197,13 @@ class MetricClient:
         the same batch, which the service merges once. If the service rejects the
         batch, it is dropped, the step stays open and the error is raised.
         """
-        batch = self._unacked or self._build_batch()
-        self._unacked = batch
-        self._buffer = {}
+        with self._lock:
+            if self._unacked is None:
+                self._unacked = self._build_batch()
+                self._buffer = {}
+                for tracker in (self.tracker, *self._trackers.values()):
+                    tracker._reset()
+            batch = self._unacked
         self.rpc_count += 1
         try:
             ack = ray.get(self.worker.submit.remote(batch), timeout=timeout_s)
@@ -158,8 +218,13 @@ class MetricClient:
     def _build_batch(self) -> Batch:
         keys = tuple(self._buffer)
         entries = list(self._buffer.values())
-        data, copies = rows_to_host([e.row for e in entries])
+        with_sketch = [i for i, e in enumerate(entries) if e.sketch is not None]
+        parts, copies = to_host([e.row for e in entries] + [entries[i].sketch for i in with_sketch])
         self.host_copies += copies
+        k = len(entries)
+        sketches = {
+            i: dense_to_sparse(parts[k + j], self.sketch_spec) for j, i in enumerate(with_sketch)
+        }
         self._seq += 1
         return Batch.build(
             step=self.step,
@@ -168,16 +233,14 @@ class MetricClient:
             seq=self._seq,
             final=True,
             keys=keys,
-            data=data,
+            data=parts[:k] if k else [],
             kinds=[e.code for e in entries],
             expected=[e.expected for e in entries],
+            sketches=sketches,
+            sketch_alpha=self.sketch_spec.alpha,
         )
 
-    def pending_keys(self) -> list[str]:
-        """Return the keys recorded in the open step so far."""
-        return list(self._buffer)
-
-    # -- reading -----------------------------------------------------------------------
+    # -- reading -------------------------------------------------------------------------
     def wait_final_res(self, step: int | None = None, timeout: float | None = None) -> dict:
         """Return the merged metrics of ``step`` (default: the last step this rank closed)."""
         if step is None:

@@ -2,23 +2,36 @@
 
 ``summarize`` is pure: it returns a float64 row ``(sum, count, min, max, sumsq,
 nonfinite)`` — a numpy array for host data, a torch tensor on the value's
-device for torch input. Nothing here copies device data to the host; the
-client stacks every row of a flush and copies them once (``rows_to_host``).
+device for torch input. ``sketch`` returns the dense quantile-bucket counts the
+same way. Nothing here copies device data to the host; the client stacks every
+row and sketch of a flush and copies them once per device (``to_host``).
+
+Large tensors go through one fused kernel (``torch.compile`` with dynamic
+shapes, so batch shapes never recompile); small ones, or any tensor when
+compilation is off or unavailable, through the same function run eagerly.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import numbers
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from metricsvc.records import NFIELDS, merge, scalar_row, summarize_array
+from metricsvc.records import merge, scalar_row, summarize_array
+from metricsvc.sketch import SketchSpec, dense_counts
+
+log = logging.getLogger(__name__)
 
 Row = Any  # np.ndarray on the host, torch.Tensor on a device
+
+COMPILE_MIN_NUMEL = 1 << 16  # below this, kernel launch and guard checks cost more than they save
+_INF = float("inf")
 
 
 def _torch() -> Any:
@@ -32,43 +45,12 @@ def is_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def summarize(values: Any, mask: Any = None, *, key: str = "value") -> Row:
-    """Return the summary row of ``values`` over the positions where ``mask`` is True.
-
-    Args:
-        values: torch tensor (any float/int dtype, any device), numpy array,
-            sequence or plain number.
-        mask: optional bool tensor/array of exactly the shape of ``values``.
-        key: the metric name, used in error messages.
-
-    Raises:
-        TypeError: non-numeric values, or a mask that is not bool.
-        ValueError: the mask's shape differs from the values'.
-    """
-    if is_tensor(values):
-        return _summarize_tensor(values, mask, key)
-    if mask is None and isinstance(values, numbers.Number):
-        if isinstance(values, complex) or not isinstance(values, numbers.Real):
-            raise TypeError(f"value for key {key!r} must be a real number, got {values!r}")
-        return scalar_row(float(values))
-    if isinstance(values, (str, bytes)) or isinstance(values, dict):
-        raise TypeError(
-            f"value for key {key!r} must be a number, tensor or array, "
-            f"got {type(values).__name__}"
-        )
-    try:
-        arr = np.asarray(values)
-    except Exception as err:  # ragged lists and the like
-        raise TypeError(f"value for key {key!r} is not an array of numbers: {err}") from None
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(f"value for key {key!r} must be numeric, got dtype {arr.dtype}")
-    host_mask = None
-    if mask is not None:
-        host_mask = mask.numpy(force=True) if is_tensor(mask) else np.asarray(mask)
-        _check_mask(key, host_mask.shape, host_mask.dtype == np.bool_, arr.shape, host_mask.dtype)
-    return summarize_array(arr, host_mask)
+def compile_default() -> bool:
+    """Return whether large tensors use the compiled kernel (METRICSVC_COMPILE=0: never)."""
+    return os.environ.get("METRICSVC_COMPILE", "1") not in ("0", "false", "False", "")
 
 
+# -- validation ----------------------------------------------------------------------------
 def _check_mask(key: str, mask_shape: Any, is_bool: bool, shape: Any, dtype: Any) -> None:
     if not is_bool:
         raise TypeError(f"mask for key {key!r} must be bool, got dtype {dtype}")
@@ -76,20 +58,6 @@ def _check_mask(key: str, mask_shape: Any, is_bool: bool, shape: Any, dtype: Any
         raise ValueError(
             f"expected mask of shape {tuple(shape)} for key {key!r}, got {tuple(mask_shape)}"
         )
-
-
-def _summarize_tensor(values: Any, mask: Any, key: str) -> Row:
-    torch = _torch()
-    if values.is_complex() or values.dtype not in _real_dtypes(torch):
-        raise TypeError(f"value for key {key!r} must be a real tensor, got dtype {values.dtype}")
-    if mask is not None:
-        if not is_tensor(mask):
-            mask = torch.as_tensor(np.asarray(mask), device=values.device)  # host -> device only
-        _check_mask(key, mask.shape, mask.dtype == torch.bool, values.shape, mask.dtype)
-        if mask.device != values.device:
-            mask = mask.to(values.device)
-    with torch.no_grad():
-        return _tensor_row(torch, values.detach(), None if mask is None else mask.detach())
 
 
 @functools.cache
@@ -102,29 +70,111 @@ def _real_dtypes(torch: Any) -> frozenset:
     )
 
 
-def _tensor_row(torch: Any, values: Any, mask: Any) -> Any:
-    """Return the summary row as a float64 tensor on ``values.device``; never syncs."""
-    x = values.reshape(-1).to(torch.float64)
-    finite = torch.isfinite(x)
-    if mask is None:
-        use, bad = finite, ~finite
-    else:
-        m = mask.reshape(-1)
-        use, bad = m & finite, m & ~finite
+def prepare(values: Any, mask: Any = None, *, key: str = "value") -> tuple[Any, Any]:
+    """Return ``(values, mask)`` checked and on one side: tensors on one device, or numpy.
+
+    Raises:
+        TypeError: non-numeric values, or a mask that is not bool.
+        ValueError: the mask's shape differs from the values'.
+    """
+    if is_tensor(values):
+        torch = _torch()
+        if values.dtype not in _real_dtypes(torch):
+            raise TypeError(
+                f"value for key {key!r} must be a real tensor, got dtype {values.dtype}"
+            )
+        if mask is not None:
+            if not is_tensor(mask):
+                mask = torch.as_tensor(np.asarray(mask), device=values.device)  # host -> device
+            _check_mask(key, mask.shape, mask.dtype == torch.bool, values.shape, mask.dtype)
+            if mask.device != values.device:
+                mask = mask.to(values.device)
+            mask = mask.detach()
+        return values.detach(), mask
+    if mask is None and isinstance(values, numbers.Number):
+        if not isinstance(values, numbers.Real):
+            raise TypeError(f"value for key {key!r} must be a real number, got {values!r}")
+        return values, None
+    if isinstance(values, (str, bytes, dict)):
+        raise TypeError(
+            f"value for key {key!r} must be a number, tensor or array, "
+            f"got {type(values).__name__}"
+        )
+    try:
+        arr = np.asarray(values)
+    except Exception as err:  # ragged lists and the like
+        raise TypeError(f"value for key {key!r} is not an array of numbers: {err}") from None
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"value for key {key!r} must be numeric, got dtype {arr.dtype}")
+    if mask is not None:
+        mask = mask.numpy(force=True) if is_tensor(mask) else np.asarray(mask)
+        _check_mask(key, mask.shape, mask.dtype == np.bool_, arr.shape, mask.dtype)
+    return arr, mask
+
+
+# -- summaries -----------------------------------------------------------------------------
+def summarize(
+    values: Any, mask: Any = None, *, key: str = "value", compile: bool | None = None
+) -> Row:
+    """Return the summary row of ``values`` over the positions where ``mask`` is True.
+
+    NaN/+-inf in valid positions are counted in ``nonfinite`` and excluded from
+    the other fields; masked-out positions never matter, whatever they hold.
+    """
+    values, mask = prepare(values, mask, key=key)
+    if not is_tensor(values):
+        if isinstance(values, numbers.Number):
+            return scalar_row(float(values))
+        return summarize_array(values, mask)
+    torch = _torch()
+    x = values.reshape(-1)
+    m = None if mask is None else mask.reshape(-1)
     if x.numel() == 0:
-        return torch.tensor([0.0, 0.0, np.inf, -np.inf, 0.0, 0.0], dtype=torch.float64,
+        return torch.tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=torch.float64,
                             device=x.device)
-    z = torch.where(use, x, 0.0)
+    use_compiled = (compile_default() if compile is None else compile) and (
+        x.numel() >= COMPILE_MIN_NUMEL
+    )
+    with torch.no_grad():
+        return _run_kernel(x, m, use_compiled)
+
+
+def _kernel(x: Any, m: Any) -> Any:
+    """Fused summary of a flat tensor: selections in its dtype, sums in float64."""
+    torch = _torch()
+    finite = torch.isfinite(x)
+    use = finite if m is None else m & finite
+    bad = ~finite if m is None else m & ~finite
+    z = torch.where(use, x, 0).to(torch.float64)  # exact: selection, then widening
     return torch.stack(
         [
             z.sum(),
             use.sum(dtype=torch.float64),
-            torch.where(use, x, np.inf).amin(),
-            torch.where(use, x, -np.inf).amax(),
+            torch.where(use, x, _INF).amin().to(torch.float64),
+            torch.where(use, x, -_INF).amax().to(torch.float64),
             (z * z).sum(),
             bad.sum(dtype=torch.float64),
         ]
     )
+
+
+_compiled: Any = None
+_compile_failed = False
+
+
+def _run_kernel(x: Any, m: Any, use_compiled: bool) -> Any:
+    global _compiled, _compile_failed
+    if not x.is_floating_point():
+        x = x.to(_torch().float64)  # ints and bools: exact in float64, never in float32
+    if use_compiled and not _compile_failed:
+        try:
+            if _compiled is None:
+                _compiled = _torch().compile(_kernel, dynamic=True, fullgraph=True)
+            return _compiled(x, m)
+        except Exception as err:  # no compiler, unsupported backend: eager is always right
+            _compile_failed = True
+            log.warning("torch.compile of the summary kernel failed, using eager: %s", err)
+    return _kernel(x, m)
 
 
 def merge_rows(a: Row, b: Row) -> Row:
@@ -134,7 +184,8 @@ def merge_rows(a: Row, b: Row) -> Row:
         return merge(a, b)
     torch = _torch()
     device = a.device if a_t else b.device
-    a = a if a_t else torch.as_tensor(a, device=device)
+    if not a_t:
+        a = torch.as_tensor(a, device=device)
     if not b_t:
         b = torch.as_tensor(b, device=device)
     elif b.device != device:
@@ -145,20 +196,74 @@ def merge_rows(a: Row, b: Row) -> Row:
     return out
 
 
-def rows_to_host(rows: Sequence[Row]) -> tuple[np.ndarray, int]:
-    """Return rows as one ``[K, NFIELDS]`` float64 matrix and the number of device copies made.
+def add_dense(a: Row, b: Row) -> Row:
+    """Add two dense sketches, staying on the device if either is a tensor."""
+    if is_tensor(a) and not is_tensor(b):
+        return a + _torch().as_tensor(b, device=a.device)
+    if is_tensor(b) and not is_tensor(a):
+        return b + _torch().as_tensor(a, device=b.device)
+    if is_tensor(a) and a.device != b.device:
+        return a + b.to(a.device)
+    return a + b
 
-    Device rows are stacked per device and copied with one transfer each.
+
+# -- quantile sketches ---------------------------------------------------------------------
+def sketch(values: Any, mask: Any, spec: SketchSpec, *, key: str = "value") -> Row:
+    """Return dense bucket counts of the valid, finite values (device tensor or numpy)."""
+    values, mask = prepare(values, mask, key=key)
+    if not is_tensor(values):
+        v = np.atleast_1d(np.asarray(values, dtype=np.float64)).ravel()
+        use = np.isfinite(v) if mask is None else mask.ravel() & np.isfinite(v)
+        return dense_counts(v[use], spec)
+    torch = _torch()
+    with torch.no_grad():
+        x = values.reshape(-1).to(torch.float64)
+        use = torch.isfinite(x)
+        if mask is not None:
+            use = use & mask.reshape(-1)
+        x = torch.where(use, x, 0.0)  # excluded positions land in the zero slot with weight 0
+        mag = x.abs()
+        idx = torch.ceil(torch.log(mag.clamp(min=spec.min_value)) / spec.log_gamma)
+        idx = idx.clamp(spec.lowest, spec.highest).to(torch.int64) - spec.lowest
+        zero = spec.per_sign
+        slot = torch.where(
+            mag < spec.min_value,
+            torch.full_like(idx, zero),
+            torch.where(x > 0, zero + 1 + idx, zero - 1 - idx),
+        )
+        dense = torch.zeros(spec.size, dtype=torch.float64, device=x.device)
+        return dense.index_add_(0, slot, use.to(torch.float64))
+
+
+# -- the one host copy ---------------------------------------------------------------------
+def to_host(parts: Sequence[Any]) -> tuple[list[np.ndarray], int]:
+    """Return every part as a float64 numpy array, and the number of device copies made.
+
+    Tensor parts are flattened and concatenated per device, then copied with
+    one transfer per device, whatever their number.
     """
-    out = np.empty((len(rows), NFIELDS), dtype=np.float64)
+    out: list[Any] = [None] * len(parts)
     by_device: dict[Any, list[int]] = {}
-    for i, row in enumerate(rows):
-        if is_tensor(row):
-            by_device.setdefault(row.device, []).append(i)
+    for i, part in enumerate(parts):
+        if is_tensor(part):
+            by_device.setdefault(part.device, []).append(i)
         else:
-            out[i] = row
+            out[i] = np.asarray(part, dtype=np.float64)
     if by_device:
         torch = _torch()
         for idx in by_device.values():
-            out[idx] = torch.stack([rows[i] for i in idx]).numpy(force=True)
+            flat = torch.cat([parts[i].reshape(-1).to(torch.float64) for i in idx])
+            host = flat.numpy(force=True)
+            start = 0
+            for i in idx:
+                n = parts[i].numel()
+                out[i] = host[start : start + n].reshape(tuple(parts[i].shape))
+                start += n
     return out, len(by_device)
+
+
+def rows_to_host(rows: Sequence[Row]) -> tuple[np.ndarray, int]:
+    """Return rows as one ``[K, 6]`` float64 matrix and the number of device copies made."""
+    host, copies = to_host(rows)
+    data = np.stack(host) if host else np.zeros((0, 6))
+    return data, copies

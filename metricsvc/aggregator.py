@@ -22,11 +22,13 @@ from metricsvc.records import COUNT, MAX, MIN, NONFINITE, Batch
 from metricsvc.reduce import (
     AUTO,
     KindResolver,
+    OutputRules,
     ReduceType,
     Renamer,
     finalize,
     is_approximate_plain_key,
 )
+from metricsvc.sketch import merge_sparse
 from metricsvc.validation import BatchRejected, Limits, check_batch
 
 Status = Literal["merged", "duplicate", "late"]
@@ -69,6 +71,7 @@ class _PendingStep:
         self.closed: set[int] = set()
         self.seqs: set[tuple[int, int]] = set()
         self.rank_rows: dict[int, np.ndarray] = {}
+        self.sketches: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         self.batches = 0
         self.timed_out = False
 
@@ -112,6 +115,8 @@ class _PendingStep:
             self.codes[ids] = batch.kinds[new]
         self.expected[idx] = np.maximum(self.expected[idx], batch.expected)
         records.merge_into(self.data, batch.data, idx)
+        for j, row in enumerate(batch.sketch_rows.tolist()):
+            self.sketches.setdefault(int(idx[row]), []).append(batch.sketch(j))
         seen = self.rank_rows.get(batch.rank)
         fresh = idx if seen is None else idx[~np.isin(idx, seen)]
         self.contributors[fresh] += 1
@@ -152,14 +157,14 @@ class Aggregator:
         limits: Limits | None = None,
         reduce_rules: Mapping[str, ReduceType | str] | None = None,
         renames: Mapping[str, str] | None = None,
-        mean_suffix: str = "mean",
+        output: OutputRules | None = None,
         remember_steps: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.straggler_timeout_s = straggler_timeout_s
         self.max_pending_steps = max_pending_steps
         self.limits = limits or Limits()
-        self.mean_suffix = mean_suffix
+        self.output = output or OutputRules()
         self._resolver = KindResolver(reduce_rules)
         self._rename = Renamer(renames)
         self._clock = clock
@@ -205,6 +210,12 @@ class Aggregator:
         elif (batch.rank, batch.seq) in pending.seqs:
             self.counts["duplicate"] += 1
             return Outcome("duplicate")
+        if batch.sketch_rows.size and batch.sketch_alpha != self.output.sketch.alpha:
+            key = batch.keys[int(batch.sketch_rows[0])]
+            raise BatchRejected(
+                f"key {key!r}: quantile sketch alpha {batch.sketch_alpha} from rank "
+                f"{batch.rank} cannot merge with the service's alpha {self.output.sketch.alpha}"
+            )
         target = pending or _PendingStep(step, batch.world_size, self._clock())
         idx = target.check(batch)
         self._pending[step] = target
@@ -251,7 +262,10 @@ class Aggregator:
         n = len(p.keys)
         data, codes = p.data[:n], p.codes[:n]
         kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(p.keys, codes)]
-        metrics = finalize(p.keys, kinds, data, mean_suffix=self.mean_suffix, rename=self._rename)
+        sketches = {i: merge_sparse(parts) for i, parts in p.sketches.items()}
+        metrics = finalize(
+            p.keys, kinds, data, sketches=sketches, rules=self.output, rename=self._rename
+        )
         partial = not p.complete
         if partial:
             self.counts["partial"] += 1

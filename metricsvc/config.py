@@ -11,12 +11,13 @@ import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from metricsvc.reduce import ReduceType
+from metricsvc.reduce import OutputRules, ReduceType
+from metricsvc.sketch import SketchSpec
 from metricsvc.validation import Limits
 
 DEFAULT_NAME = "metricsvc_worker"
@@ -98,9 +99,31 @@ class LimitsConfig(_Strict):
 
 
 class OutputConfig(_Strict):
-    """Naming of exported keys."""
+    """How merged records become exported keys and numbers."""
 
     mean_suffix: str = Field("mean", description="'mean' (siiRL/verl) or 'avg' (AReaL)")
+    quantiles: tuple[float, ...] = Field((0.5, 0.9, 0.99), description="QUANTILES outputs")
+    nonfinite: Literal["exclude", "propagate"] = Field(
+        "exclude", description="exclude NaN/inf (counted in meta) or export NaN for that key"
+    )
+    sketch_alpha: float = Field(0.01, gt=0, lt=1, description="quantile relative accuracy")
+
+    @field_validator("quantiles")
+    @classmethod
+    def _unit_interval(cls, qs: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [q for q in qs if not 0 <= q <= 1]
+        if bad:
+            raise ValueError(f"quantiles must be in [0, 1], got {bad}")
+        return qs
+
+    def rules(self) -> OutputRules:
+        """Return the finalisation rules this config sets."""
+        return OutputRules(
+            mean_suffix=self.mean_suffix,
+            quantiles=tuple(self.quantiles),
+            nonfinite=self.nonfinite,
+            sketch=SketchSpec(alpha=self.sketch_alpha),
+        )
 
 
 class ServiceConfig(_Strict):

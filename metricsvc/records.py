@@ -9,8 +9,8 @@ empty population is a documented value, never a fabricated 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -82,7 +82,8 @@ class Batch:
 
     ``kinds`` holds a reduce-kind code per key (``reduce.AUTO`` lets the service
     choose from the key name); ``expected`` the number of ranks expected to send
-    each key (0 means the step's world size).
+    each key (0 means the step's world size). Quantile sketches travel as CSR:
+    key row ``sketch_rows[j]`` owns ``sketch_codes/counts[offsets[j]:offsets[j+1]]``.
     """
 
     step: int
@@ -94,6 +95,11 @@ class Batch:
     data: np.ndarray  # [K, NFIELDS] float64
     kinds: np.ndarray  # [K] int8
     expected: np.ndarray  # [K] int32
+    sketch_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    sketch_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    sketch_codes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    sketch_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
+    sketch_alpha: float = 0.01
 
     @classmethod
     def build(
@@ -108,9 +114,17 @@ class Batch:
         data: np.ndarray,
         kinds: Sequence[int],
         expected: Sequence[int],
+        sketches: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None,
+        sketch_alpha: float = 0.01,
     ) -> Batch:
-        """Build a batch, coercing the columns to their wire dtypes."""
+        """Build a batch, coercing the columns to their wire dtypes.
+
+        ``sketches`` maps a key's row to its sparse ``(codes, counts)`` buckets.
+        """
         k = len(keys)
+        rows = sorted(sketches or {})
+        parts = [sketches[r] for r in rows] if sketches else []
+        sizes = [len(p[0]) for p in parts]
         return cls(
             step=int(step),
             rank=int(rank),
@@ -121,7 +135,19 @@ class Batch:
             data=np.ascontiguousarray(data, dtype=np.float64).reshape(k, NFIELDS),
             kinds=np.asarray(kinds, dtype=np.int8).reshape(k),
             expected=np.asarray(expected, dtype=np.int32).reshape(k),
+            sketch_rows=np.asarray(rows, dtype=np.int32),
+            sketch_offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+            sketch_codes=np.concatenate([np.zeros(0), *[p[0] for p in parts]]).astype(np.int32),
+            sketch_counts=np.concatenate([np.zeros(0), *[p[1] for p in parts]]).astype(
+                np.float64
+            ),
+            sketch_alpha=float(sketch_alpha),
         )
+
+    def sketch(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Return the ``j``-th sketch of the batch as ``(codes, counts)``."""
+        lo, hi = int(self.sketch_offsets[j]), int(self.sketch_offsets[j + 1])
+        return self.sketch_codes[lo:hi], self.sketch_counts[lo:hi]
 
     @property
     def nbytes(self) -> int:
@@ -130,5 +156,7 @@ class Batch:
             self.data.nbytes
             + self.kinds.nbytes
             + self.expected.nbytes
+            + self.sketch_codes.nbytes
+            + self.sketch_counts.nbytes
             + sum(len(key) for key in self.keys)
         )

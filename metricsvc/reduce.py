@@ -11,12 +11,15 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import IntEnum
+from typing import Literal
 
 import numpy as np
 
-from metricsvc.records import COUNT, MAX, MIN, SUM, SUMSQ
+from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ
+from metricsvc.sketch import SketchSpec, quantile_name, quantiles
 
 
 class ReduceType(IntEnum):
@@ -30,6 +33,7 @@ class ReduceType(IntEnum):
     MAX = 5
     SCALAR = 6  # rank-identical value (e.g. a learning rate); mismatches are flagged
     STD = 7  # -> key/std: exact population std from merged moments
+    QUANTILES = 8  # -> key/p50, key/p90, key/p99 (configurable) from merged sketches
 
     @classmethod
     def parse(cls, value: ReduceType | str | int) -> ReduceType:
@@ -111,12 +115,24 @@ class Renamer:
         return key
 
 
-def output_names(key: str, kind: ReduceType, mean_suffix: str = "mean") -> tuple[str, ...]:
+@dataclass(frozen=True)
+class OutputRules:
+    """How merged records become exported numbers."""
+
+    mean_suffix: str = "mean"
+    quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)
+    nonfinite: Literal["exclude", "propagate"] = "exclude"
+    sketch: SketchSpec = SketchSpec()
+
+
+def output_names(key: str, kind: ReduceType, rules: OutputRules = OutputRules()) -> tuple[str, ...]:
     """Return the exported names of a key recorded with ``kind``."""
     if kind is ReduceType.AVG_MIN_MAX:
-        return (f"{key}/{mean_suffix}", f"{key}/min", f"{key}/max")
+        return (f"{key}/{rules.mean_suffix}", f"{key}/min", f"{key}/max")
     if kind is ReduceType.STD:
         return (f"{key}/std",)
+    if kind is ReduceType.QUANTILES:
+        return tuple(f"{key}/{quantile_name(q)}" for q in rules.quantiles)
     return (key,)
 
 
@@ -126,11 +142,22 @@ def _std(row: np.ndarray) -> float:
     return math.sqrt(max(row[SUMSQ] / n - mean * mean, 0.0))
 
 
-def finalize_row(row: np.ndarray, kind: ReduceType) -> tuple[float, ...] | None:
+Sketch = tuple[np.ndarray, np.ndarray]
+
+
+def finalize_row(
+    row: np.ndarray,
+    kind: ReduceType,
+    sketch: Sketch | None = None,
+    rules: OutputRules = OutputRules(),
+) -> tuple[float, ...] | None:
     """Return the exported values of one merged record, or None for an empty population.
 
     SUM of an empty population is 0 (the empty sum); every other kind omits it.
+    With ``rules.nonfinite == "propagate"`` a key that saw NaN/inf exports NaN.
     """
+    if rules.nonfinite == "propagate" and row[NONFINITE] > 0:
+        return (math.nan,) * len(output_names("", kind, rules))
     if kind is ReduceType.SUM:
         return (float(row[SUM]),)
     if row[COUNT] <= 0:
@@ -146,24 +173,31 @@ def finalize_row(row: np.ndarray, kind: ReduceType) -> tuple[float, ...] | None:
         return (float(row[MAX]),)
     if kind is ReduceType.STD:
         return (_std(row),)
+    if kind is ReduceType.QUANTILES:
+        if sketch is None:
+            return None
+        qs = quantiles(*sketch, rules.quantiles, rules.sketch, float(row[MIN]), float(row[MAX]))
+        return None if qs is None else tuple(qs)
     raise ValueError(f"no finaliser for reduce kind {kind!r}")
 
 
 def finalize(
-    keys: Iterable[str],
-    kinds: Iterable[ReduceType],
+    keys: Sequence[str],
+    kinds: Sequence[ReduceType],
     data: np.ndarray,
     *,
-    mean_suffix: str = "mean",
+    sketches: Mapping[int, Sketch] | None = None,
+    rules: OutputRules = OutputRules(),
     rename: Renamer | None = None,
 ) -> dict[str, float]:
     """Return ``{output name: value}`` for merged records; empty populations are omitted."""
     rename = rename or Renamer()
+    sketches = sketches or {}
     out: dict[str, float] = {}
-    for key, kind, row in zip(keys, kinds, data):
-        values = finalize_row(row, kind)
+    for i, (key, kind, row) in enumerate(zip(keys, kinds, data)):
+        values = finalize_row(row, kind, sketches.get(i), rules)
         if values is None:
             continue
-        for name, value in zip(output_names(key, kind, mean_suffix), values):
+        for name, value in zip(output_names(key, kind, rules), values):
             out[rename(name)] = value
     return out

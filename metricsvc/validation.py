@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metricsvc.records import NFIELDS, Batch
-from metricsvc.reduce import VALID_CODES
+from metricsvc.reduce import VALID_CODES, ReduceType
 
 
 class BatchRejected(ValueError):
@@ -92,6 +92,7 @@ def check_batch(batch: object, limits: Limits = Limits()) -> Batch:
         dup = next(key for key in batch.keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
         raise BatchRejected(f"key {dup!r} appears twice in one batch")
     _check_values(batch)
+    _check_sketches(batch)
     return batch
 
 
@@ -127,3 +128,27 @@ def _check_values(batch: Batch) -> None:
     if np.isnan(batch.data).any() or (counts < 0).any():
         i = int(np.flatnonzero(np.isnan(batch.data).any(axis=1) | (counts < 0))[0])
         raise BatchRejected(f"key {batch.keys[i]!r}: corrupt record {batch.data[i].tolist()}")
+
+
+def _check_sketches(batch: Batch) -> None:
+    rows, offsets = batch.sketch_rows, batch.sketch_offsets
+    n = len(batch.sketch_codes)
+    ok = (
+        isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
+        and isinstance(offsets, np.ndarray) and offsets.shape == (len(rows) + 1,)
+        and offsets[0] == 0 and offsets[-1] == n and bool(np.all(np.diff(offsets) >= 0))
+        and batch.sketch_counts.shape == (n,) and batch.sketch_codes.dtype == np.int32
+    )
+    if not ok:
+        raise BatchRejected("batch sketch columns are inconsistent (rows/offsets/codes/counts)")
+    if rows.size == 0:
+        return
+    if rows.min() < 0 or rows.max() >= len(batch.keys) or len(np.unique(rows)) != len(rows):
+        raise BatchRejected("batch sketch rows must name distinct keys of the batch")
+    not_q = batch.kinds[rows] != int(ReduceType.QUANTILES)
+    if not_q.any():
+        key = batch.keys[int(rows[np.flatnonzero(not_q)[0]])]
+        raise BatchRejected(f"key {key!r}: a quantile sketch was sent for a non-QUANTILES key")
+    counts = batch.sketch_counts
+    if not np.all(np.isfinite(counts)) or (counts < 0).any():
+        raise BatchRejected("batch sketch counts must be finite and >= 0")

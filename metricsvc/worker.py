@@ -56,7 +56,7 @@ class MetricWorkerImpl:
             limits=cfg.limits.to_limits(),
             reduce_rules=cfg.parsed_rules(),
             renames=cfg.renames,
-            mean_suffix=cfg.output.mean_suffix,
+            output=cfg.output.rules(),
         )
         self.run_dir = cfg.run.run_dir().resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ import pytest
 from metricsvc import records
 from metricsvc.aggregator import Aggregator
 from metricsvc.records import Batch
-from metricsvc.reduce import AUTO, ReduceType
+from metricsvc.reduce import AUTO, OutputRules, ReduceType
 from metricsvc.validation import BatchRejected, Limits
 
 
@@ -183,7 +183,8 @@ def test_scalar_mismatch_and_approximate_plain_keys_are_flagged():
 
 
 def test_renames_and_suffix_apply_to_outputs():
-    agg = Aggregator(renames={"timing_s/": "perf/delta_time/"}, mean_suffix="avg")
+    agg = Aggregator(renames={"timing_s/": "perf/delta_time/"},
+                     output=OutputRules(mean_suffix="avg"))
     agg.submit(batch(0, 0, kind=ReduceType.AVG_MIN_MAX, **{"timing_s/gen": [1.0, 3.0]}))
     done = agg.submit(batch(0, 1)).finished[0]
     assert done.metrics == {"perf/delta_time/gen/avg": 2.0, "perf/delta_time/gen/min": 1.0,

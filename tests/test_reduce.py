@@ -8,6 +8,7 @@ import pytest
 from metricsvc import records
 from metricsvc.reduce import (
     KindResolver,
+    OutputRules,
     ReduceType,
     Renamer,
     finalize,
@@ -71,7 +72,8 @@ def test_finalize_exports_names_per_kind_and_omits_empty_populations():
     data = _rows([1, 2, 3], [4, 6], [], [1, 3], [], [2, 2])
     kinds = [ReduceType.AVG_MIN_MAX, ReduceType.STD, ReduceType.AVG, ReduceType.SUM,
              ReduceType.SUM, ReduceType.SCALAR]
-    out = finalize(["a", "b", "c", "d", "e", "f"], kinds, data, mean_suffix="avg")
+    out = finalize(["a", "b", "c", "d", "e", "f"], kinds, data,
+                   rules=OutputRules(mean_suffix="avg"))
     assert out == {"a/avg": 2.0, "a/min": 1.0, "a/max": 3.0, "b/std": 1.0, "d": 4.0,
                    "e": 0.0, "f": 2.0}
 

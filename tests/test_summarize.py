@@ -95,3 +95,26 @@ def test_merge_rows_mixes_host_and_device_rows_exactly():
     b = summarize(np.array([12.0]))
     row = _host(merge_rows(a, b))
     assert row[SUM] == 20.0 and row[COUNT] == 3 and row[MIN] == 2.0 and row[MAX] == 12.0
+
+
+def test_compiled_kernel_equals_eager_and_never_recompiles_for_new_shapes():
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    s = importlib.import_module("clients.summarize")  # the module, not the function
+
+    big = s.COMPILE_MIN_NUMEL
+    g = torch.Generator().manual_seed(1)
+    before = None
+    for rows in (64, 65, 97, 130):
+        v = torch.randn(rows, big // 32, generator=g)
+        mask = torch.rand(rows, big // 32, generator=g) > 0.4
+        compiled = summarize(v, mask, compile=True).numpy()
+        eager = summarize(v, mask, compile=False).numpy()
+        np.testing.assert_allclose(compiled, eager, rtol=1e-12)
+        graphs = counters["stats"]["unique_graphs"]
+        if before is None:
+            before = graphs  # the first call compiles (a static graph, then a dynamic one)
+    assert counters["stats"]["unique_graphs"] == before
+    assert not s._compile_failed

@@ -1,0 +1,160 @@
+"""The AReaL ``stats_tracker``-style recording API, on top of a MetricClient's step buffer.
+
+``denominator / stat / scalar / weighted_mean / scope / record_timing / get``
+behave like AReaL's, with one difference that matters: nothing is reduced on
+the worker; every call records sufficient statistics that the service merges
+exactly across ranks. Scopes live in a ``ContextVar`` per tracker, so
+concurrent coroutines (or threads) never see each other's scope.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from clients.summarize import is_tensor
+from metricsvc.reduce import ReduceType
+from metricsvc.validation import check_key
+
+if TYPE_CHECKING:
+    from clients.client import MetricClient
+
+_ids = itertools.count()
+
+
+class Tracker:
+    """Records into a client's open step under an optional name prefix and scopes."""
+
+    def __init__(
+        self,
+        client: MetricClient,
+        prefix: str = "",
+        *,
+        timing_prefix: str = "timing_s/",
+        timing_reduce: ReduceType = ReduceType.MAX,
+    ) -> None:
+        self._client = client
+        self.prefix = prefix
+        self.timing_prefix = timing_prefix
+        self.timing_reduce = timing_reduce
+        self._scope: ContextVar[tuple[str, ...]] = ContextVar(f"metricsvc_scope_{next(_ids)}",
+                                                              default=())
+        self._denominators: dict[str, Any] = {}
+
+    # -- keys and scopes ---------------------------------------------------------------
+    def full_key(self, key: str) -> str:
+        """Return ``key`` under this tracker's prefix and the current scopes."""
+        return self.prefix + "/".join((*self._scope.get(), key))
+
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        """Nest keys under ``name/`` (a context manager, and a decorator)."""
+        if not isinstance(name, str) or not name.strip("/"):
+            raise ValueError(f"scope name must be a non-empty string, got {name!r}")
+        token = self._scope.set((*self._scope.get(), name.strip("/")))
+        try:
+            yield
+        finally:
+            self._scope.reset(token)
+
+    # -- recording ---------------------------------------------------------------------
+    def denominator(self, **masks: Any) -> None:
+        """Register bool masks by name for ``stat(denominator=name)``; exports their counts.
+
+        Raises:
+            TypeError: a mask that is not bool (the denominator is named).
+        """
+        named = {}
+        for name, mask in masks.items():
+            dtype = mask.dtype if (is_tensor(mask) or isinstance(mask, np.ndarray)) else None
+            is_bool = dtype is not None and str(dtype) in ("bool", "torch.bool")
+            if not is_bool:
+                got = dtype if dtype is not None else type(mask).__name__
+                raise TypeError(f"denominator {name!r} must be a bool tensor or array, got {got}")
+            named[check_key(self.full_key(name))] = mask
+        self._client._record(named, None, ReduceType.SUM)
+        self._denominators.update(named)
+
+    def _lookup(self, name: str, for_key: str) -> Any:
+        scopes = self._scope.get()
+        for depth in range(len(scopes), -1, -1):  # innermost scope first, then outwards
+            candidate = self.prefix + "/".join((*scopes[:depth], name))
+            if candidate in self._denominators:
+                return self._denominators[candidate]
+        known = sorted(self._denominators) or "none registered in this step"
+        raise ValueError(f"unknown denominator {name!r} for key {for_key!r}; known: {known}")
+
+    def stat(
+        self,
+        mask: Any = None,
+        reduce: ReduceType | str = ReduceType.AVG_MIN_MAX,
+        *,
+        denominator: Any = None,
+        reduce_type: ReduceType | str | None = None,
+        **values: Any,
+    ) -> None:
+        """Record masked summaries of tensors/arrays (AVG_MIN_MAX: mean, min and max).
+
+        The mask is ``mask=`` (a bool tensor/array) or ``denominator=`` (a name
+        given to ``denominator`` in this step, or a bool tensor); a string passed
+        as ``mask`` is taken as a denominator name, as AReaL's positional call does.
+        """
+        if isinstance(mask, str):
+            mask, denominator = None, mask
+        elif isinstance(mask, ReduceType):
+            raise TypeError(
+                "stat()'s first argument is a mask or a denominator name; "
+                "pass the kind as reduce=..."
+            )
+        if mask is not None and denominator is not None:
+            raise ValueError("give either mask= or denominator=, not both")
+        kind = ReduceType.parse(reduce_type if reduce_type is not None else reduce)
+        full = {check_key(self.full_key(k)): v for k, v in values.items()}
+        if isinstance(denominator, str):
+            mask = self._lookup(denominator, next(iter(full), "<none>"))
+        elif denominator is not None:
+            mask = denominator
+        self._client._record(full, mask, kind)
+
+    def scalar(self, **values: Any) -> None:
+        """Record rank-identical numbers (e.g. a learning rate); mismatches are flagged.
+
+        Raises:
+            ValueError: a tensor or array with more than one element (the key is named).
+        """
+        for key, value in values.items():
+            size = value.numel() if is_tensor(value) else np.size(value)
+            if size != 1:
+                raise ValueError(
+                    f"scalar {key!r} must be a single number, got {size} elements; "
+                    f"use stat() for tensors"
+                )
+        full = {check_key(self.full_key(k)): v for k, v in values.items()}
+        self._client._record(full, None, ReduceType.SCALAR)
+
+    def weighted_mean(self, key: str, value: float, weight: float) -> None:
+        """Record ``value`` counted ``weight`` times into the mean of ``key``."""
+        self._client._record_weighted(check_key(self.full_key(key)), value, weight)
+
+    @contextlib.contextmanager
+    def record_timing(self, name: str) -> Iterator[None]:
+        """Time the block into ``timing_s/<name>`` (MAX across ranks by default)."""
+        key = check_key(f"{self.prefix}{self.timing_prefix}{name}")
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._client._record({key: time.perf_counter() - start}, None, self.timing_reduce)
+
+    def get(self, name: str) -> Tracker:
+        """Return the named tracker ``name`` (keys prefixed ``name/``)."""
+        return self._client.get(self.prefix + name)
+
+    def _reset(self) -> None:
+        self._denominators.clear()
