@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint bench clean
 
 setup: $(STAMP)
 
@@ -24,3 +24,6 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+bench: $(STAMP)
+	RAY_AUTH_MODE=disabled $(PY) benchmarks/bench_summarize.py

@@ -9,7 +9,15 @@ from typing import Any
 
 import ray
 
-from clients.summarize import Row, add_dense, merge_rows, sketch, summarize, to_host
+from clients.summarize import (
+    Row,
+    add_dense,
+    merge_rows,
+    sketch,
+    summarize,
+    summarize_many,
+    to_host,
+)
 from clients.tracker import Tracker
 from metricsvc.config import DEFAULT_NAME
 from metricsvc.records import Batch, scalar_row
@@ -147,7 +155,7 @@ class MetricClient:
     # -- the buffer ----------------------------------------------------------------------
     def _record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
         """Summarise ``{full key: value}`` under one mask and merge into the open step."""
-        rows = {k: summarize(v, mask, key=k, compile=self.compile) for k, v in values.items()}
+        rows = summarize_many(values, mask, compile=self.compile)
         sketches = None
         if kind is ReduceType.QUANTILES:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}

@@ -6,9 +6,11 @@ device for torch input. ``sketch`` returns the dense quantile-bucket counts the
 same way. Nothing here copies device data to the host; the client stacks every
 row and sketch of a flush and copies them once per device (``to_host``).
 
-Large tensors go through one fused kernel (``torch.compile`` with dynamic
-shapes, so batch shapes never recompile); small ones, or any tensor when
-compilation is off or unavailable, through the same function run eagerly.
+On the CPU a value costs a handful of vectorised whole-tensor ops (no
+``where``, no ``masked_select``, mask-derived tensors shared by every value
+of a ``stat`` call). Large tensors on an accelerator go through one fused
+kernel (``torch.compile`` with dynamic shapes, so batch shapes never
+recompile), with the eager path as fallback.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import numbers
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,7 @@ def is_tensor(value: object) -> bool:
 
 
 def compile_default() -> bool:
-    """Return whether large tensors use the compiled kernel (METRICSVC_COMPILE=0: never)."""
+    """Return whether large device tensors use the compiled kernel (METRICSVC_COMPILE=0: no)."""
     return os.environ.get("METRICSVC_COMPILE", "1") not in ("0", "false", "False", "")
 
 
@@ -121,22 +123,112 @@ def summarize(
     NaN/+-inf in valid positions are counted in ``nonfinite`` and excluded from
     the other fields; masked-out positions never matter, whatever they hold.
     """
-    values, mask = prepare(values, mask, key=key)
-    if not is_tensor(values):
-        if isinstance(values, numbers.Number):
-            return scalar_row(float(values))
-        return summarize_array(values, mask)
+    return summarize_many({key: values}, mask, compile=compile)[key]
+
+
+def summarize_many(
+    values: Mapping[str, Any], mask: Any = None, *, compile: bool | None = None
+) -> dict[str, Row]:
+    """Return ``{key: row}`` for values sharing one mask; the mask is prepared once.
+
+    Every value is checked before any is summarised, so a bad one raises
+    (naming its key) before work is done.
+    """
+    prepared = {key: prepare(v, mask, key=key) for key, v in values.items()}
+    packs: dict[Any, _MaskPack] = {}
+    out: dict[str, Row] = {}
+    for key, (v, m) in prepared.items():
+        if not is_tensor(v):
+            out[key] = scalar_row(float(v)) if isinstance(v, numbers.Number) else (
+                summarize_array(v, m)
+            )
+            continue
+        torch = _torch()
+        x = v.reshape(-1)
+        if not x.is_floating_point():
+            x = x.to(torch.float64)  # ints and bools: exact in float64, never in float32
+        if x.numel() == 0:
+            out[key] = torch.tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=torch.float64,
+                                    device=x.device)
+            continue
+        flat_mask = None if m is None else m.reshape(-1)
+        with torch.no_grad():
+            if _use_compiled(x, compile):
+                out[key] = _run_compiled(x, flat_mask)
+            else:
+                pack = packs.get((x.dtype, x.device))
+                if pack is None:
+                    pack = packs[(x.dtype, x.device)] = _MaskPack(flat_mask, x)
+                out[key] = _eager_row(x, pack)
+    return out
+
+
+class _MaskPack:
+    """Mask-derived tensors and scratch space shared by every value under one mask.
+
+    The scratch buffers matter on the CPU: fresh multi-MB temporaries per metric
+    cost page faults that dwarf the arithmetic.
+    """
+
+    def __init__(self, mask: Any, like: Any) -> None:
+        torch = _torch()
+        self.scratch = torch.empty_like(like)
+        self.scratch64 = torch.empty(like.shape, dtype=torch.float64, device=like.device)
+        if mask is None:
+            self.weight = None
+            self.to_pos = self.to_neg = None
+            self.count = torch.tensor(float(like.numel()), dtype=torch.float64, device=like.device)
+        else:
+            self.weight = mask.to(like.dtype)  # 1.0 valid, 0.0 masked out
+            self.to_pos = torch.zeros_like(like).masked_fill_(~mask, _INF)
+            self.to_neg = -self.to_pos
+            self.count = mask.sum(dtype=torch.float64)
+
+
+def _eager_row(x: Any, p: _MaskPack) -> Any:
+    """Summary row from vectorised whole-tensor ops only: no where, no masked_select, no sync.
+
+    Finite-ness comes from ``x - x`` (0, or NaN for NaN/inf); ``nan_to_num``
+    turns excluded positions into values that cannot win a sum, min or max.
+    """
     torch = _torch()
-    x = values.reshape(-1)
-    m = None if mask is None else mask.reshape(-1)
-    if x.numel() == 0:
-        return torch.tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=torch.float64,
-                            device=x.device)
-    use_compiled = (compile_default() if compile is None else compile) and (
-        x.numel() >= COMPILE_MIN_NUMEL
+    s = p.scratch
+    torch.sub(x, x, out=s)
+    torch.nan_to_num_(s, nan=1.0)  # 1 where x is NaN/inf, else 0
+    if p.weight is not None:
+        s.mul_(p.weight)
+    nonfinite = s.sum(dtype=torch.float64)
+    if p.weight is None:
+        s.copy_(x)
+    else:
+        torch.mul(x, p.weight, out=s)
+    torch.nan_to_num_(s, nan=0.0, posinf=0.0, neginf=0.0)
+    z = p.scratch64.copy_(s)  # exact widening
+    total, squares = z.sum(), torch.dot(z, z)
+    torch.add(x, p.to_pos, out=s) if p.to_pos is not None else s.copy_(x)
+    low = torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF).amin()
+    torch.add(x, p.to_neg, out=s) if p.to_neg is not None else s.copy_(x)
+    high = torch.nan_to_num_(s, nan=-_INF, posinf=-_INF, neginf=-_INF).amax()
+    return torch.stack(
+        [
+            total,
+            p.count - nonfinite,
+            low.to(torch.float64),
+            high.to(torch.float64),
+            squares,
+            nonfinite,
+        ]
     )
-    with torch.no_grad():
-        return _run_kernel(x, m, use_compiled)
+
+
+def _use_compiled(x: Any, compile: bool | None) -> bool:
+    if x.numel() < COMPILE_MIN_NUMEL or _compile_failed:
+        return False
+    if compile is not None:
+        return compile
+    # One fused kernel pays on accelerators (one launch instead of ~15); on the CPU the
+    # vectorised eager ops above measured faster (benchmarks/bench_summarize.py).
+    return compile_default() and x.device.type != "cpu"
 
 
 def _kernel(x: Any, m: Any) -> Any:
@@ -162,19 +254,16 @@ _compiled: Any = None
 _compile_failed = False
 
 
-def _run_kernel(x: Any, m: Any, use_compiled: bool) -> Any:
+def _run_compiled(x: Any, m: Any) -> Any:
     global _compiled, _compile_failed
-    if not x.is_floating_point():
-        x = x.to(_torch().float64)  # ints and bools: exact in float64, never in float32
-    if use_compiled and not _compile_failed:
-        try:
-            if _compiled is None:
-                _compiled = _torch().compile(_kernel, dynamic=True, fullgraph=True)
-            return _compiled(x, m)
-        except Exception as err:  # no compiler, unsupported backend: eager is always right
-            _compile_failed = True
-            log.warning("torch.compile of the summary kernel failed, using eager: %s", err)
-    return _kernel(x, m)
+    try:
+        if _compiled is None:
+            _compiled = _torch().compile(_kernel, dynamic=True, fullgraph=True)
+        return _compiled(x, m)
+    except Exception as err:  # no compiler, unsupported backend: eager is always right
+        _compile_failed = True
+        log.warning("torch.compile of the summary kernel failed, using eager: %s", err)
+        return _kernel(x, m)
 
 
 def merge_rows(a: Row, b: Row) -> Row:

@@ -3,10 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from clients.summarize import merge_rows, rows_to_host, summarize
-from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ
-from tests.synccount import HostTransferCounter
+from clients.summarize import merge_rows, rows_to_host, summarize, summarize_many
+from clients.synccount import HostTransferCounter
+from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ, summarize_array
 
 
 def _host(row):
@@ -118,3 +120,47 @@ def test_compiled_kernel_equals_eager_and_never_recompiles_for_new_shapes():
             before = graphs  # the first call compiles (a static graph, then a dynamic one)
     assert counters["stats"]["unique_graphs"] == before
     assert not s._compile_failed
+
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    dtype_i=st.integers(0, 3),
+    seed=st.integers(0, 2**31 - 1),
+    with_mask=st.booleans(),
+    inject=st.sampled_from(["none", "nan", "inf", "-inf", "max", "all_bad"]),
+)
+def test_summary_equals_numpy_reference_on_random_masked_data(n, dtype_i, seed, with_mask, inject):
+    rng = np.random.default_rng(seed)
+    dtype = _DTYPES[dtype_i]
+    v = torch.from_numpy(rng.normal(0, 100, n)).to(dtype)
+    if n:
+        special = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"),
+                   "max": float(torch.finfo(dtype).max), "all_bad": float("nan")}.get(inject)
+        if special is not None:
+            pos = np.arange(n) if inject == "all_bad" else rng.choice(n, size=max(1, n // 4))
+            v[torch.from_numpy(np.asarray(pos))] = special
+    mask = torch.from_numpy(rng.random(n) < 0.6) if with_mask else None
+    row = summarize(v, mask, compile=False).numpy()
+    x = v.to(torch.float64).numpy()
+    valid = np.ones(n, dtype=bool) if mask is None else mask.numpy()
+    finite = np.isfinite(x)
+    ref = summarize_array(x, valid)
+    assert row[COUNT] == ref[COUNT] == np.count_nonzero(valid & finite)
+    assert row[NONFINITE] == ref[NONFINITE]
+    assert row[MIN] == ref[MIN] and row[MAX] == ref[MAX]
+    np.testing.assert_allclose(row[SUM], ref[SUM], rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(row[SUMSQ], ref[SUMSQ], rtol=1e-12, atol=1e-9)
+
+
+def test_values_sharing_a_mask_share_its_preparation():
+    mask = torch.rand(50) > 0.5
+    a, b = torch.randn(50), torch.randn(50, dtype=torch.float64)
+    rows = summarize_many({"a": a, "b": b}, mask)
+    for key, v in (("a", a), ("b", b)):
+        ref = v.to(torch.float64)[mask]
+        assert rows[key][SUM].item() == pytest.approx(ref.sum().item(), rel=1e-12)
+        assert rows[key][MIN].item() == ref.min().item()

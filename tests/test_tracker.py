@@ -10,8 +10,8 @@ import ray
 import torch
 
 from clients import MetricClient, ReduceType
+from clients.synccount import HostTransferCounter
 from metricsvc import ReduceType as ServiceReduceType
-from tests.synccount import HostTransferCounter
 
 
 def final(handle, step=0):

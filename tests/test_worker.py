@@ -11,9 +11,9 @@ import torch
 
 import metricsvc
 from clients import MetricClient, ReduceType
+from clients.synccount import HostTransferCounter
 from metricsvc.records import Batch
 from tests.helpers import RankActor, random_rank_data
-from tests.synccount import HostTransferCounter
 
 
 def clients_for(cfg, world_size, **kwargs):

@@ -1,4 +1,4 @@
-"""Count device->host transfers and syncs made through torch's Python API."""
+"""Count device->host transfers and syncs made through torch's Python API (tests, benchmarks)."""
 
 from __future__ import annotations
 
