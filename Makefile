@@ -10,11 +10,13 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[torch,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[torch,sinks,dev]'
 	touch $(STAMP)
 
+CONFIG ?= configs/default.yaml
+
 run: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) examples/ray_driver.py
+	RAY_AUTH_MODE=disabled $(PY) examples/ray_driver.py --config $(CONFIG)
 
 test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q

@@ -84,6 +84,9 @@ def main() -> None:
     print(f"journal: {Path(health['run_dir']) / cfg.sinks.jsonl.filename}")
     print(f"batches merged: {health['batches']}, actor calls: {health['calls'].get('submit', 0)}, "
           f"rejected: {health['rejected_batches']}")
+    for name, sink in health["sinks"].items():
+        print(f"sink {name}: {sink['written']} steps written, "
+              f"{sink['dead_lettered']} dead-lettered")
     ray.shutdown()
 
 

@@ -11,6 +11,7 @@ from metricsvc.worker import (
     StepUnavailable,
     get_metric_worker,
     start_metric_worker,
+    stop_metric_worker,
 )
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "get_metric_worker",
     "load_config",
     "start_metric_worker",
+    "stop_metric_worker",
 ]
 __version__ = "0.1.0"

@@ -24,6 +24,13 @@ DEFAULT_NAME = "metricsvc_worker"
 _SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+def _plain(value: str, what: str) -> str:
+    """Return ``value`` if it is one plain path part: nothing can escape the run folder."""
+    if not _SAFE_PART.match(value):
+        raise ValueError(f"{what} must be a plain file name (letters, digits, ._-), got {value!r}")
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -43,19 +50,97 @@ class JsonlSinkConfig(_Strict):
     filename: str = "metrics.jsonl"
     fsync: bool = Field(False, description="fsync after every line (slower, crash-proof)")
 
-    @field_validator("filename")
-    @classmethod
-    def _plain_name(cls, v: str) -> str:
-        if not _SAFE_PART.match(v):
-            raise ValueError(f"filename must be a plain file name, got {v!r}")
-        return v
+    _filename = field_validator("filename")(classmethod(lambda cls, v: _plain(v, "filename")))
+
+
+class TensorboardSinkConfig(_Strict):
+    """tensorboardX event files under ``<run folder>/<subdir>``."""
+
+    enabled: bool = True
+    subdir: str = "tensorboard"
+    flush_secs: float = Field(2.0, gt=0, description="background flush interval")
+    flush_every_step: bool = True
+
+    _subdir = field_validator("subdir")(classmethod(lambda cls, v: _plain(v, "subdir")))
+
+
+class WandbSinkConfig(_Strict):
+    """Weights & Biases; offline by default (no network). The API key comes from WANDB_API_KEY."""
+
+    enabled: bool = True
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    project: str = "metricsvc"
+    entity: str | None = None
+    name: str | None = Field(None, description="default: <experiment>/<trial>")
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    notes: str | None = None
+    dir: str | None = Field(None, description="default: the run folder")
+    id: str | None = None
+    resume: Literal["allow", "must", "never", "auto"] | None = None
+
+
+class SwanlabSinkConfig(_Strict):
+    """SwanLab; offline by default (no network). The API key comes from SWANLAB_API_KEY."""
+
+    enabled: bool = True
+    mode: Literal["cloud", "local", "offline", "disabled"] = "offline"
+    project: str = "metricsvc"
+    experiment_name: str | None = Field(None, description="default: <experiment>/<trial>")
+    logdir: str | None = Field(None, description="default: <run folder>/swanlab")
+
+
+class MlflowSinkConfig(_Strict):
+    """MLflow (``pip install metricsvc[mlflow]``); a local file store by default."""
+
+    enabled: bool = True
+    tracking_uri: str | None = Field(None, description="default: <run folder>/mlruns")
+    experiment_name: str | None = Field(None, description="default: the run's experiment")
+    run_name: str | None = Field(None, description="default: the run's trial")
+
+
+class CustomSinkConfig(_Strict):
+    """A third-party sink: ``pkg.module:Class`` or a ``metricsvc.sinks`` entry-point name."""
+
+    target: str
+    name: str | None = Field(None, description="the name used in health and dead letters")
+    options: dict[str, Any] = Field(default_factory=dict, description="passed to the factory")
+
+
+class DeliveryConfig(_Strict):
+    """How failing sinks are retried before their steps go to the dead-letter file."""
+
+    retries: int = Field(3, ge=0)
+    backoff_s: float = Field(0.2, ge=0)
+    max_backoff_s: float = Field(5.0, ge=0)
+    queue_size: int = Field(10_000, ge=1, description="steps waiting per sink")
+    dead_letter: str = "dead_letter.jsonl"
+
+    _dead_letter = field_validator("dead_letter")(
+        classmethod(lambda cls, v: _plain(v, "dead_letter"))
+    )
 
 
 class SinksConfig(_Strict):
-    """Which sinks receive finished steps."""
+    """Which sinks receive finished steps; ``null`` (or ``enabled: false``) turns one off."""
 
-    console: ConsoleSinkConfig = ConsoleSinkConfig()
-    jsonl: JsonlSinkConfig = JsonlSinkConfig()
+    console: ConsoleSinkConfig | None = ConsoleSinkConfig()
+    jsonl: JsonlSinkConfig | None = JsonlSinkConfig()
+    tensorboard: TensorboardSinkConfig | None = None
+    wandb: WandbSinkConfig | None = None
+    swanlab: SwanlabSinkConfig | None = None
+    mlflow: MlflowSinkConfig | None = None
+    custom: tuple[CustomSinkConfig, ...] = ()
+    delivery: DeliveryConfig = DeliveryConfig()
+
+    def enabled(self) -> list[tuple[str, Any]]:
+        """Return ``(name, config)`` of every enabled built-in sink, in field order."""
+        out = []
+        for name in ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"):
+            cfg = getattr(self, name)
+            if cfg is not None and cfg.enabled:
+                out.append((name, cfg))
+        return out
 
 
 class RunConfig(_Strict):

@@ -9,6 +9,7 @@ sink I/O sits on the merge path.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import tempfile
@@ -61,7 +62,7 @@ class MetricWorkerImpl:
         self.run_dir = cfg.run.run_dir().resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump()))
-        self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir)
+        self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir, cfg.sinks.delivery)
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self._changed = asyncio.Condition()
         self._ticker: asyncio.Task[None] | None = None
@@ -174,7 +175,8 @@ class MetricWorkerImpl:
             "late_batches": agg.counts["late"],
             "partial_steps": agg.counts["partial"],
             "calls": dict(self.calls),
-            "sink_errors": {k: dict(v) for k, v in self.sinks.errors.items()},
+            "sinks": self.sinks.health(),
+            "sink_errors": self.sinks.errors,
             "run_dir": str(self.run_dir),
             "uptime_s": time.time() - self._started,
             "closed": self._closed,
@@ -195,7 +197,9 @@ class MetricWorkerImpl:
         return self.health()
 
     def __ray_shutdown__(self) -> None:
-        # Called by Ray when the actor is terminated: never leave a half-written sink.
+        # Called by Ray when the actor ends gracefully. Best effort: by then Ray has ended
+        # the actor's child processes (wandb's writer among them) unless
+        # RAY_kill_child_processes_on_worker_exit=0; close() before that is the sure way.
         self.sinks.close(timeout_s=10)
 
     # -- internals ---------------------------------------------------------------------
@@ -257,7 +261,32 @@ def start_metric_worker(
         num_cpus=cfg.num_cpus,
     ).remote(cfg.model_dump())
     ray.get(handle.health.remote())  # surfaces a failing __init__ here, not later
+    # Registered after ray.init's own exit hook, so it runs first, while Ray still answers:
+    # a driver that ends without close() must not lose what the sinks buffer.
+    atexit.register(_close_at_exit, handle)
     return handle
+
+
+def stop_metric_worker(handle: Any = None, *, name: str | None = None,
+                       namespace: str | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Close every sink (wandb finishes its run), then end the actor; return its last health.
+
+    Call this (or ``worker.close.remote()``) before ``ray.shutdown()``: Ray ends an
+    actor's child processes first, and wandb's writer is one of them.
+    """
+    handle = handle or get_metric_worker(name, namespace)
+    health = ray.get(handle.close.remote(), timeout=timeout_s)
+    ray.kill(handle, no_restart=True)
+    return health
+
+
+def _close_at_exit(handle: Any) -> None:
+    if not ray.is_initialized():
+        return
+    try:
+        ray.get(handle.close.remote(), timeout=60)
+    except Exception as err:  # already closed, killed or never started: nothing to save
+        log.debug("closing the MetricWorker at exit: %s", err)
 
 
 def get_metric_worker(name: str | None = None, namespace: str | None = None) -> Any:

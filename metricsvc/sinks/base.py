@@ -1,17 +1,23 @@
-"""The sink protocol and a registry of sink factories by name."""
+"""The sink protocol and a registry of sink factories: built-ins, entry points, dotted paths."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel
+ENTRY_POINT_GROUP = "metricsvc.sinks"
 
 
 @runtime_checkable
 class Sink(Protocol):
-    """Receives each finished step once, in increasing step order."""
+    """Receives each finished step once, in increasing step order.
+
+    Optional attributes: ``supports_nan`` (default False: non-finite values are
+    dropped before ``write``) and ``write_event(event)`` for journal events.
+    """
 
     name: str
 
@@ -28,6 +34,24 @@ class Sink(Protocol):
 SinkFactory = Callable[[Any], Sink]
 
 
+def load_object(target: str) -> Any:
+    """Return the object named by ``"package.module:attr"``.
+
+    Raises:
+        ValueError: the target is malformed or cannot be imported.
+    """
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"sink target {target!r} must look like 'package.module:Class'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot load sink target {target!r}: {err}") from None
+    return obj
+
+
 class SinkRegistry:
     """Sink factories by name; build a fresh one per service (no import-time globals)."""
 
@@ -41,35 +65,62 @@ class SinkRegistry:
         self._factories[name] = factory
 
     def create(self, name: str, config: Any) -> Sink:
-        """Return a new sink of kind ``name`` built from ``config``."""
-        try:
-            factory = self._factories[name]
-        except KeyError:
-            known = ", ".join(sorted(self._factories)) or "none"
-            raise ValueError(f"unknown sink {name!r}; registered: {known}") from None
+        """Return a new sink of kind ``name`` (or of a ``pkg.module:Class`` target)."""
+        factory = self._factories.get(name)
+        if factory is None:
+            if ":" not in name:
+                known = ", ".join(sorted(self._factories)) or "none"
+                raise ValueError(f"unknown sink {name!r}; registered: {known}")
+            factory = load_object(name)
         return factory(config)
+
+    def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
+        """Register every sink that installed packages declare under ``group``."""
+        for ep in entry_points(group=group):
+            if ep.name not in self._factories:
+                self._factories[ep.name] = _lazy(ep)
 
     def __contains__(self, name: object) -> bool:
         return name in self._factories
 
+    def names(self) -> list[str]:
+        """Return the registered names."""
+        return sorted(self._factories)
 
-def default_registry() -> SinkRegistry:
-    """Return a registry holding the built-in sinks."""
-    from metricsvc.sinks.console import ConsoleSink
-    from metricsvc.sinks.jsonl import JsonlSink
 
+def _lazy(ep: Any) -> SinkFactory:
+    # Importing a third-party sink only when it is configured keeps start-up cheap and safe.
+    return lambda config: ep.load()(config)
+
+
+def _builtin(module: str, cls: str) -> SinkFactory:
+    return lambda config: getattr(importlib.import_module(module), cls)(config)
+
+
+def default_registry(with_entry_points: bool = True) -> SinkRegistry:
+    """Return a registry of the built-in sinks (and installed entry points)."""
     registry = SinkRegistry()
-    registry.register("console", ConsoleSink)
-    registry.register("jsonl", JsonlSink)
+    for name, cls in (
+        ("console", "ConsoleSink"),
+        ("jsonl", "JsonlSink"),
+        ("tensorboard", "TensorboardSink"),
+        ("wandb", "WandbSink"),
+        ("swanlab", "SwanlabSink"),
+        ("mlflow", "MlflowSink"),
+    ):
+        registry.register(name, _builtin(f"metricsvc.sinks.{name}", cls))
+    if with_entry_points:
+        registry.load_entry_points()
     return registry
 
 
-def build_sinks(sinks_config: BaseModel, registry: SinkRegistry | None = None) -> list[Sink]:
-    """Return one sink per enabled entry of a sinks config, in field order."""
+def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None) -> list[Sink]:
+    """Return one sink per enabled entry of a ``SinksConfig``: built-ins, then custom ones."""
     registry = registry or default_registry()
-    out: list[Sink] = []
-    for name in type(sinks_config).model_fields:
-        cfg = getattr(sinks_config, name)
-        if cfg is not None and getattr(cfg, "enabled", True):
-            out.append(registry.create(name, cfg))
+    out = [registry.create(name, cfg) for name, cfg in sinks_config.enabled()]
+    for custom in sinks_config.custom:
+        sink = registry.create(custom.target, dict(custom.options))
+        if custom.name:
+            sink.name = custom.name
+        out.append(sink)
     return out

@@ -35,6 +35,7 @@ class ConsoleSink:
     """Print every N-th finished step as an aligned table."""
 
     name = "console"
+    supports_nan = True
 
     def __init__(
         self, config: ConsoleSinkConfig | None = None, stream: TextIO | None = None

@@ -1,91 +1,217 @@
-"""Fan finished steps out to sinks on one background thread, off the merge path.
+"""Fan finished steps out to sinks, one worker thread and bounded queue per sink.
 
-One thread keeps every sink's writes in step order. A sink that raises is
-isolated: the error is counted and reported in ``health``, the other sinks and
-the aggregation go on.
+Nothing here runs on the actor's merge path: ``publish`` only enqueues. Each
+sink sees each step once and in increasing order. A sink that raises is
+retried with exponential backoff; when the retries are spent (or its queue is
+full, or the service is closing) the step goes to the dead-letter JSONL in the
+run folder instead. Other sinks never wait for a failing one.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from metricsvc.config import DeliveryConfig
 from metricsvc.sinks.base import Sink
+from metricsvc.sinks.names import public_metrics
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
 
 
-class SinkDispatcher:
-    """Queue of sink work served by a single daemon thread."""
+class DeadLetter:
+    """Append-only JSONL of steps a sink could not take; shared by every sink worker."""
 
-    def __init__(self, sinks: Sequence[Sink], run_dir: Path, max_queue: int = 10_000) -> None:
-        self.sinks = list(sinks)
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def write(self, sink: str, step: int | None, payload: dict[str, Any], error: str) -> None:
+        line = {"sink": sink, "step": step, **payload, "error": error, "time": time.time()}
+        text = json.dumps(line, default=str) + "\n"
+        with self._lock, self.path.open("a", encoding="utf-8") as fh:
+            fh.write(text)
+
+
+class _SinkWorker:
+    """One sink, its queue, its thread, its delivery record."""
+
+    def __init__(self, sink: Sink, run_dir: Path, delivery: DeliveryConfig, dead: DeadLetter):
+        self.sink = sink
+        self.name = sink.name
         self.run_dir = run_dir
-        self.errors: dict[str, dict[str, Any]] = {}
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
-        self._closed = False
+        self.delivery = delivery
+        self.dead = dead
+        self.allow_nan = bool(getattr(sink, "supports_nan", False))
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=delivery.queue_size)
+        self.opened = False
+        self.closed = False
+        self.closing = threading.Event()
+        self.stats = {"written": 0, "failures": 0, "dead_lettered": 0, "last_step": None,
+                      "last_error": None}
+        self.thread = threading.Thread(target=self._serve, name=f"metricsvc-sink-{self.name}",
+                                       daemon=True)
+        self.thread.start()
+
+    # -- producer side -----------------------------------------------------------------
+    def put(self, item: tuple) -> None:
+        try:
+            self.queue.put_nowait(item)
+        except queue.Full:
+            if item[0] == "write":
+                self._dead_letter(item, f"queue full ({self.delivery.queue_size} steps waiting)")
+
+    # -- consumer side -----------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is _STOP:
+                return
+            kind = item[0]
+            if kind == "flush":
+                item[1].set()
+            elif kind == "write":
+                self._deliver_step(item)
+            elif kind == "event" and hasattr(self.sink, "write_event"):
+                self._attempt(functools.partial(self.sink.write_event, item[1]))
+
+    def _deliver_step(self, item: tuple) -> None:
+        _, step, metrics, meta = item
+        last = self.stats["last_step"]
+        if last is not None and step <= last:
+            return  # each step once, in increasing order, whatever the producer did
+        visible = public_metrics(metrics, self.allow_nan)
+        error = self._attempt(lambda: self.sink.write(step, visible, meta), retry=True)
+        if error is None:
+            self.stats["written"] += 1
+            self.stats["last_step"] = step
+        else:
+            self._dead_letter(item, error, visible)
+
+    def _attempt(self, call: Any, retry: bool = False) -> str | None:
+        """Run ``call`` (opening the sink first if needed); return the last error or None."""
+        tries = 1 + (self.delivery.retries if retry else 0)
+        error = None
+        for attempt in range(tries):
+            try:
+                if not self.opened:
+                    self.sink.open(self.run_dir)
+                    self.opened = True
+                    # Registered after open, so it runs before any exit hook the backend
+                    # registered while opening (atexit is LIFO): wandb's teardown, say.
+                    atexit.register(self.close, 10.0)
+                call()
+                return None
+            except Exception as err:  # a sink must never take the service down
+                error = f"{type(err).__name__}: {err}"
+                self.stats["failures"] += 1
+                self.stats["last_error"] = error
+                log.warning("sink %s failed (attempt %d/%d): %s", self.name, attempt + 1,
+                            tries, error)
+                if attempt + 1 < tries and not self.closing.is_set():
+                    pause = min(self.delivery.max_backoff_s, self.delivery.backoff_s * 2**attempt)
+                    self.closing.wait(pause)  # a close cuts the backoff short
+                elif self.closing.is_set():
+                    break
+        return error
+
+    def _dead_letter(self, item: tuple, error: str, visible: dict | None = None) -> None:
+        """Keep the step exactly as the sink would have received it, for a later replay."""
+        _, step, metrics, meta = item
+        if visible is None:
+            visible = public_metrics(metrics, self.allow_nan)
+        self.stats["dead_lettered"] += 1
+        try:
+            self.dead.write(self.name, step, {"metrics": visible, "meta": meta}, error)
+        except OSError as err:
+            log.error("dead-letter write failed for sink %s step %s: %s", self.name, step, err)
+
+    def close(self, timeout_s: float | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.closing.set()
+        try:
+            self.queue.put(_STOP, timeout=timeout_s)
+        except queue.Full:
+            log.error("sink %s did not drain its queue before close", self.name)
+        self.thread.join(timeout_s)
+        if self.opened:
+            error = self._attempt(self.sink.close)
+            if error is not None:
+                log.error("sink %s failed to close: %s", self.name, error)
+
+
+class SinkDispatcher:
+    """Queue finished steps for every sink; each sink is served by its own thread."""
+
+    def __init__(
+        self, sinks: Sequence[Sink], run_dir: Path, delivery: DeliveryConfig | None = None
+    ) -> None:
+        self.run_dir = run_dir
+        delivery = delivery or DeliveryConfig()
         run_dir.mkdir(parents=True, exist_ok=True)
-        for sink in list(self.sinks):
-            if not self._guard(sink, "open", sink.open, run_dir):
-                self.sinks.remove(sink)
-        self._thread = threading.Thread(target=self._serve, name="metricsvc-sinks", daemon=True)
-        self._thread.start()
+        self.dead_letter = DeadLetter(run_dir / delivery.dead_letter)
+        self._workers = [_SinkWorker(s, run_dir, delivery, self.dead_letter) for s in sinks]
+        self._closed = False
+
+    @property
+    def sinks(self) -> list[Sink]:
+        return [w.sink for w in self._workers]
 
     def publish(self, step: int, metrics: dict[str, float], meta: dict[str, Any]) -> None:
-        """Queue one finished step for every sink."""
+        """Queue one finished step for every sink; never blocks."""
         if not self._closed:
-            self._queue.put(("write", step, metrics, meta))
+            for worker in self._workers:
+                worker.put(("write", step, metrics, meta))
 
     def event(self, event: dict[str, Any]) -> None:
         """Queue a journal event (sinks without ``write_event`` ignore it)."""
         if not self._closed:
-            self._queue.put(("event", event))
+            for worker in self._workers:
+                worker.put(("event", event))
 
     def flush(self, timeout_s: float | None = 30.0) -> bool:
-        """Wait until everything queued so far was handed to the sinks; True if done."""
+        """Wait until every sink has handled everything queued so far; True if all did."""
         if self._closed:
             return True
-        done = threading.Event()
-        self._queue.put(("flush", done))
-        return done.wait(timeout_s)
+        events = []
+        for worker in self._workers:
+            done = threading.Event()
+            worker.put(("flush", done))
+            events.append(done)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return all(
+            e.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            for e in events
+        )
 
     def close(self, timeout_s: float | None = 30.0) -> None:
-        """Drain the queue, close every sink; a second call is harmless."""
+        """Drain every queue and close every sink; a second call is harmless."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
-        self._thread.join(timeout_s)
-        for sink in self.sinks:
-            self._guard(sink, "close", sink.close)
+        for worker in self._workers:
+            worker.close(timeout_s)
 
-    def _serve(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            if item[0] == "flush":
-                item[1].set()
-                continue
-            for sink in self.sinks:
-                if item[0] == "write":
-                    self._guard(sink, "write", sink.write, *item[1:])
-                elif hasattr(sink, "write_event"):
-                    self._guard(sink, "write_event", sink.write_event, item[1])
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Return each sink's delivery record: written, failures, dead-lettered, last error."""
+        return {
+            w.name: {**w.stats, "queued": w.queue.qsize(), "failing": w.stats["failures"] > 0}
+            for w in self._workers
+        }
 
-    def _guard(self, sink: Sink, what: str, fn: Any, *args: Any) -> bool:
-        try:
-            fn(*args)
-            return True
-        except Exception as err:  # a sink must never take the service down
-            entry = self.errors.setdefault(sink.name, {"count": 0, "last_error": ""})
-            entry["count"] += 1
-            entry["last_error"] = f"{what}: {type(err).__name__}: {err}"
-            log.warning("sink %s failed in %s: %s", sink.name, what, err)
-            return False
+    @property
+    def errors(self) -> dict[str, dict[str, Any]]:
+        """Return the records of the sinks that have failed at least once."""
+        return {name: h for name, h in self.health().items() if h["failures"]}

@@ -22,6 +22,7 @@ class JsonlSink:
     """Append ``{"step", "metrics", "meta", "time"}`` per step to ``<run_dir>/<filename>``."""
 
     name = "jsonl"
+    supports_nan = True  # written as the string "nan"
 
     def __init__(self, config: JsonlSinkConfig | None = None) -> None:
         self.config = config or JsonlSinkConfig()

@@ -1,0 +1,222 @@
+"""Real sinks in offline/local modes, files read back and compared with the journal."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from clients import MetricClient
+from metricsvc.config import load_config
+from metricsvc.sinks import SinkDispatcher, build_sinks, default_registry
+from metricsvc.sinks.jsonl import read_journal
+from metricsvc.sinks.names import safe_tag
+from tests import readback
+from tests.sink_fixtures import RecordingSink
+
+ROOT = Path(__file__).resolve().parent.parent
+WEIRD = "eval/acc (top-1)/mean"  # needs sanitising for TensorBoard, SwanLab and MLflow
+
+
+def run_steps(cfg, steps=4, world=2):
+    clients = [MetricClient(None, rank=r, world_size=world, name=cfg.name) for r in range(world)]
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        for c in clients:
+            c.stat(mask=rng.random(6) < 0.8, **{"critic/advantages": rng.normal(size=6)})
+            c.submit_metric({"actor/lr": 1e-5, "tokens/total": int(rng.integers(10, 20)),
+                             WEIRD: float(rng.random()), "__internal": 1.0,
+                             "rollout/reward__count": 3.0})
+            c.wait_submit()
+
+
+def journal_values(run_dir):
+    return {r["step"]: r["metrics"] for r in read_journal(run_dir / "metrics.jsonl")}
+
+
+def assert_same(got, journal, rename=lambda k: k, rel=1e-12):
+    public = {step: {rename(k): v for k, v in m.items()
+                     if not (k.startswith("__") or k.endswith("__count"))}
+              for step, m in journal.items()}
+    assert sorted(got) == sorted(public)
+    for step, metrics in public.items():
+        assert set(got[step]) == set(metrics), step
+        for key, value in metrics.items():
+            assert got[step][key] == pytest.approx(value, rel=rel), (step, key)
+
+
+def test_every_sink_of_all_yaml_gets_the_same_numbers_as_the_journal(make_worker, tmp_path):
+    cfg_all = load_config(ROOT / "configs" / "all.yaml")
+    handle, cfg = make_worker(sinks={**cfg_all.sinks.model_dump(), "console": None})
+    run_steps(cfg)
+    health = ray.get(handle.close.remote())
+    run_dir = Path(health["run_dir"])
+    journal = journal_values(run_dir)
+    assert len(journal) == 4 and WEIRD in journal[0]
+    assert "__internal" not in journal[0] and "rollout/reward__count" not in journal[0]
+    assert not health["sink_errors"], health["sink_errors"]
+    assert {name: h["written"] for name, h in health["sinks"].items()} == {
+        n: 4 for n in ("jsonl", "tensorboard", "wandb", "swanlab", "mlflow")}
+
+    assert_same(readback.tensorboard_scalars(run_dir / "tensorboard"), journal, safe_tag,
+                rel=1e-6)  # TensorBoard stores float32
+    assert_same(readback.wandb_history(run_dir), journal)
+    assert_same(readback.swanlab_scalars(run_dir / "swanlab"), journal, safe_tag)
+    assert_same(readback.mlflow_metrics((run_dir / "mlruns").as_uri()), journal,
+                lambda k: safe_tag(k, 250))
+
+
+def test_failing_sink_dead_letters_every_step_while_others_get_all(make_worker):
+    handle, cfg = make_worker(sinks={
+        "console": None, "tensorboard": {},
+        "custom": [{"target": "tests.sink_fixtures:ExplodingSink", "name": "flaky"}],
+        "delivery": {"retries": 2, "backoff_s": 0.01},
+    })
+    run_steps(cfg, steps=5)
+    ray.get(handle.flush.remote())
+    mid = ray.get(handle.health.remote())
+    assert mid["sink_errors"]["flaky"]["failing"] and mid["pending_steps"] == {}
+    health = ray.get(handle.close.remote())
+    run_dir = Path(health["run_dir"])
+    journal = journal_values(run_dir)
+    assert sorted(journal) == [0, 1, 2, 3, 4]
+    assert sorted(readback.tensorboard_scalars(run_dir / "tensorboard")) == [0, 1, 2, 3, 4]
+    dead = [json.loads(x) for x in (run_dir / "dead_letter.jsonl").read_text().splitlines()]
+    assert [(d["sink"], d["step"]) for d in dead] == [("flaky", s) for s in range(5)]
+    assert dead[0]["metrics"] == journal[0] and "ConnectionError" in dead[0]["error"]
+    flaky = health["sinks"]["flaky"]
+    assert flaky["dead_lettered"] == 5 and flaky["failures"] == 5 * 3 and flaky["written"] == 0
+
+
+def test_nonfinite_values_reach_only_sinks_that_support_them(tmp_path):
+    recording = RecordingSink()
+    dispatcher = SinkDispatcher(build_sinks(load_config({"sinks": {"console": None}}).sinks)
+                                + [recording], tmp_path)
+    dispatcher.publish(0, {"a": 1.0, "b": math.nan, "__hidden": 2.0, "c__count": 4.0}, {})
+    dispatcher.close()
+    assert recording.steps[0][1] == {"a": 1.0}
+    assert read_journal(tmp_path / "metrics.jsonl")[0]["metrics"] == {"a": 1.0, "b": "nan"}
+
+
+def test_steps_reach_a_sink_once_and_in_increasing_order(tmp_path):
+    recording = RecordingSink()
+    dispatcher = SinkDispatcher([recording], tmp_path)
+    for step in (0, 1, 1, 0, 2):
+        dispatcher.publish(step, {"x": float(step)}, {})
+    dispatcher.close()
+    assert [s for s, _, _ in recording.steps] == [0, 1, 2]
+
+
+def test_third_party_sinks_load_by_entry_point_and_dotted_path(tmp_path, monkeypatch):
+    dist = tmp_path / "fake_sink-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-sink\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[metricsvc.sinks]\nrecorder = tests.sink_fixtures:RecordingSink\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = default_registry()
+    assert "recorder" in registry
+    assert isinstance(registry.create("recorder", {}), RecordingSink)
+    assert isinstance(registry.create("tests.sink_fixtures:RecordingSink", {}), RecordingSink)
+    with pytest.raises(ValueError, match="cannot load sink target 'tests.nope:X'"):
+        registry.create("tests.nope:X", {})
+    cfg = load_config({"sinks": {"console": None, "jsonl": None,
+                                 "custom": [{"target": "recorder", "name": "mine"}]}})
+    (sink,) = build_sinks(cfg.sinks, registry)
+    assert sink.name == "mine"
+
+
+def test_secrets_from_the_environment_never_reach_our_files_or_output(tmp_path, capfd,
+                                                                     monkeypatch):
+    secret = "sk-test-0123456789abcdef"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("SWANLAB_API_KEY", secret)
+    cfg = load_config({"sinks": {"wandb": {}, "swanlab": {}, "console": {}},
+                       "run": {"root": str(tmp_path)}})
+    run_dir = cfg.run.run_dir()
+    dispatcher = SinkDispatcher(build_sinks(cfg.sinks), run_dir)
+    (run_dir / "config.yaml").write_text(json.dumps(cfg.model_dump()))
+    dispatcher.publish(0, {"x": 1.0}, {})
+    dispatcher.close()
+    out = capfd.readouterr()
+    assert secret not in out.out + out.err
+    leaked = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaked == []
+    with pytest.raises(ValueError, match="sinks.wandb.api_key: Extra inputs are not permitted"):
+        load_config({"sinks": {"wandb": {"api_key": secret}}})
+
+
+def test_service_imports_and_runs_without_optional_backends(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        for name in ("wandb", "swanlab", "tensorboardX", "mlflow", "torch"):
+            sys.modules[name] = None  # as if not installed
+        from metricsvc.config import load_config
+        from metricsvc.sinks import SinkDispatcher, build_sinks
+        cfg = load_config({{"sinks": {{"console": None, "tensorboard": {{}}}},
+                           "run": {{"root": {str(tmp_path)!r}}}}})
+        d = SinkDispatcher(build_sinks(cfg.sinks), cfg.run.run_dir())
+        d.publish(0, {{"x": 1.0}}, {{}})
+        d.close()
+        print(d.health()["jsonl"]["written"], d.health()["tensorboard"]["dead_lettered"])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]  # the journal works; tensorboard dead-letters
+
+
+def wandb_record_kinds(root):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    kinds = []
+    for path in root.rglob("run-*.wandb"):
+        for data in readback.leveldb_log_records(path, b":W&B"):
+            record = pb.Record()
+            record.ParseFromString(data)
+            kinds.append(record.WhichOneof("record_type"))
+    return kinds
+
+
+def test_a_driver_that_exits_without_close_still_finishes_the_wandb_run(tmp_path):
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        import ray, metricsvc
+        from clients import MetricClient
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        cfg = {{"name": "exit-wandb", "run": {{"root": {str(tmp_path)!r}, "trial": "t"}},
+               "sinks": {{"console": None, "wandb": {{}}}}}}
+        metricsvc.start_metric_worker(cfg)
+        c = MetricClient(None, rank=0, world_size=1, name="exit-wandb")
+        for step in range(3):
+            c.submit_metric({{"x": float(step)}})
+            c.wait_submit()
+        # no close(), no ray.shutdown(): the script just ends
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run_dir = tmp_path / "default" / "t"
+    assert wandb_record_kinds(run_dir)[-1] == "exit"  # run.finish() ran
+    assert readback.wandb_history(run_dir) == {s: {"x": float(s)} for s in range(3)}
+
+
+def test_stop_metric_worker_closes_sinks_then_ends_the_actor(ray_cluster, tmp_path):
+    import metricsvc
+
+    cfg = load_config({"name": "stop-wandb", "run": {"root": str(tmp_path), "trial": "t"},
+                       "sinks": {"console": None, "wandb": {}}})
+    handle = metricsvc.start_metric_worker(cfg)
+    run_steps(cfg, steps=2, world=1)
+    health = metricsvc.stop_metric_worker(handle)
+    assert health["closed"] and health["sinks"]["wandb"]["written"] == 2
+    assert "exit" in wandb_record_kinds(tmp_path / "default" / "t")
+    with pytest.raises(ValueError):
+        metricsvc.get_metric_worker("stop-wandb")
