@@ -88,3 +88,13 @@ def test_a_failing_sink_is_retried_then_dead_lettered_and_others_go_on(tmp_path)
     dead = [json.loads(line) for line in (tmp_path / "dead_letter.jsonl").read_text().splitlines()]
     assert [(d["sink"], d["step"], d["metrics"]) for d in dead] == [
         ("exploding", s, {"x": float(s)}) for s in range(3)]
+
+
+def test_keys_become_safe_tags_that_cannot_climb_out_of_a_folder():
+    from metricsvc.sinks.names import is_internal, safe_tag
+
+    assert safe_tag("eval/acc (top-1)/mean") == "eval/acc__top-1_/mean"
+    assert safe_tag("../../etc/passwd") == "_/_/etc/passwd"
+    assert safe_tag("a//b/./c") == "a/_/b/_/c"
+    assert len(safe_tag("x" * 400)) == 255
+    assert is_internal("__step") and is_internal("reward__count") and not is_internal("a__b")
