@@ -9,9 +9,11 @@ from typing import Any
 
 import ray
 
+from clients import metrics
 from clients.summarize import (
     Row,
     add_dense,
+    element_rows,
     merge_rows,
     sketch,
     summarize,
@@ -109,6 +111,10 @@ class MetricClient:
         """Record ``value`` counted ``weight`` times into the mean of ``key``."""
         self.tracker.weighted_mean(key, value, weight)
 
+    def record_counts(self, keys: list[str], counts: Any, kind: ReduceType) -> None:
+        """Record element ``i`` of a 1-D tensor/array as one value of ``keys[i]``."""
+        self.tracker.record_counts(keys, counts, kind)
+
     def scope(self, name: str) -> Any:
         """Nest keys under ``name/``; a context manager and a decorator."""
         return self.tracker.scope(name)
@@ -139,13 +145,45 @@ class MetricClient:
         rows = {check_key(k): summarize(v, key=k, compile=self.compile) for k, v in metrics.items()}
         self._record_all(rows, AUTO, expected)
 
-    def _expected(self, world_size: int | None, metrics: Mapping[str, Any]) -> int:
+    # siiRL's MetricClient methods; ``world_size`` is checked, the client's own is used.
+    def compute_local_data_metric(self, batch: Mapping[str, Any],
+                                  world_size: int | None = None) -> None:
+        """Record the data metrics of a batch (``critic/*``, ``response/*``, ``prompt/*``)."""
+        self._expected(world_size, {"critic/score": None})
+        metrics.record_data_metrics(self.tracker, batch)
+        metrics.record_process_memory(self.tracker)
+
+    def compute_local_timing_metrics(self, batch: Mapping[str, Any],
+                                     timing_raw: Mapping[str, float],
+                                     world_size: int | None = None) -> None:
+        """Record ``timing_s/*`` and ``timing_per_token_ms/*``."""
+        self._expected(world_size, {"timing_s": None})
+        metrics.record_timing_metrics(self.tracker, batch, timing_raw)
+
+    def compute_local_throughout_metrics(self, batch: Mapping[str, Any],
+                                         timing_raw: Mapping[str, float], n_gpus: int,
+                                         world_size: int | None = None) -> None:
+        """Record ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput``."""
+        self._expected(world_size, {"perf/throughput": None})
+        metrics.record_throughput_metrics(self.tracker, batch, timing_raw, n_gpus)
+
+    compute_local_throughput_metrics = compute_local_throughout_metrics  # the right spelling
+
+    def process_local_validation_metrics(self, data_sources: Any, sample_inputs: Any,
+                                         infos_dict: Mapping[str, Any], sample_turns: Any,
+                                         world_size: int | None = None) -> None:
+        """Record ``val-core/*``, ``val-aux/*`` and ``val/test_score/*``."""
+        self._expected(world_size, {"val-core": None})
+        metrics.record_validation_metrics(self.tracker, data_sources, sample_inputs,
+                                          infos_dict, sample_turns)
+
+    def _expected(self, world_size: int | None, keys: Mapping[str, Any]) -> int:
         if world_size is None:
             return 0
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
         if not 1 <= world_size <= self.world_size:
-            first = next(iter(metrics), "<none>")
+            first = next(iter(keys), "<none>")
             raise ValueError(
                 f"world_size for keys like {first!r} must be in [1, {self.world_size}] "
                 f"(this client's world size), got {world_size}"
@@ -160,6 +198,13 @@ class MetricClient:
         if kind is ReduceType.QUANTILES:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
         self._record_all(rows, int(kind), 0, sketches)
+
+    def _record_elements(self, keys: list[str], values: Any, kind: ReduceType) -> None:
+        """Record element ``i`` of ``values`` as one value (count 1) of ``keys[i]``."""
+        rows = element_rows(values, key=keys[0] if keys else "value")
+        if len(rows) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(rows)} values (first key {keys[0]!r})")
+        self._record_all(dict(zip(keys, rows)), int(kind), 0)
 
     def _record_weighted(self, key: str, value: float, weight: float) -> None:
         if not weight >= 0:

@@ -266,6 +266,24 @@ def _run_compiled(x: Any, m: Any) -> Any:
         return _kernel(x, m)
 
 
+def element_rows(values: Any, *, key: str = "value") -> list[Row]:
+    """Return one summary row per element of a 1-D tensor/array (views of one [K, 6] tensor)."""
+    values, _ = prepare(values, None, key=key)
+    if not is_tensor(values):
+        return [scalar_row(float(v)) for v in np.asarray(values, dtype=np.float64).ravel()]
+    torch = _torch()
+    with torch.no_grad():
+        v = values.reshape(-1).to(torch.float64)
+        finite = torch.isfinite(v)
+        z = torch.where(finite, v, 0.0)
+        rows = torch.stack(
+            [z, finite.double(), torch.where(finite, v, _INF), torch.where(finite, v, -_INF),
+             z * z, (~finite).double()],
+            dim=1,
+        )
+    return list(rows.unbind(0))
+
+
 def merge_rows(a: Row, b: Row) -> Row:
     """Merge two rows, staying on the device if either is a tensor (no host copy)."""
     a_t, b_t = is_tensor(a), is_tensor(b)

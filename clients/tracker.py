@@ -138,6 +138,11 @@ class Tracker:
         full = {check_key(self.full_key(k)): v for k, v in values.items()}
         self._client._record(full, None, ReduceType.SCALAR)
 
+    def record_counts(self, keys: list[str], counts: Any, kind: ReduceType) -> None:
+        """Record element ``i`` of a 1-D tensor/array as one value of ``keys[i]``."""
+        full = [check_key(self.full_key(k)) for k in keys]
+        self._client._record_elements(full, counts, kind)
+
     def weighted_mean(self, key: str, value: float, weight: float) -> None:
         """Record ``value`` counted ``weight`` times into the mean of ``key``."""
         self._client._record_weighted(check_key(self.full_key(key)), value, weight)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from metricsvc import records
+from metricsvc.derive import Deriver, split_internal
 from metricsvc.records import COUNT, MAX, MIN, NONFINITE, Batch
 from metricsvc.reduce import (
     AUTO,
@@ -167,6 +168,7 @@ class Aggregator:
         self.output = output or OutputRules()
         self._resolver = KindResolver(reduce_rules)
         self._rename = Renamer(renames)
+        self.deriver = Deriver()
         self._clock = clock
         self._pending: dict[int, _PendingStep] = {}
         # (rank, seq) pairs of emitted steps, so a retried batch reads as duplicate, not late.
@@ -263,9 +265,19 @@ class Aggregator:
         data, codes = p.data[:n], p.codes[:n]
         kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(p.keys, codes)]
         sketches = {i: merge_sparse(parts) for i, parts in p.sketches.items()}
+        internal = [i for i, key in enumerate(p.keys) if split_internal(key) is not None]
+        public = np.setdiff1d(np.arange(n), internal)
         metrics = finalize(
-            p.keys, kinds, data, sketches=sketches, rules=self.output, rename=self._rename
+            [p.keys[i] for i in public],
+            [kinds[i] for i in public],
+            data[public],
+            sketches={j: sketches[i] for j, i in enumerate(public) if i in sketches},
+            rules=self.output,
+            rename=self._rename,
         )
+        derived = self.deriver.derive({p.keys[i]: (kinds[i], data[i]) for i in internal},
+                                      self.output)
+        metrics.update({self._rename(k): v for k, v in derived.items()})
         partial = not p.complete
         if partial:
             self.counts["partial"] += 1

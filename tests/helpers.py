@@ -21,10 +21,27 @@ class RankActor:
     def run(self, calls: list[tuple[str, tuple, dict]], flush: bool = True) -> dict:
         """Apply ``(method, args, kwargs)`` calls to the client, then ``wait_submit``."""
         for method, args, kwargs in calls:
-            getattr(self.client, method)(*args, **kwargs)
+            target = self if method.endswith("_for_test") else self.client
+            getattr(target, method)(*args, **kwargs)
         ack = self.client.wait_submit() if flush else None
         return {"ack": ack, "step": self.client.step, "rpc": self.client.rpc_count,
                 "host_copies": self.client.host_copies}
+
+    # Built-in metric functions that are not MetricClient methods, callable through run().
+    def record_train_perf_for_test(self, tokens, seconds):
+        from clients.metrics import record_train_perf
+
+        record_train_perf(self.client, tokens, seconds)
+
+    def record_logp_diagnostics_for_test(self, trainer, rollout, mask):
+        from clients.metrics import record_logp_diagnostics
+
+        record_logp_diagnostics(self.client, trainer, rollout, mask)
+
+    def record_moe_for_test(self, counts):
+        from clients.metrics import record_moe_balance
+
+        record_moe_balance(self.client, counts)
 
     def wait_final_res(self, step=None, timeout=None) -> dict:
         return self.client.wait_final_res(step, timeout)

@@ -1,0 +1,31 @@
+"""Built-in metrics (siiRL / verl / AReaL names), recorded as mergeable records.
+
+Every function records into a ``MetricClient`` or a ``Tracker`` and never
+syncs a device. Values that the peers compute per rank and then average
+(means of means, per-rank variances, ratios) are derived by the service after
+the merge, so they equal the value computed on the whole global batch.
+"""
+
+from clients.metrics.data import record_data_metrics, record_process_memory
+from clients.metrics.diagnostics import record_logp_diagnostics
+from clients.metrics.moe import record_moe_balance
+from clients.metrics.timing import (
+    TOKENS_OF_STAGE,
+    record_throughput_metrics,
+    record_timing_metrics,
+    record_train_perf,
+)
+from clients.metrics.validation import record_validation_metrics, validation_metrics
+
+__all__ = [
+    "TOKENS_OF_STAGE",
+    "record_data_metrics",
+    "record_logp_diagnostics",
+    "record_moe_balance",
+    "record_process_memory",
+    "record_throughput_metrics",
+    "record_timing_metrics",
+    "record_train_perf",
+    "record_validation_metrics",
+    "validation_metrics",
+]

@@ -1,0 +1,278 @@
+"""Built-in metrics end to end: merged over unequal ranks == one process on the whole batch."""
+
+import math
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from clients import MetricClient
+from clients.metrics import validation_metrics
+from tests.helpers import RankActor
+
+WORLD = 4
+P, R = 5, 7  # prompt and response widths
+
+
+def make_batch(seed, rows, all_wrong=False):
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(1, P + 1, (rows,), generator=g)
+    prompt_len[0] = P  # at least one clipped prompt somewhere
+    resp_len = torch.randint(1, R + 1, (rows,), generator=g)
+    prompt_mask = torch.arange(P)[None, :] >= (P - prompt_len)[:, None]  # left padded
+    resp_mask = torch.arange(R)[None, :] < resp_len[:, None]
+    garbage = torch.full((rows, R), float("nan"))
+    scores = torch.where(resp_mask, torch.rand(rows, R, generator=g) * 0.3, garbage)
+    scores = torch.nan_to_num(scores, nan=0.0)  # scores are 0 beyond the response, as in verl
+    if all_wrong:
+        scores = scores * 0.0
+    rewards = scores - 0.01
+    return {
+        "responses": torch.zeros(rows, R, dtype=torch.long),
+        "attention_mask": torch.cat([prompt_mask, resp_mask], dim=1).long(),
+        "response_mask": resp_mask.long(),
+        "token_level_scores": scores,
+        "token_level_rewards": rewards,
+        "advantages": torch.where(resp_mask, torch.randn(rows, R, generator=g), garbage),
+        "returns": torch.where(resp_mask, torch.randn(rows, R, generator=g) * 2 + 1, garbage),
+        "values": torch.where(resp_mask, torch.randn(rows, R, generator=g), garbage),
+        "num_turns": torch.randint(1, 4, (rows,), generator=g),
+    }
+
+
+def concat(batches):
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
+def run_ranks(cfg, per_rank_calls, ranks=None):
+    """Run one step: rank ``r`` applies ``per_rank_calls[r]`` and flushes; returns the ranks."""
+    world = len(per_rank_calls)
+    ranks = ranks or [RankActor.remote(cfg.name, r, world) for r in range(world)]
+    ray.get([a.run.remote(calls) for a, calls in zip(ranks, per_rank_calls)])
+    return ranks
+
+
+def stats(x):
+    x = x.double()
+    return x.mean().item(), x.min().item(), x.max().item()
+
+
+def assert_close(got, expected):
+    assert set(expected) <= set(got), sorted(set(expected) - set(got))
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+
+
+def test_data_metrics_equal_one_process_on_the_whole_batch(make_worker):
+    handle, cfg = make_worker()
+    # rank 3 has only wrong responses: it must not drag correct_length down with a 0
+    batches = [make_batch(s, rows, all_wrong=(s == 3)) for s, rows in enumerate((2, 9, 5, 14))]
+    for b in batches[:3]:
+        b["token_level_scores"][0, 0] = 0.9  # some correct responses on the other ranks
+        b["token_level_rewards"][0, 0] = 0.9
+    run_ranks(cfg, [[("compute_local_data_metric", (b, WORLD), {})] for b in batches])
+    got = ray.get(handle.wait_final_res.remote(0, 30))
+
+    whole = concat(batches)
+    resp = whole["response_mask"].bool()
+    seq_reward = whole["token_level_rewards"].double().sum(-1)
+    length = resp.sum(-1).double()
+    prompt_len = whole["attention_mask"][:, :P].sum(-1).double()
+    ret, val = whole["returns"].double()[resp], whole["values"].double()[resp]
+    expected = {"critic/vf_explained_var": 1 - torch.var(ret - val).item()
+                / (torch.var(ret).item() + 1e-5),
+                "response/clip_ratio/mean": (length == R).double().mean().item(),
+                "prompt/clip_ratio/mean": (prompt_len == P).double().mean().item()}
+    for name, x in {
+        "critic/score": whole["token_level_scores"].double().sum(-1),
+        "critic/rewards": seq_reward,
+        "critic/advantages": whole["advantages"][resp],
+        "critic/returns": whole["returns"][resp],
+        "critic/values": whole["values"][resp],
+        "response/length": length,
+        "response/correct_length": length[seq_reward > 0.5],
+        "response/wrong_length": length[seq_reward <= 0.5],
+        "prompt/length": prompt_len,
+        "num_turns": whole["num_turns"],
+    }.items():
+        expected.update(zip((f"{name}/mean", f"{name}/min", f"{name}/max"), stats(x)))
+    assert_close(got, expected)
+    assert got["perf/process_cpu_mem_used_gb"] >= got["perf/process_cpu_mem_used_gb/mean"] > 0
+
+    # the siiRL defects this fixes, each visible on this data:
+    per_rank_adv = [b["advantages"][b["response_mask"].bool()].double().mean() for b in batches]
+    assert got["critic/advantages/mean"] != pytest.approx(np.mean(per_rank_adv), rel=1e-3)
+    assert got["response/correct_length/min"] > 0  # no 0 placeholder from rank 3
+    per_rank_ev = []
+    for b in batches:
+        m = b["response_mask"].bool()
+        r, v = b["returns"].double()[m], b["values"].double()[m]
+        per_rank_ev.append(1 - torch.var(r - v).item() / (torch.var(r).item() + 1e-5))
+    assert got["critic/vf_explained_var"] != pytest.approx(np.mean(per_rank_ev), rel=1e-3)
+
+
+def test_population_empty_everywhere_is_omitted(make_worker):
+    handle, cfg = make_worker()
+    batches = [make_batch(10 + s, 3, all_wrong=True) for s in range(2)]
+    run_ranks(cfg, [[("compute_local_data_metric", (b,), {})] for b in batches])
+    got = ray.get(handle.wait_final_res.remote(0, 30))
+    assert not any(k.startswith("response/correct_length") for k in got)
+    assert "response/wrong_length/mean" in got
+
+
+def test_timing_throughput_and_train_perf_are_exact_across_ranks(make_worker):
+    handle, cfg = make_worker()
+    batches = [make_batch(20 + s, rows) for s, rows in enumerate((3, 8, 1, 6))]
+    timings = [{"gen": 1.0 + r, "update_actor": 0.5 * (r + 1), "step": 4.0 + r, "other": 0.1 * r}
+               for r in range(WORLD)]
+    steps, ranks = 3, None
+    for step in range(steps):
+        ranks = run_ranks(cfg, [[
+            ("compute_local_timing_metrics", (b, t, WORLD), {}),
+            ("compute_local_throughput_metrics", (b, t, 8, WORLD), {}),
+            ("record_train_perf_for_test", (int(b["attention_mask"].sum()) * (step + 1),
+                                            t["step"]), {}),
+        ] for b, t in zip(batches, timings)], ranks)
+    got = ray.get(handle.wait_final_res.remote(steps - 1, 30))
+
+    resp_tokens = sum(b["response_mask"].sum().item() for b in batches)
+    all_tokens = sum(b["attention_mask"].sum().item() for b in batches)
+    expected = {
+        "timing_s/gen": 4.0, "timing_s/update_actor": 2.0, "timing_s/step": 7.0,
+        "timing_s/other": 0.3,
+        "timing_per_token_ms/gen": 1000 * sum(t["gen"] for t in timings) / resp_tokens,
+        "timing_per_token_ms/update_actor":
+            1000 * sum(t["update_actor"] for t in timings) / all_tokens,
+        "perf/total_num_tokens": all_tokens,
+        "perf/time_per_step": 7.0,
+        "perf/throughput": all_tokens / (7.0 * 8),
+        "train_perf/tokens": all_tokens * steps,
+        "train_perf/seconds": 7.0,
+        "train_perf/tokens_per_second": all_tokens * steps / 7.0,
+        "train_perf/total_tokens": all_tokens * (1 + 2 + 3),
+        "train_perf/total_seconds": 7.0 * steps,
+        "train_perf/cumulative_tokens_per_second": all_tokens * 6 / (7.0 * steps),
+    }
+    assert_close(got, expected)
+    assert "timing_per_token_ms/other" not in got and "timing_per_token_ms/step" not in got
+
+
+def validation_data(seed):
+    rng = np.random.default_rng(seed)
+    sources, inputs, acc, reward, preds = [], [], [], [], []
+    for p in range(9):
+        source = "gsm8k" if p % 3 else "math"
+        n = 4 if p < 6 else 3
+        for _ in range(n):
+            sources.append(source)
+            inputs.append(f"prompt-{p}")
+            pred = str(rng.integers(0, 3))
+            preds.append(pred)
+            acc.append(float(pred == "1"))
+            reward.append(float(rng.normal()))
+    return sources, inputs, {"acc": acc, "reward": reward, "pred": preds}
+
+
+def split_by_prompt(sources, inputs, infos, assignment):
+    """Give every prompt group to one rank: ``assignment[prompt index] -> rank``."""
+    parts = [([], [], {k: [] for k in infos}) for _ in range(WORLD)]
+    for i, prompt in enumerate(inputs):
+        rank = assignment[int(prompt.split("-")[1])]
+        parts[rank][0].append(sources[i])
+        parts[rank][1].append(prompt)
+        for k in infos:
+            parts[rank][2][k].append(infos[k][i])
+    return parts
+
+
+@pytest.mark.parametrize("assignment", [[0, 1, 2, 3, 0, 1, 2, 3, 0], [3, 3, 3, 3, 0, 1, 2, 1, 1]])
+def test_validation_merges_by_prompt_group_and_ignores_the_split(make_worker, assignment):
+    handle, cfg = make_worker()
+    sources, inputs, infos = validation_data(7)
+    parts = split_by_prompt(sources, inputs, infos, assignment)
+    run_ranks(cfg, [[("process_local_validation_metrics", (s, i, inf, [1, 3] * (len(s) // 2),
+                                                          WORLD), {})] for s, i, inf in parts])
+    got = ray.get(handle.wait_final_res.remote(0, 30))
+    whole = validation_metrics(sources, inputs, infos)
+    expected = {k: float(np.mean(v)) for k, v in whole.items()}
+    assert_close(got, expected)
+    assert "val-core/gsm8k/acc/mean@4" in got and "val-core/gsm8k/acc/maj@4/mean" in got
+    assert "val-aux/gsm8k/reward/best@2/std" in got
+    assert (got["val-aux/num_turns/min"], got["val-aux/num_turns/max"]) == (1.0, 3.0)
+    for source in ("gsm8k", "math"):
+        picked = [r for r, s in zip(infos["reward"], sources) if s == source]
+        assert got[f"val/test_score/{source}"] == pytest.approx(np.mean(picked), rel=1e-12)
+
+
+def test_validation_mean_and_std_at_n_match_a_hand_computation():
+    out = validation_metrics(["s"] * 4, ["p"] * 4, {"acc": [1.0, 0.0, 1.0, 1.0]})
+    assert out["val-core/s/acc/mean@4"] == [0.75]
+    assert out["val-aux/s/acc/std@4"] == [pytest.approx(np.std([1, 0, 1, 1]))]
+    assert 0.75 < out["val-aux/s/acc/best@2/mean"][0] <= 1.0  # best of 2 beats the mean
+    assert out["val-aux/s/acc/best@2/mean"][0] < out["val-core/s/acc/best@4/mean"][0]
+    assert set(k.split("/")[-2] for k in out if "@" in k.split("/")[-2]) == {"best@2", "worst@2",
+                                                                            "best@4", "worst@4"}
+
+
+def test_logp_diagnostics_are_exact_and_count_nonfinite_tails(make_worker):
+    handle, cfg = make_worker()
+    g = torch.Generator().manual_seed(3)
+    parts = []
+    for rows in (2, 7, 4, 11):
+        t = -torch.rand(rows, 6, generator=g) * 3
+        r = t + torch.randn(rows, 6, generator=g) * 0.8
+        r[0, 0] = float("-inf")  # a non-finite tail
+        mask = torch.rand(rows, 6, generator=g) < 0.8
+        mask[0, 0] = True
+        parts.append((t, r, mask))
+    run_ranks(cfg, [[("record_logp_diagnostics_for_test", p, {})] for p in parts])
+    got = ray.get(handle.wait_final_res.remote(0, 30))
+    t = torch.cat([p[0] for p in parts]).double()
+    r = torch.cat([p[1] for p in parts]).double()
+    mask = torch.cat([p[2] for p in parts])
+    finite = torch.isfinite(t) & torch.isfinite(r)
+    valid = mask & finite
+    d = (t - r)[valid]
+    expected = {"logp_diff_squared": (d * d).mean().item(),
+                "trainer_nll": (-t[valid]).mean().item(), "rollout_nll": (-r[valid]).mean().item(),
+                "kl_k1": (-d).mean().item(), "kl_k2": (d * d / 2).mean().item(),
+                "kl_k3": (torch.expm1(d) - d).mean().item(),
+                "nonfinite_logp_fraction": (~finite)[mask].double().mean().item()}
+    for th in (1.5, 2, 3, 5, 10):
+        expected[f"ratio_outside_{th:g}"] = (d.abs() > math.log(th)).double().mean().item()
+    expected.update(zip(("logp_diff/mean", "logp_diff/min", "logp_diff/max"), stats(d)))
+    expected.update(zip(("logp_abs_diff/mean", "logp_abs_diff/min", "logp_abs_diff/max"),
+                        stats(d.abs())))
+    assert_close(got, expected)
+    assert expected["nonfinite_logp_fraction"] > 0
+
+
+def test_moe_balance_sums_counts_before_normalising(make_worker):
+    handle, cfg = make_worker()
+    per_rank = [
+        {0: torch.tensor([10, 0, 5, 5]), 1: torch.tensor([0, 0, 0, 0])},
+        {0: torch.tensor([0, 30, 0, 10]), 1: torch.tensor([0, 0, 0, 0])},
+        {0: np.array([1, 1, 1, 1])},
+    ]
+    run_ranks(cfg, [[("record_moe_for_test", (c,), {})] for c in per_rank])
+    got = ray.get(handle.wait_final_res.remote(0, 30))
+    total = np.array([11, 31, 6, 16], dtype=float)
+    for e, tokens in enumerate(total):
+        assert got[f"moe_balance/layer_0/expert_{e}/tokens"] == tokens
+        assert got[f"moe_balance/layer_0/expert_{e}/load_percent"] == pytest.approx(
+            100 * tokens / total.sum(), rel=1e-12)
+    assert got["moe_balance/layer_0/max_over_ideal"] == pytest.approx(31 / (64 / 4), rel=1e-12)
+    assert got["moe_balance/layer_1/max_over_ideal"] == 0.0
+    assert got["moe_balance/layer_1/expert_2/load_percent"] == 0.0
+    # per-rank normalisation would average the ranks' load shares instead: different
+    per_rank_share = np.mean([c[0][1] / max(float(np.sum(np.asarray(c[0]))), 1) * 100
+                              for c in per_rank])
+    assert got["moe_balance/layer_0/expert_1/load_percent"] != pytest.approx(per_rank_share)
+
+
+def test_siirl_method_names_exist_with_the_correct_spelling_alias(ray_cluster):
+    c = MetricClient(None, rank=0, world_size=2, name="unused")
+    assert c.compute_local_throughput_metrics == c.compute_local_throughout_metrics
+    with pytest.raises(ValueError, match=r"must be in \[1, 2\]"):
+        c.compute_local_data_metric(make_batch(0, 2), world_size=3)
