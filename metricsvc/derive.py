@@ -163,6 +163,12 @@ class Deriver:
         return out
 
     def state(self) -> dict[str, Any]:
-        """Return the cumulative totals (for health and, later, restarts)."""
+        """Return the cumulative totals (journaled in each step's meta)."""
         return {k: dict(v) for k, v in self.cumulative.items()}
+
+    def restore(self, state: Mapping[str, Mapping[str, float]]) -> None:
+        """Continue cumulative totals from a journaled ``state()`` (after a restart)."""
+        for name, totals in state.items():
+            self.cumulative[name] = {"tokens": float(totals.get("tokens", 0.0)),
+                                     "seconds": float(totals.get("seconds", 0.0))}
 

@@ -50,12 +50,16 @@ def test_retried_batch_is_merged_once_before_and_after_the_step_finished():
     assert agg.counts["duplicate"] == 2 and agg.counts["late"] == 0
 
 
-def test_batch_for_an_emitted_step_is_late_and_never_changes_the_result():
-    agg = Aggregator()
-    agg.submit(batch(0, 0, x=1.0))
-    result = agg.submit(batch(0, 1, x=1.0)).finished[0]
-    assert agg.submit(batch(0, 1, seq=999, x=100.0)).status == "late"
-    assert result.metrics == {"x": 1.0} and agg.counts["late"] == 1
+def test_batch_for_an_emitted_step_never_changes_the_result():
+    agg = Aggregator(straggler_timeout_s=1.0, clock=lambda: 0.0)
+    agg.submit(batch(0, 0, world_size=3, x=1.0))
+    agg.submit(batch(0, 1, world_size=3, x=1.0))
+    (result,) = agg.expire(now=5.0)
+    # rank 1 closed step 0 already: anything it resends is a duplicate; rank 2 is late
+    assert agg.submit(batch(0, 1, world_size=3, seq=999, x=100.0)).status == "duplicate"
+    assert agg.submit(batch(0, 2, world_size=3, x=100.0)).status == "late"
+    assert result.metrics == {"x": 1.0} and agg.counts == {**agg.counts, "late": 1,
+                                                           "duplicate": 1}
 
 
 def test_nonfinal_batches_merge_with_the_final_one():
@@ -106,7 +110,7 @@ def test_nonfinite_values_are_counted_and_excluded_whatever_the_arrival_order():
 def test_rejected_batch_changes_nothing_and_the_step_still_completes():
     agg = Aggregator()
     agg.submit(batch(0, 0, kind=ReduceType.AVG, x=1.0))
-    with pytest.raises(BatchRejected, match="key 'x': recorded as AVG .* sent it as SUM"):
+    with pytest.raises(BatchRejected, match="key 'x': recorded as AVG, but rank 1 in step 0 sent it as SUM"):
         agg.submit(batch(0, 1, seq=5, kind=ReduceType.SUM, x=9.0, y=2.0))
     with pytest.raises(BatchRejected, match="world_size 3, but the step was opened with"):
         agg.submit(batch(0, 1, world_size=3, seq=6, x=9.0))

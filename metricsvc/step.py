@@ -1,0 +1,220 @@
+"""What the service holds for one pending step or one stream window (pure numpy, no Ray).
+
+Contributions are kept as they arrive ("parts") and merged only when the step
+finishes, in a fixed order (ranks by number, then stream windows), so the
+float sums — and hence the published values — are identical whatever order
+the batches arrived in, across retries and actor restarts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from metricsvc import records
+from metricsvc.records import Batch
+from metricsvc.reduce import AUTO, ReduceType
+from metricsvc.sketch import merge_sparse
+from metricsvc.validation import BatchRejected
+
+Sketch = tuple[np.ndarray, np.ndarray]
+
+
+def kind_name(code: int) -> str:
+    """Return a reduce code's name for messages."""
+    return "AUTO" if code == AUTO else ReduceType(code).name
+
+
+@dataclass
+class Part:
+    """One contribution: rows of a batch (or of a stream window) and where they go."""
+
+    order: tuple
+    rank: int | None
+    idx: np.ndarray
+    rows: np.ndarray
+    sketches: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
+
+
+class Collection:
+    """Keys with their reduce codes, and the parts that will merge into them."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.keys: list[str] = []
+        self._codes = np.zeros(16, dtype=np.int8)
+        self._expected = np.zeros(16, dtype=np.int32)
+        self._from_stream = np.zeros(16, dtype=bool)
+        self.parts: list[Part] = []
+
+    @property
+    def codes(self) -> np.ndarray:
+        return self._codes[: len(self.keys)]
+
+    @property
+    def expected(self) -> np.ndarray:
+        return self._expected[: len(self.keys)]
+
+    @property
+    def from_stream(self) -> np.ndarray:
+        return self._from_stream[: len(self.keys)]
+
+    def locate(self, keys: Sequence[str], kinds: np.ndarray, who: str) -> np.ndarray:
+        """Return each key's row (-1 if new); raise if a key arrives with another kind."""
+        get = self.index.get
+        idx = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        old = idx >= 0
+        clash = self._codes[idx[old]] != kinds[old]
+        if clash.any():
+            j = int(np.flatnonzero(old)[np.flatnonzero(clash)[0]])
+            raise BatchRejected(
+                f"key {keys[j]!r}: recorded as {kind_name(int(self._codes[idx[j]]))}, "
+                f"but {who} sent it as {kind_name(int(kinds[j]))}"
+            )
+        return idx
+
+    def add(
+        self,
+        part: Part,
+        keys: Sequence[str],
+        kinds: np.ndarray,
+        expected: np.ndarray,
+        sketches: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
+        from_stream: bool = False,
+    ) -> None:
+        """Add a located part (``part.idx`` from ``locate``, completed here for new keys)."""
+        idx = part.idx
+        new = idx < 0
+        n_new = int(new.sum())
+        if n_new:
+            start = len(self.keys)
+            self._reserve(start + n_new)
+            ids = np.arange(start, start + n_new)
+            idx[new] = ids
+            new_keys = [k for k, is_new in zip(keys, new) if is_new]
+            self.keys.extend(new_keys)
+            self.index.update(zip(new_keys, ids.tolist()))
+            self._codes[ids] = kinds[new]
+        self._expected[idx] = np.maximum(self._expected[idx], expected)
+        if from_stream:
+            self._from_stream[idx] = True
+        part.sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
+        self.parts.append(part)
+
+    def _reserve(self, n: int) -> None:
+        cap = len(self._codes)
+        if n <= cap:
+            return
+        grow = max(n, 2 * cap) - cap
+        self._codes = np.concatenate([self._codes, np.zeros(grow, dtype=np.int8)])
+        self._expected = np.concatenate([self._expected, np.zeros(grow, dtype=np.int32)])
+        self._from_stream = np.concatenate([self._from_stream, np.zeros(grow, dtype=bool)])
+
+    def merged(self) -> tuple[np.ndarray, np.ndarray, dict[int, Sketch]]:
+        """Return merged rows, ranks contributing to each row, and merged sketches."""
+        n = len(self.keys)
+        data = records.identity(n)
+        sketch_parts: dict[int, list[Sketch]] = {}
+        rank_rows: dict[int, list[np.ndarray]] = {}
+        for part in sorted(self.parts, key=lambda p: p.order):
+            records.merge_into(data, part.rows, part.idx)
+            for row, codes, counts in part.sketches:
+                sketch_parts.setdefault(row, []).append((codes, counts))
+            if part.rank is not None:
+                rank_rows.setdefault(part.rank, []).append(part.idx)
+        contributors = np.zeros(n, dtype=np.int32)
+        for rows in rank_rows.values():
+            contributors[np.unique(np.concatenate(rows))] += 1
+        return data, contributors, {r: merge_sparse(p) for r, p in sketch_parts.items()}
+
+
+def batch_sketches(batch: Batch) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Return a batch's sketches as ``(row in batch, codes, counts)``."""
+    return [(int(row), *batch.sketch(j)) for j, row in enumerate(batch.sketch_rows.tolist())]
+
+
+class PendingStep(Collection):
+    """A step that is not final yet: its parts, and which ranks have closed it."""
+
+    def __init__(self, step: int, world_size: int | None, now: float) -> None:
+        super().__init__()
+        self.step = step
+        self.world_size = world_size  # None until a rank's batch arrives (stream-only so far)
+        self.opened_at = now
+        self.closed: set[int] = set()
+        self.seqs: set[tuple[int, int]] = set()
+        self.batches = 0
+        self.streams: list[str] = []
+        self.timed_out = False
+        self.stream_only = False
+
+    def check(self, batch: Batch) -> np.ndarray:
+        """Return the row of each batch key (-1 if new); raise if the batch cannot merge."""
+        if self.world_size is not None and batch.world_size != self.world_size:
+            raise BatchRejected(
+                f"step {self.step}: rank {batch.rank} sent world_size {batch.world_size}, "
+                f"but the step was opened with world_size {self.world_size}"
+            )
+        if batch.rank in self.closed:
+            raise BatchRejected(
+                f"step {self.step}: rank {batch.rank} already closed this step "
+                f"(new seq {batch.seq})"
+            )
+        return self.locate(batch.keys, batch.kinds, f"rank {batch.rank} in step {self.step}")
+
+    def add_batch(self, batch: Batch, idx: np.ndarray) -> None:
+        """Keep a checked batch as a part; a final batch closes the step for its rank."""
+        self.world_size = batch.world_size
+        part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data)
+        self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch))
+        self.seqs.add((batch.rank, batch.seq))
+        self.batches += 1
+        if batch.final:
+            self.closed.add(batch.rank)
+
+    @property
+    def complete(self) -> bool:
+        if self.world_size is None:
+            return self.stream_only
+        return len(self.closed) >= self.world_size
+
+    @property
+    def ready(self) -> bool:
+        return self.complete or self.timed_out
+
+    def missing(self) -> list[int]:
+        return sorted(set(range(self.world_size or 0)) - self.closed)
+
+    def summary(self) -> dict[str, Any]:
+        return {"closed": sorted(self.closed), "world_size": self.world_size,
+                "keys": len(self.keys)}
+
+
+class Window(Collection):
+    """A stream's records since its last export, from any number of clients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seqs: set[tuple[str, int]] = set()
+
+    def add_batch(self, client: str, batch: Batch) -> bool:
+        """Keep a stream batch; False (and nothing kept) if it was seen before."""
+        if (client, batch.seq) in self.seqs:
+            return False
+        idx = self.locate(batch.keys, batch.kinds, f"stream client {client}")
+        part = Part((client, batch.seq), None, idx, batch.data)
+        self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch), True)
+        self.seqs.add((client, batch.seq))
+        return True
+
+    def as_part(self, order: tuple) -> tuple[Part, list[str], np.ndarray, list]:
+        """Return the merged window as one part for a step (and the keys, codes, sketches)."""
+        data, _, sketches = self.merged()
+        idx = np.full(len(self.keys), -1, dtype=np.int64)
+        part = Part(order, None, idx, data)
+        return part, list(self.keys), self.codes.copy(), [
+            (row, codes, counts) for row, (codes, counts) in sketches.items()
+        ]
