@@ -1,8 +1,17 @@
 """Worker-side API: summarise on the device, merge micro-batches, one RPC per step."""
 
 from clients.client import MetricClient
+from clients.rpc import ServiceUnavailable
+from clients.stream import StreamRecorder
 from clients.summarize import summarize
 from clients.tracker import Tracker
 from metricsvc.reduce import ReduceType
 
-__all__ = ["MetricClient", "ReduceType", "Tracker", "summarize"]
+__all__ = [
+    "MetricClient",
+    "ReduceType",
+    "ServiceUnavailable",
+    "StreamRecorder",
+    "Tracker",
+    "summarize",
+]

@@ -2,45 +2,24 @@
 
 from __future__ import annotations
 
-import threading
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from clients import metrics
-from clients.summarize import (
-    Row,
-    add_dense,
-    element_rows,
-    merge_rows,
-    sketch,
-    summarize,
-    summarize_many,
-    to_host,
-)
-from clients.tracker import Tracker
+from clients.buffer import RecordBuffer, TrackerAPI
+from clients.rpc import call
+from clients.stream import StreamRecorder
 from metricsvc.config import DEFAULT_NAME
-from metricsvc.records import Batch, scalar_row
-from metricsvc.reduce import AUTO, ReduceType
-from metricsvc.sketch import SketchSpec, dense_to_sparse
-from metricsvc.validation import check_key, check_rank
+from metricsvc.records import Batch
+from metricsvc.sketch import SketchSpec
+from metricsvc.validation import check_rank
 
+log = logging.getLogger(__name__)
 
-def _kind_name(code: int) -> str:
-    return "AUTO (from the key name)" if code == AUTO else ReduceType(code).name
-
-
-@dataclass
-class _Entry:
-    code: int
-    expected: int
-    row: Row
-    sketch: Row | None = None
-
-
-class MetricClient:
+class MetricClient(TrackerAPI):
     """A rank's handle on the MetricWorker: record metrics for the open step, then flush.
 
     Recording never syncs a device: tensors are summarised on their device and
@@ -48,6 +27,10 @@ class MetricClient:
     and sends one batch in one actor call. The recording API is AReaL's
     ``stats_tracker`` (``stat``, ``denominator``, ``scalar``, ``scope``,
     ``record_timing``, ``get``) plus siiRL's ``submit_metric``.
+
+    Batches stay in memory until the service's journal holds their step: if the
+    actor restarts (and loses the steps it had not journaled), the client resends
+    them, and the service merges each ``(step, rank, seq)`` once.
     """
 
     def __init__(
@@ -61,6 +44,8 @@ class MetricClient:
         namespace: str | None = None,
         sketch_spec: SketchSpec | None = None,
         compile: bool | None = None,
+        retry_s: float = 120.0,
+        max_inflight: int = 256,
     ) -> None:
         self.rank, self.world_size = check_rank(rank, world_size)
         if start_step < 0:
@@ -68,18 +53,18 @@ class MetricClient:
         self._worker = worker
         self._name = name or DEFAULT_NAME
         self._namespace = namespace
-        self.sketch_spec = sketch_spec or SketchSpec()
-        self.compile = compile
+        self.buffer = RecordBuffer(sketch_spec, compile)
+        self.buffer.label = f"step {start_step}"
         self.step = int(start_step)
         self.last_closed: int | None = None
-        self._buffer: dict[str, _Entry] = {}
-        self._lock = threading.RLock()
+        self.retry_s = retry_s
+        self.max_inflight = max_inflight
         self._seq = 0
         self._unacked: Batch | None = None
-        self._trackers: dict[str, Tracker] = {}
-        self.tracker = Tracker(self)
+        self._inflight: list[Batch] = []  # sent, but not yet in the service's journal
+        self._epoch: str | None = None
         self.rpc_count = 0
-        self.host_copies = 0
+        self.resent = 0
 
     @property
     def worker(self) -> Any:
@@ -88,49 +73,10 @@ class MetricClient:
             self._worker = ray.get_actor(self._name, namespace=self._namespace)
         return self._worker
 
-    # -- the tracker API (default tracker) ---------------------------------------------
-    def stat(self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX,
-             **kwargs: Any) -> None:
-        """Record masked summaries; see ``Tracker.stat``.
-
-        Raises:
-            TypeError: a non-numeric value or a non-bool mask (the key is named).
-            ValueError: a mask whose shape differs from the value's, an unknown denominator.
-        """
-        self.tracker.stat(mask, reduce, **kwargs)
-
-    def denominator(self, **masks: Any) -> None:
-        """Register bool masks by name; see ``Tracker.denominator``."""
-        self.tracker.denominator(**masks)
-
-    def scalar(self, **values: Any) -> None:
-        """Record rank-identical numbers; see ``Tracker.scalar``."""
-        self.tracker.scalar(**values)
-
-    def weighted_mean(self, key: str, value: float, weight: float) -> None:
-        """Record ``value`` counted ``weight`` times into the mean of ``key``."""
-        self.tracker.weighted_mean(key, value, weight)
-
-    def record_counts(self, keys: list[str], counts: Any, kind: ReduceType) -> None:
-        """Record element ``i`` of a 1-D tensor/array as one value of ``keys[i]``."""
-        self.tracker.record_counts(keys, counts, kind)
-
-    def scope(self, name: str) -> Any:
-        """Nest keys under ``name/``; a context manager and a decorator."""
-        return self.tracker.scope(name)
-
-    def record_timing(self, name: str) -> Any:
-        """Time a block into ``timing_s/<name>`` (MAX across ranks)."""
-        return self.tracker.record_timing(name)
-
-    def get(self, name: str) -> Tracker:
-        """Return the named tracker ``name``: keys prefixed ``name/``, scopes of its own."""
-        check_key(name)
-        with self._lock:
-            tracker = self._trackers.get(name)
-            if tracker is None:
-                tracker = self._trackers[name] = Tracker(self, prefix=f"{name}/")
-            return tracker
+    def stream(self, name: str, **kwargs: Any) -> StreamRecorder:
+        """Return a recorder for stream ``name``: no step barrier; see ``StreamRecorder``."""
+        return StreamRecorder(lambda: self.worker, name, sketch_spec=self.buffer.sketch_spec,
+                              compile=self.buffer.compile, retry_s=self.retry_s, **kwargs)
 
     # -- siiRL ---------------------------------------------------------------------------
     def submit_metric(self, metrics: Mapping[str, Any], world_size: int | None = None) -> None:
@@ -141,9 +87,7 @@ class MetricClient:
         """
         if not isinstance(metrics, Mapping):
             raise TypeError(f"submit_metric expects a mapping, got {type(metrics).__name__}")
-        expected = self._expected(world_size, metrics)
-        rows = {check_key(k): summarize(v, key=k, compile=self.compile) for k, v in metrics.items()}
-        self._record_all(rows, AUTO, expected)
+        self.buffer.record_plain(metrics, self._expected(world_size, metrics))
 
     # siiRL's MetricClient methods; ``world_size`` is checked, the client's own is used.
     def compute_local_data_metric(self, batch: Mapping[str, Any],
@@ -190,115 +134,73 @@ class MetricClient:
             )
         return 0 if world_size == self.world_size else world_size
 
-    # -- the buffer ----------------------------------------------------------------------
-    def _record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
-        """Summarise ``{full key: value}`` under one mask and merge into the open step."""
-        rows = summarize_many(values, mask, compile=self.compile)
-        sketches = None
-        if kind is ReduceType.QUANTILES:
-            sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
-        self._record_all(rows, int(kind), 0, sketches)
-
-    def _record_elements(self, keys: list[str], values: Any, kind: ReduceType) -> None:
-        """Record element ``i`` of ``values`` as one value (count 1) of ``keys[i]``."""
-        rows = element_rows(values, key=keys[0] if keys else "value")
-        if len(rows) != len(keys):
-            raise ValueError(f"{len(keys)} keys for {len(rows)} values (first key {keys[0]!r})")
-        self._record_all(dict(zip(keys, rows)), int(kind), 0)
-
-    def _record_weighted(self, key: str, value: float, weight: float) -> None:
-        if not weight >= 0:
-            raise ValueError(f"weight for key {key!r} must be >= 0, got {weight}")
-        self._record_all({key: scalar_row(float(value), float(weight))}, int(ReduceType.AVG), 0)
-
-    def _record_all(
-        self,
-        rows: dict[str, Row],
-        code: int,
-        expected: int,
-        sketches: dict[str, Row] | None = None,
-    ) -> None:
-        with self._lock:
-            # Check every key before touching the buffer: a bad call records nothing.
-            for key in rows:
-                entry = self._buffer.get(key)
-                if entry is not None and entry.code != code:
-                    raise ValueError(
-                        f"key {key!r} was recorded as {_kind_name(entry.code)} in step "
-                        f"{self.step}; recording it as {_kind_name(code)} would mix reductions"
-                    )
-            for key, row in rows.items():
-                sk = None if sketches is None else sketches[key]
-                entry = self._buffer.get(key)
-                if entry is None:
-                    self._buffer[key] = _Entry(code, expected, row, sk)
-                    continue
-                entry.row = merge_rows(entry.row, row)
-                entry.expected = max(entry.expected, expected)
-                if sk is not None:
-                    entry.sketch = sk if entry.sketch is None else add_dense(entry.sketch, sk)
-
-    def pending_keys(self) -> list[str]:
-        """Return the keys recorded in the open step so far."""
-        return list(self._buffer)
+    # -- the service -------------------------------------------------------------------
+    def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """One actor call, retried with backoff while the actor is down (up to ``retry_s``)."""
+        self.rpc_count += 1
+        return call(lambda: self.worker, method, *args, retry_s=self.retry_s,
+                    timeout_s=timeout_s, label=f"MetricWorker {self._name!r}")
 
     # -- flushing ------------------------------------------------------------------------
     def wait_submit(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Close this rank's step: one host copy, one actor call, return after the ack.
 
-        On a timeout or an actor error the batch is kept; calling again resends
-        the same batch, which the service merges once. If the service rejects the
-        batch, it is dropped, the step stays open and the error is raised.
+        While the actor restarts the call waits (up to ``retry_s``). On a timeout
+        the batch is kept and calling again resends it; the service merges it
+        once. If the service rejects the batch, it is dropped, the step stays
+        open and the error (a ``ValueError``) is raised.
         """
-        with self._lock:
+        with self.buffer.lock:
             if self._unacked is None:
-                self._unacked = self._build_batch()
-                self._buffer = {}
-                for tracker in (self.tracker, *self._trackers.values()):
-                    tracker._reset()
+                self._seq += 1
+                self._unacked = self.buffer.take_batch(
+                    step=self.step, rank=self.rank, world_size=self.world_size,
+                    seq=self._seq, final=True)
             batch = self._unacked
-        self.rpc_count += 1
         try:
-            ack = ray.get(self.worker.submit.remote(batch), timeout=timeout_s)
+            ack = self._call("submit", batch, timeout_s=timeout_s)
         except ValueError:
             self._unacked = None  # rejected by the service: retrying cannot help
             raise
         self._unacked = None
+        self._after_ack(ack, batch)
         self.last_closed = batch.step
         self.step = batch.step + 1
+        self.buffer.label = f"step {self.step}"
         return ack
 
-    def _build_batch(self) -> Batch:
-        keys = tuple(self._buffer)
-        entries = list(self._buffer.values())
-        with_sketch = [i for i, e in enumerate(entries) if e.sketch is not None]
-        parts, copies = to_host([e.row for e in entries] + [entries[i].sketch for i in with_sketch])
-        self.host_copies += copies
-        k = len(entries)
-        sketches = {
-            i: dense_to_sparse(parts[k + j], self.sketch_spec) for j, i in enumerate(with_sketch)
-        }
-        self._seq += 1
-        return Batch.build(
-            step=self.step,
-            rank=self.rank,
-            world_size=self.world_size,
-            seq=self._seq,
-            final=True,
-            keys=keys,
-            data=parts[:k] if k else [],
-            kinds=[e.code for e in entries],
-            expected=[e.expected for e in entries],
-            sketches=sketches,
-            sketch_alpha=self.sketch_spec.alpha,
-        )
+    def _after_ack(self, ack: dict[str, Any], batch: Batch) -> None:
+        if self._epoch is not None and ack["epoch"] != self._epoch:
+            self._resend(ack)  # a new incarnation: it has only what its journal held
+        self._epoch = ack["epoch"]
+        self._inflight.append(batch)
+        self._forget_durable(ack.get("durable_through"))
+        if len(self._inflight) > self.max_inflight:
+            dropped = self._inflight.pop(0)
+            log.warning("more than %d steps not yet journaled; step %d can no longer be "
+                        "resent after a restart", self.max_inflight, dropped.step)
+
+    def _resend(self, ack: dict[str, Any]) -> None:
+        self._forget_durable(ack.get("durable_through"))
+        for old in list(self._inflight):
+            try:
+                self._call("submit", old)
+                self.resent += 1
+            except ValueError as err:  # e.g. too many pending steps: nothing more to do
+                log.error("resending step %d after a restart failed: %s", old.step, err)
+
+    def _forget_durable(self, durable_through: int | None) -> None:
+        if durable_through is not None:
+            self._inflight = [b for b in self._inflight if b.step > durable_through]
 
     # -- reading -------------------------------------------------------------------------
     def wait_final_res(self, step: int | None = None, timeout: float | None = None) -> dict:
-        """Return the merged metrics of ``step`` (default: the last step this rank closed)."""
+        """Return the merged metrics of ``step`` (default: the last step this rank closed).
+
+        Raises ``StepNotFinal`` (a TimeoutError) after ``timeout`` seconds.
+        """
         if step is None:
             step = self.last_closed
-        self.rpc_count += 1
-        ref = self.worker.wait_final_res.remote(step, timeout)
         # The actor enforces ``timeout``; the margin here only guards a lost actor.
-        return ray.get(ref, timeout=None if timeout is None else timeout + 30)
+        return self._call("wait_final_res", step, timeout,
+                          timeout_s=None if timeout is None else timeout + 30)

@@ -267,6 +267,7 @@ class Aggregator:
             "missing_ranks": p.missing(),
             "batches": p.batches,
             "keys": len(p.keys),
+            "age_s": round(self._clock() - p.opened_at, 6),  # first batch -> final
         }
         if p.streams:
             meta["streams"] = list(p.streams)

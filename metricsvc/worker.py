@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from metricsvc.aggregator import Aggregator, StepResult
 from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config
 from metricsvc.records import Batch
 from metricsvc.sinks import SinkDispatcher, build_sinks
+from metricsvc.sinks.jsonl import read_journal
 from metricsvc.validation import BatchRejected
 
 log = logging.getLogger(__name__)
@@ -62,13 +64,45 @@ class MetricWorkerImpl:
         self.run_dir = cfg.run.run_dir().resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump()))
-        self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir, cfg.sinks.delivery)
         self._results: OrderedDict[int, StepResult] = OrderedDict()
+        self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
+        self.restored_steps = self._restore()
+        self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir, cfg.sinks.delivery)
         self._changed = asyncio.Condition()
         self._ticker: asyncio.Task[None] | None = None
         self._started = time.time()
         self.calls: Counter[str] = Counter()
         self._closed = False
+
+    def _journal_path(self) -> Path | None:
+        jsonl = self.config.sinks.jsonl
+        return None if jsonl is None or not jsonl.enabled else self.run_dir / jsonl.filename
+
+    def _restore(self) -> int:
+        """After a restart, continue from the journal: finished steps, cumulative totals."""
+        path = self._journal_path()
+        if path is None or not path.exists():
+            return 0
+        finished = read_journal(path)
+        self.aggregator.restore(finished)
+        keep = self.config.limits.keep_results
+        for record in finished[-keep:]:
+            step = int(record["step"])
+            self._results[step] = StepResult(step, record["metrics"], record["meta"])
+        if finished:
+            log.warning("restarted: %d finished steps reloaded from %s (last step %s)",
+                        len(finished), path, self.aggregator.last_emitted)
+        return len(finished)
+
+    def _durable_through(self) -> int | None:
+        """Return the last step the journal holds (clients may forget batches up to it)."""
+        if self._journal_path() is None:
+            return self.aggregator.last_emitted
+        return self.sinks.health().get("jsonl", {}).get("last_step")
+
+    def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
+        return {"status": status, "epoch": self.epoch, "durable_through": self._durable_through(),
+                "last_final_step": self.aggregator.last_emitted, **extra}
 
     # -- ranks -------------------------------------------------------------------------
     async def submit(self, batch: Batch) -> dict[str, Any]:
@@ -98,7 +132,25 @@ class MetricWorkerImpl:
             await self._publish(outcome.finished)
         elif batch.final:
             await self._notify()  # wait_final_res(step=None) watches newest_closed
-        return {"status": outcome.status, "step": batch.step, "seq": batch.seq}
+        return self._ack(outcome.status, step=batch.step, seq=batch.seq)
+
+    # -- streams -----------------------------------------------------------------------
+    async def stream_submit(self, name: str, client: str, batch: Batch) -> dict[str, Any]:
+        """Add a stream client's records to the current window of stream ``name``."""
+        self.calls["stream_submit"] += 1
+        status = self.aggregator.stream_submit(name, client, batch)
+        return self._ack(status, seq=batch.seq)
+
+    async def export_stream(self, name: str, step: int, close: bool = False) -> dict[str, float]:
+        """Publish the window of stream ``name`` with ``step``, start a new window, and
+        return the window's metrics. ``close=True``: a step no rank submits is final with
+        the window alone. Raises ``BatchRejected`` (window kept) if the step is final."""
+        self.calls["export_stream"] += 1
+        self._ensure_ticker()
+        metrics, finished = self.aggregator.export_stream(name, int(step), close)
+        if finished:
+            await self._publish(finished)
+        return metrics
 
     # -- readers -----------------------------------------------------------------------
     async def wait_final_res(
@@ -164,18 +216,26 @@ class MetricWorkerImpl:
     def health(self) -> dict[str, Any]:
         """Return the actor's state: pending steps, counters, sink errors, run folder."""
         agg = self.aggregator
+        sinks = self.sinks.health()
         return {
             "name": self.config.name,
+            "epoch": self.epoch,
+            "restored_steps": self.restored_steps,
             "pending_steps": agg.pending_summary(),
             "last_final_step": agg.last_emitted,
             "newest_closed_step": agg.newest_closed,
+            "durable_through": self._durable_through(),
+            "rank_last_seen": dict(sorted(agg.rank_last_seen.items())),
             "batches": agg.counts["batches"],
+            "stream_batches": agg.counts["stream_batches"],
+            "stream_windows": agg.windows_summary(),
             "rejected_batches": agg.counts["rejected"],
             "duplicate_batches": agg.counts["duplicate"],
             "late_batches": agg.counts["late"],
             "partial_steps": agg.counts["partial"],
+            "failing_sinks": sorted(name for name, h in sinks.items() if h["failing"]),
             "calls": dict(self.calls),
-            "sinks": self.sinks.health(),
+            "sinks": sinks,
             "sink_errors": self.sinks.errors,
             "run_dir": str(self.run_dir),
             "uptime_s": time.time() - self._started,
@@ -244,14 +304,24 @@ MetricWorker = ray.remote(
 
 
 def start_metric_worker(
-    config: ConfigSource = None, *, name: str | None = None, namespace: str | None = None
+    config: ConfigSource = None,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    runtime_env: dict[str, Any] | None = None,
 ) -> Any:
     """Create (or return the existing) named MetricWorker singleton and wait until it serves.
 
     ``config`` is a YAML path, a dict, a ServiceConfig or None; ``name`` and
-    ``namespace`` override the config's. Calling it twice returns the same actor.
+    ``namespace`` override the config's; ``runtime_env`` is passed to Ray (e.g.
+    ``{"env_vars": {"WANDB_API_KEY": ...}}`` for an online sink). Calling it twice
+    returns the same actor.
     """
     cfg = load_config(config, name=name, namespace=namespace)
+    if cfg.run.trial is None:
+        # Fixed here, not in the actor: a restarted actor must find the same run folder.
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(
+            update={"trial": time.strftime("%Y%m%d-%H%M%S")})})
     handle = MetricWorker.options(  # type: ignore[attr-defined]
         name=cfg.name,
         namespace=cfg.namespace,
@@ -259,6 +329,7 @@ def start_metric_worker(
         max_restarts=cfg.max_restarts,
         max_concurrency=cfg.max_concurrency,
         num_cpus=cfg.num_cpus,
+        runtime_env=runtime_env,
     ).remote(cfg.model_dump())
     ray.get(handle.health.remote())  # surfaces a failing __init__ here, not later
     # Registered after ray.init's own exit hook, so it runs first, while Ray still answers:

@@ -50,6 +50,9 @@ class ConsoleSink:
         if step % self.config.every and not meta.get("partial"):
             return
         stream = self._stream or sys.stdout
+        if meta.get("partial"):
+            stream.write(f"WARNING step {step} is partial: ranks {meta.get('missing_ranks')} "
+                         f"did not close it within the straggler timeout\n")
         stream.write(format_step(step, metrics, meta, self.config.max_rows))
         stream.flush()
 

@@ -31,7 +31,10 @@ class JsonlSink:
 
     def open(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / self.config.filename
+        torn = self.path.exists() and self.path.stat().st_size and not _ends_with_newline(self.path)
         self._fh = self.path.open("a", encoding="utf-8")
+        if torn:  # a crash cut the last line short: start ours on a line of its own
+            self._fh.write("\n")
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
         record = {
@@ -60,13 +63,24 @@ class JsonlSink:
             self._fh = None
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
 def read_journal(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Return the finished-step records of a journal, in file order (events skipped)."""
+    """Return the finished-step records of a journal, in file order.
+
+    Events are skipped, and so is a line a crash cut short.
+    """
     out = []
     with open(path, encoding="utf-8") as fh:
         for line in fh:
-            if line.strip():
-                record = json.loads(line)
-                if "step" in record:
-                    out.append(record)
+            try:
+                record = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "step" in record:
+                out.append(record)
     return out

@@ -1,0 +1,206 @@
+"""The records one client holds before a flush: merged locally, built into one wire batch."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from clients.summarize import (
+    Row,
+    add_dense,
+    element_rows,
+    merge_rows,
+    sketch,
+    summarize,
+    summarize_many,
+    to_host,
+)
+from clients.tracker import Tracker
+from metricsvc.records import Batch, scalar_row
+from metricsvc.reduce import AUTO, ReduceType
+from metricsvc.sketch import SketchSpec, dense_to_sparse
+from metricsvc.validation import check_key
+
+
+def _kind_name(code: int) -> str:
+    return "AUTO (from the key name)" if code == AUTO else ReduceType(code).name
+
+
+@dataclass
+class _Entry:
+    code: int
+    expected: int
+    row: Row
+    sketch: Row | None = None
+
+
+class RecordBuffer:
+    """Keys recorded since the last flush, each one merged record (and sketch) on its device."""
+
+    def __init__(self, sketch_spec: SketchSpec | None = None, compile: bool | None = None):
+        self.sketch_spec = sketch_spec or SketchSpec()
+        self.compile = compile
+        self.lock = threading.RLock()
+        self._entries: dict[str, _Entry] = {}
+        self._trackers: dict[str, Tracker] = {}
+        self.tracker = Tracker(self)
+        self.host_copies = 0
+        self.label = "this step"  # how errors name the open window
+        self.on_record: Any = None  # called after each successful recording (auto-flush)
+
+    # -- trackers ------------------------------------------------------------------------
+    def get(self, name: str) -> Tracker:
+        """Return the named tracker ``name``: keys prefixed ``name/``, scopes of its own."""
+        check_key(name)
+        with self.lock:
+            tracker = self._trackers.get(name)
+            if tracker is None:
+                tracker = self._trackers[name] = Tracker(self, prefix=f"{name}/")
+            return tracker
+
+    # -- recording -----------------------------------------------------------------------
+    def record_plain(self, metrics: Mapping[str, Any], expected: int) -> None:
+        """Record a plain dict whose reductions the service takes from the key names."""
+        rows = {check_key(k): summarize(v, key=k, compile=self.compile)
+                for k, v in metrics.items()}
+        self._record_all(rows, AUTO, expected)
+
+    def _record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
+        """Summarise ``{full key: value}`` under one mask and merge into the buffer."""
+        rows = summarize_many(values, mask, compile=self.compile)
+        sketches = None
+        if kind is ReduceType.QUANTILES:
+            sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
+        self._record_all(rows, int(kind), 0, sketches)
+
+    def _record_elements(self, keys: list[str], values: Any, kind: ReduceType) -> None:
+        """Record element ``i`` of ``values`` as one value (count 1) of ``keys[i]``."""
+        rows = element_rows(values, key=keys[0] if keys else "value")
+        if len(rows) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(rows)} values (first key {keys[0]!r})")
+        self._record_all(dict(zip(keys, rows)), int(kind), 0)
+
+    def _record_weighted(self, key: str, value: float, weight: float) -> None:
+        if not weight >= 0:
+            raise ValueError(f"weight for key {key!r} must be >= 0, got {weight}")
+        self._record_all({key: scalar_row(float(value), float(weight))}, int(ReduceType.AVG), 0)
+
+    def _record_all(
+        self,
+        rows: dict[str, Row],
+        code: int,
+        expected: int,
+        sketches: dict[str, Row] | None = None,
+    ) -> None:
+        with self.lock:
+            # Check every key before touching the buffer: a bad call records nothing.
+            for key in rows:
+                entry = self._entries.get(key)
+                if entry is not None and entry.code != code:
+                    raise ValueError(
+                        f"key {key!r} was recorded as {_kind_name(entry.code)} in "
+                        f"{self.label}; recording it as {_kind_name(code)} would mix reductions"
+                    )
+            for key, row in rows.items():
+                sk = None if sketches is None else sketches[key]
+                entry = self._entries.get(key)
+                if entry is None:
+                    self._entries[key] = _Entry(code, expected, row, sk)
+                    continue
+                entry.row = merge_rows(entry.row, row)
+                entry.expected = max(entry.expected, expected)
+                if sk is not None:
+                    entry.sketch = sk if entry.sketch is None else add_dense(entry.sketch, sk)
+        if self.on_record is not None:
+            self.on_record()
+
+    def keys(self) -> list[str]:
+        """Return the keys recorded since the last flush."""
+        return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- flushing ------------------------------------------------------------------------
+    def take_batch(self, *, step: int, rank: int, world_size: int, seq: int,
+                   final: bool) -> Batch:
+        """Return everything recorded as one wire batch (one host copy) and start afresh."""
+        with self.lock:
+            keys = tuple(self._entries)
+            entries = list(self._entries.values())
+            with_sketch = [i for i, e in enumerate(entries) if e.sketch is not None]
+            parts, copies = to_host([e.row for e in entries]
+                                    + [entries[i].sketch for i in with_sketch])
+            self.host_copies += copies
+            k = len(entries)
+            sketches = {i: dense_to_sparse(parts[k + j], self.sketch_spec)
+                        for j, i in enumerate(with_sketch)}
+            batch = Batch.build(
+                step=step, rank=rank, world_size=world_size, seq=seq, final=final, keys=keys,
+                data=parts[:k] if k else [], kinds=[e.code for e in entries],
+                expected=[e.expected for e in entries], sketches=sketches,
+                sketch_alpha=self.sketch_spec.alpha,
+            )
+            self._entries = {}
+            for tracker in (self.tracker, *self._trackers.values()):
+                tracker._reset()
+            return batch
+
+
+class TrackerAPI:
+    """AReaL's recording calls, forwarded to the default tracker of ``self.buffer``."""
+
+    buffer: RecordBuffer
+
+    @property
+    def tracker(self) -> Tracker:
+        return self.buffer.tracker
+
+    def stat(self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX,
+             **kwargs: Any) -> None:
+        """Record masked summaries; see ``Tracker.stat``.
+
+        Raises:
+            TypeError: a non-numeric value or a non-bool mask (the key is named).
+            ValueError: a mask whose shape differs from the value's, an unknown denominator.
+        """
+        self.tracker.stat(mask, reduce, **kwargs)
+
+    def denominator(self, **masks: Any) -> None:
+        """Register bool masks by name; see ``Tracker.denominator``."""
+        self.tracker.denominator(**masks)
+
+    def scalar(self, **values: Any) -> None:
+        """Record rank-identical numbers; see ``Tracker.scalar``."""
+        self.tracker.scalar(**values)
+
+    def weighted_mean(self, key: str, value: float, weight: float) -> None:
+        """Record ``value`` counted ``weight`` times into the mean of ``key``."""
+        self.tracker.weighted_mean(key, value, weight)
+
+    def record_counts(self, keys: list[str], counts: Any, kind: ReduceType) -> None:
+        """Record element ``i`` of a 1-D tensor/array as one value of ``keys[i]``."""
+        self.tracker.record_counts(keys, counts, kind)
+
+    def scope(self, name: str) -> Any:
+        """Nest keys under ``name/``; a context manager and a decorator."""
+        return self.tracker.scope(name)
+
+    def record_timing(self, name: str) -> Any:
+        """Time a block into ``timing_s/<name>`` (MAX across ranks)."""
+        return self.tracker.record_timing(name)
+
+    def get(self, name: str) -> Tracker:
+        """Return the named tracker ``name``: keys prefixed ``name/``, scopes of its own."""
+        return self.buffer.get(name)
+
+    def pending_keys(self) -> list[str]:
+        """Return the keys recorded since the last flush."""
+        return self.buffer.keys()
+
+    @property
+    def host_copies(self) -> int:
+        """Device-to-host copies made by flushes so far."""
+        return self.buffer.host_copies
