@@ -110,7 +110,8 @@ def test_nonfinite_values_are_counted_and_excluded_whatever_the_arrival_order():
 def test_rejected_batch_changes_nothing_and_the_step_still_completes():
     agg = Aggregator()
     agg.submit(batch(0, 0, kind=ReduceType.AVG, x=1.0))
-    with pytest.raises(BatchRejected, match="key 'x': recorded as AVG, but rank 1 in step 0 sent it as SUM"):
+    clash = "key 'x': recorded as AVG, but rank 1 in step 0 sent it as SUM"
+    with pytest.raises(BatchRejected, match=clash):
         agg.submit(batch(0, 1, seq=5, kind=ReduceType.SUM, x=9.0, y=2.0))
     with pytest.raises(BatchRejected, match="world_size 3, but the step was opened with"):
         agg.submit(batch(0, 1, world_size=3, seq=6, x=9.0))

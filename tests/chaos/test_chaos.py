@@ -1,0 +1,149 @@
+"""Chaos on a real Ray cluster: dead ranks, a killed MetricWorker, failing sinks, resent and
+reordered batches. Every step ends up final, once, in order, with exact values."""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from clients import MetricClient
+from metricsvc.sinks.jsonl import read_journal
+from tests import readback
+from tests.helpers import RankActor
+
+
+def rank_data(seed, step, rank):
+    rng = np.random.default_rng([seed, step, rank])
+    n = int(rng.integers(1, 6)) * (rank + 1)
+    return rng.normal(rank, 1.0, size=n)
+
+
+def calls_for(seed, step, rank):
+    data = rank_data(seed, step, rank)
+    return [("stat", (), {"x": data}), ("submit_metric", ({"loss": float(data[0])},), {})]
+
+
+def expected_for(seed, step, ranks):
+    data = np.concatenate([rank_data(seed, step, r) for r in ranks])
+    loss = np.mean([rank_data(seed, step, r)[0] for r in ranks])
+    return {"x/mean": data.mean(), "x/min": data.min(), "x/max": data.max(), "loss": loss}
+
+
+def journal(health):
+    return read_journal(Path(health["run_dir"]) / "metrics.jsonl")
+
+
+def test_a_dead_rank_makes_later_steps_partial_within_the_timeout(make_worker):
+    timeout, world, steps, victim = 1.0, 8, 30, 5
+    handle, cfg = make_worker(straggler_timeout_s=timeout)
+    ranks = [RankActor.remote(cfg.name, r, world) for r in range(world)]
+    ray.get([a.run.remote([], flush=False) for a in ranks])  # all started
+    alive = list(range(world))
+    for step in range(steps):
+        if step == 10:
+            ray.kill(ranks[victim])
+            alive.remove(victim)
+        ray.get([ranks[r].run.remote(calls_for(1, step, r)) for r in alive])
+    results = [ray.get(handle.wait_final.remote(s, 30)) for s in range(steps)]
+    for step, result in enumerate(results):
+        meta = result["meta"]
+        assert meta["age_s"] <= timeout + 1.0, (step, meta["age_s"])
+        assert meta["partial"] is (step >= 10)
+        assert meta["missing_ranks"] == ([victim] if step >= 10 else [])
+        expected = expected_for(1, step, range(world) if step < 10 else alive)
+        assert result["metrics"] == pytest.approx(expected, rel=1e-12)
+    health = ray.get(handle.close.remote())
+    assert health["partial_steps"] == 20 and health["pending_steps"] == {}
+    assert [r["step"] for r in journal(health)] == list(range(steps))
+
+
+def run_with_optional_kill(make_worker, kill_at):
+    world, steps = 4, 30
+    handle, cfg = make_worker(sinks={"console": None, "jsonl": {}})
+    ranks = [RankActor.remote(cfg.name, r, world) for r in range(world)]
+    for step in range(steps):
+        refs = [a.run.remote(calls_for(2, step, r)) for r, a in enumerate(ranks)]
+        if step == kill_at:
+            ray.kill(handle, no_restart=False)  # the actor dies while ranks submit
+        ray.get(refs)
+    ray.get(handle.wait_final.remote(steps - 1, 60))
+    health = ray.get(handle.close.remote())
+    return journal(health), health
+
+
+def test_a_killed_metric_worker_restarts_and_the_journal_equals_a_fault_free_run(make_worker):
+    clean, _ = run_with_optional_kill(make_worker, kill_at=None)
+    chaos, health = run_with_optional_kill(make_worker, kill_at=10)
+    assert health["restored_steps"] > 0  # this incarnation started from the journal
+    assert [r["step"] for r in chaos] == list(range(30))  # once each, in order
+    for a, b in zip(clean, chaos):
+        assert a["metrics"] == b["metrics"], a["step"]  # bit for bit: merged in rank order
+
+
+def test_a_sink_failing_every_write_loses_nothing(make_worker):
+    handle, cfg = make_worker(sinks={
+        "console": None, "jsonl": {}, "tensorboard": {},
+        "custom": [{"target": "tests.sink_fixtures:ExplodingSink", "name": "broken"}],
+        "delivery": {"retries": 1, "backoff_s": 0.001},
+    })
+    clients = [MetricClient(None, rank=r, world_size=3, name=cfg.name) for r in range(3)]
+    for step in range(30):
+        for c in clients:
+            c.stat(x=rank_data(3, step, c.rank))
+            c.wait_submit()
+    health = ray.get(handle.close.remote())
+    run_dir = Path(health["run_dir"])
+    assert [r["step"] for r in journal(health)] == list(range(30))
+    assert sorted(readback.tensorboard_scalars(run_dir / "tensorboard")) == list(range(30))
+    dead = [json.loads(x) for x in (run_dir / "dead_letter.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in dead if d["sink"] == "broken"] == list(range(30))
+    assert health["failing_sinks"] == ["broken"] and health["pending_steps"] == {}
+
+
+def test_resent_and_reordered_batches_merge_once_and_publish_in_order(make_worker):
+    handle, cfg = make_worker()
+    world, steps = 3, 6
+    batches = {}
+    for rank in range(world):
+        c = MetricClient(handle, rank=rank, world_size=world)
+        for step in range(steps):
+            c.stat(x=rank_data(4, step, rank))
+            with c.buffer.lock:
+                c._seq += 1
+                batches[(step, rank)] = c.buffer.take_batch(step=step, rank=rank,
+                                                            world_size=world, seq=c._seq,
+                                                            final=True)
+    rng = np.random.default_rng(0)
+    order = [(s, r) for r in range(world) for s in range(steps)]  # rank by rank: out of order
+    order += [order[i] for i in rng.choice(len(order), size=10)]  # plus resends
+    statuses = [ray.get(handle.submit.remote(batches[key]))["status"] for key in order]
+    assert statuses.count("merged") == world * steps
+    assert set(statuses[world * steps:]) == {"duplicate"}
+    health = ray.get(handle.close.remote())
+    lines = journal(health)
+    assert [r["step"] for r in lines] == list(range(steps))
+    for r in lines:
+        expected = expected_for(4, r["step"], range(world))
+        del expected["loss"]  # this test records only x
+        assert r["metrics"] == pytest.approx(expected, rel=1e-12)
+    assert health["duplicate_batches"] == 10
+
+
+def test_a_client_whose_actor_is_gone_raises_after_its_retry_budget(make_worker):
+    from clients import ServiceUnavailable
+
+    handle, cfg = make_worker()
+    c = MetricClient(handle, rank=0, world_size=1, retry_s=1.0)
+    c.submit_metric({"x": 1.0})
+    c.wait_submit()
+    ray.kill(handle, no_restart=True)
+    c.submit_metric({"x": 2.0})
+    start = time.monotonic()
+    with pytest.raises(ServiceUnavailable, match="unreachable for 1.0 s"):
+        c.wait_submit()
+    assert time.monotonic() - start < 10
+    assert c.pending_keys() == []  # the batch is kept for a retry, not lost
+    assert c._unacked is not None and c._unacked.keys == ("x",)
