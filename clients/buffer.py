@@ -39,13 +39,15 @@ class _Entry:
 class RecordBuffer:
     """Keys recorded since the last flush, each one merged record (and sketch) on its device."""
 
-    def __init__(self, sketch_spec: SketchSpec | None = None, compile: bool | None = None):
+    def __init__(self, sketch_spec: SketchSpec | None = None, compile: bool | None = None,
+                 prefix: str = ""):
+        self.prefix = prefix
         self.sketch_spec = sketch_spec or SketchSpec()
         self.compile = compile
         self.lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._trackers: dict[str, Tracker] = {}
-        self.tracker = Tracker(self)
+        self.tracker = Tracker(self, prefix=prefix)
         self.host_copies = 0
         self.label = "this step"  # how errors name the open window
         self.on_record: Any = None  # called after each successful recording (auto-flush)
@@ -57,13 +59,13 @@ class RecordBuffer:
         with self.lock:
             tracker = self._trackers.get(name)
             if tracker is None:
-                tracker = self._trackers[name] = Tracker(self, prefix=f"{name}/")
+                tracker = self._trackers[name] = Tracker(self, prefix=f"{self.prefix}{name}/")
             return tracker
 
     # -- recording -----------------------------------------------------------------------
     def record_plain(self, metrics: Mapping[str, Any], expected: int) -> None:
         """Record a plain dict whose reductions the service takes from the key names."""
-        rows = {check_key(k): summarize(v, key=k, compile=self.compile)
+        rows = {check_key(self.prefix + k): summarize(v, key=k, compile=self.compile)
                 for k, v in metrics.items()}
         self._record_all(rows, AUTO, expected)
 

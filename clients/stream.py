@@ -23,8 +23,12 @@ from metricsvc.validation import check_key
 
 
 class StreamRecorder(TrackerAPI):
-    """Records for stream ``name``; flushes (one actor call) every ``flush_every`` keys or
-    ``flush_interval_s`` seconds, on ``flush()`` and on ``close()``."""
+    """Records for stream ``name`` (keys prefixed ``name/``, like AReaL's ``get(name)``).
+
+    Flushes (one actor call) once ``flush_every`` keys are waiting or
+    ``flush_interval_s`` seconds have passed at a recording, on ``flush()`` and
+    on ``close()``.
+    """
 
     def __init__(
         self,
@@ -40,7 +44,7 @@ class StreamRecorder(TrackerAPI):
         self.name = check_key(name)
         self.client_id = uuid.uuid4().hex
         self._worker = worker
-        self.buffer = RecordBuffer(sketch_spec, compile)
+        self.buffer = RecordBuffer(sketch_spec, compile, prefix=f"{name}/")
         self.buffer.label = f"stream {name!r} before its flush"
         self.buffer.on_record = self._maybe_flush
         self.retry_s = retry_s

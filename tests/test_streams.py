@@ -1,0 +1,118 @@
+"""Streams: records with no step barrier from clients that come and go, exported per step."""
+
+import numpy as np
+import pytest
+import ray
+
+from clients import MetricClient
+from metricsvc import records
+from metricsvc.aggregator import Aggregator
+from metricsvc.records import Batch
+from metricsvc.validation import BatchRejected
+
+
+def quiet(client, name="rollout"):
+    """A recorder that flushes only when told to."""
+    return client.stream(name, flush_every=10**9, flush_interval_s=1e9)
+
+
+def test_windows_hold_exactly_what_was_flushed_before_each_export(make_worker):
+    handle, cfg = make_worker()
+    driver = MetricClient(handle, rank=0, world_size=1)
+    a, b = quiet(driver), quiet(driver)
+    rng = np.random.default_rng(0)
+    sent = {0: [], 1: [], 2: []}
+    for v in rng.normal(size=5):
+        a.stat(reward=np.array([v]))
+        sent[0].append(v)
+    a.flush()
+    assert ray.get(handle.export_stream.remote("rollout", 0, True)) == {
+        "rollout/reward/mean": pytest.approx(np.mean(sent[0])),
+        "rollout/reward/min": min(sent[0]), "rollout/reward/max": max(sent[0])}
+    late = rng.normal(size=3)
+    for v in late:
+        a.stat(reward=np.array([v]))  # recorded, but not flushed before the next export
+    for v in rng.normal(size=4):
+        b.stat(reward=np.array([v]))
+        sent[1].append(v)
+    b.close()  # a client that goes away
+    ray.get(handle.export_stream.remote("rollout", 1, True))
+    a.close()
+    sent[2].extend(late)
+    ray.get(handle.export_stream.remote("rollout", 2, True))
+    for step in range(3):
+        got = ray.get(handle.wait_final.remote(step, 10))
+        assert got["metrics"]["rollout/reward/mean"] == pytest.approx(np.mean(sent[step]),
+                                                                      rel=1e-12)
+        assert got["meta"]["streams"] == ["rollout"]
+    total = sum(len(v) for v in sent.values())
+    assert total == 12  # nothing lost, nothing twice
+
+
+def test_many_clients_coming_and_going_lose_and_double_nothing(make_worker):
+    handle, cfg = make_worker()
+    driver = MetricClient(handle, rank=0, world_size=1)
+    rng = np.random.default_rng(1)
+    counted = []
+    for step in range(6):
+        n = 0
+        for _ in range(int(rng.integers(1, 4))):  # new short-lived clients every step
+            rec = driver.stream("rollout", flush_every=3, flush_interval_s=1e9)
+            for _ in range(int(rng.integers(1, 8))):
+                rec.stat(reduce="sum", episodes=1.0)
+                n += 1
+            rec.close()
+        counted.append(n)
+        ray.get(handle.export_stream.remote("rollout", step, True))
+    exported = [ray.get(handle.wait_final_res.remote(s, 10))["rollout/episodes"]
+                for s in range(6)]
+    assert exported == counted
+    health = ray.get(handle.health.remote())
+    assert health["stream_windows"] == {"rollout": 0} and health["stream_batches"] >= 6
+
+
+def test_a_stream_folds_into_a_step_that_ranks_close_later(make_worker):
+    handle, cfg = make_worker()
+    ranks = [MetricClient(handle, rank=r, world_size=2) for r in range(2)]
+    rec = quiet(ranks[0])
+    rec.scalar(reward=0.5)
+    rec.flush()
+    ranks[0].submit_metric({"loss": 1.0})
+    ranks[0].wait_submit()
+    ray.get(handle.export_stream.remote("rollout", 0))  # step 0 is pending: it joins
+    ranks[1].submit_metric({"loss": 3.0})
+    ranks[1].wait_submit()
+    out = ray.get(handle.wait_final.remote(0, 10))
+    assert out["metrics"] == {"loss": 2.0, "rollout/reward": 0.5}
+    assert out["meta"]["partial"] is False and "contributors" not in out["meta"]
+
+
+def test_exporting_to_a_final_step_is_refused_and_the_window_kept(make_worker):
+    handle, cfg = make_worker()
+    (c,) = [MetricClient(handle, rank=0, world_size=1)]
+    c.submit_metric({"loss": 1.0})
+    c.wait_submit()
+    rec = quiet(c)
+    rec.scalar(reward=2.0)
+    rec.flush()
+    with pytest.raises(ValueError, match="step 0 is already final .* name a later step"):
+        ray.get(handle.export_stream.remote("rollout", 0))
+    ray.get(handle.export_stream.remote("rollout", 1))
+    c.submit_metric({"loss": 1.0})
+    c.wait_submit()
+    assert ray.get(handle.wait_final_res.remote(1, 10)) == {"loss": 1.0, "rollout/reward": 2.0}
+
+
+def test_stream_batches_are_idempotent_per_client_and_seq():
+    agg = Aggregator()
+    row = records.scalar_row(3.0)[None]
+    b = Batch.build(step=0, rank=0, world_size=1, seq=1, final=False, keys=("r",), data=row,
+                    kinds=[2], expected=[0])
+    assert agg.stream_submit("s", "client-a", b) == "merged"
+    assert agg.stream_submit("s", "client-a", b) == "duplicate"
+    assert agg.stream_submit("s", "client-b", b) == "merged"
+    metrics, finished = agg.export_stream("s", 0, close=True)
+    assert metrics == {"r": 3.0} and [r.step for r in finished] == [0]
+    assert finished[0].meta["partial"] is False and finished[0].meta["world_size"] == 0
+    with pytest.raises(BatchRejected, match="already final"):
+        agg.export_stream("s", 0)
