@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 
 from metricsvc.derive import Deriver, split_internal
-from metricsvc.records import COUNT, MAX, MIN, NONFINITE, Batch
+from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ, Batch
 from metricsvc.reduce import (
     AUTO,
     KindResolver,
@@ -274,6 +274,9 @@ class Aggregator:
         if self.deriver.cumulative:
             meta["cumulative"] = self.deriver.state()
         meta.update(_anomalies(p, kinds))
+        ignored = [k for k in p.keys if split_internal(k) and not self.deriver.handles(k)]
+        if ignored:
+            meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
         return StepResult(p.step, metrics, meta)
 
     # -- introspection -----------------------------------------------------------------
@@ -298,6 +301,9 @@ def _anomalies(p: PendingStep, kinds: list[ReduceType]) -> dict[str, Any]:
     nonfinite = np.flatnonzero(data[:, NONFINITE] > 0)
     if nonfinite.size:
         out["nonfinite"] = {p.keys[i]: int(data[i, NONFINITE]) for i in nonfinite}
+    overflow = np.flatnonzero((data[:, COUNT] > 0) & ~np.isfinite(data[:, [SUM, SUMSQ]]).all(1))
+    if overflow.size:  # finite values whose sum (or sum of squares) left float64's range
+        out["overflow"] = [p.keys[i] for i in overflow]
     want = np.where(p.expected > 0, p.expected, p.world_size or 0)
     off = np.flatnonzero((contributors != want) & ~p.from_stream)
     if off.size:

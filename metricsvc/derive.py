@@ -79,6 +79,11 @@ class Deriver:
             "cumulative": self._cumulative,
         }
 
+    def handles(self, key: str) -> bool:
+        """Return True if ``key`` is an internal key of a known derivation."""
+        parsed = split_internal(key)
+        return parsed is not None and parsed[1] in self._handlers
+
     def derive(self, internal: Mapping[str, Merged], rules: OutputRules) -> dict[str, float]:
         """Return the derived metrics of one step from its internal records."""
         groups: dict[str, dict[tuple[str, str], Merged]] = defaultdict(dict)

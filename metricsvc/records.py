@@ -54,11 +54,13 @@ def summarize_array(values: np.ndarray, mask: np.ndarray | None = None) -> np.nd
     row[NONFINITE] = np.count_nonzero(valid & ~finite)
     x = v[use]
     if x.size:
-        row[SUM] = x.sum()
+        # Finite values may still sum past float64's range: that is flagged, not an error.
+        with np.errstate(over="ignore", invalid="ignore"):
+            row[SUM] = x.sum()
+            row[SUMSQ] = np.dot(x, x)
         row[COUNT] = x.size
         row[MIN] = x.min()
         row[MAX] = x.max()
-        row[SUMSQ] = np.dot(x, x)
     return row
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metricsvc.records import NFIELDS, Batch
+from metricsvc.records import COUNT, MAX, MIN, NFIELDS, NONFINITE, Batch
 from metricsvc.reduce import VALID_CODES, ReduceType
 
 
@@ -124,9 +124,13 @@ def _check_values(batch: Batch) -> None:
             f"key {batch.keys[i]!r}: expected contributors must be in [0, {batch.world_size}], "
             f"got {int(batch.expected[i])}"
         )
-    counts = batch.data[:, 1]
-    if np.isnan(batch.data).any() or (counts < 0).any():
-        i = int(np.flatnonzero(np.isnan(batch.data).any(axis=1) | (counts < 0))[0])
+    # Sums may overflow (finite values past 1e308 add up to inf, or to NaN through
+    # inf - inf): that is float64 arithmetic, not corruption. Counts and extrema cannot.
+    counts = batch.data[:, COUNT]
+    exact = batch.data[:, [COUNT, MIN, MAX, NONFINITE]]
+    bad = np.isnan(exact).any(axis=1) | (counts < 0) | (batch.data[:, NONFINITE] < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
         raise BatchRejected(f"key {batch.keys[i]!r}: corrupt record {batch.data[i].tolist()}")
 
 

@@ -313,9 +313,10 @@ def start_metric_worker(
     """Create (or return the existing) named MetricWorker singleton and wait until it serves.
 
     ``config`` is a YAML path, a dict, a ServiceConfig or None; ``name`` and
-    ``namespace`` override the config's; ``runtime_env`` is passed to Ray (e.g.
-    ``{"env_vars": {"WANDB_API_KEY": ...}}`` for an online sink). Calling it twice
-    returns the same actor.
+    ``namespace`` override the config's; ``runtime_env`` is passed to Ray. Never put
+    API keys in ``runtime_env``: Ray writes runtime environments to its logs. Export
+    them where the driver (or ``ray start``) runs instead. Calling it twice returns
+    the same actor.
     """
     cfg = load_config(config, name=name, namespace=namespace)
     if cfg.run.trial is None:

@@ -194,3 +194,10 @@ def test_renames_and_suffix_apply_to_outputs():
     done = agg.submit(batch(0, 1)).finished[0]
     assert done.metrics == {"perf/delta_time/gen/avg": 2.0, "perf/delta_time/gen/min": 1.0,
                             "perf/delta_time/gen/max": 3.0}
+
+
+def test_finite_values_whose_sum_overflows_are_kept_and_flagged():
+    agg = Aggregator()
+    done = agg.submit(batch(0, 0, world_size=1, x=[1e308, 1e308, -1e308])).finished[0]
+    assert done.meta["overflow"] == ["x"] and not np.isfinite(done.metrics["x"])
+    assert agg.counts["rejected"] == 0

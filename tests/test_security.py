@@ -1,0 +1,67 @@
+"""Isolation and secrets: namespaces do not share a service; a planted API key shows up nowhere."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import ray
+
+import metricsvc
+from clients import MetricClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_two_namespaces_get_their_own_singleton_and_no_metric_crosses(ray_cluster, tmp_path):
+    handles = {}
+    for ns in ("team-a", "team-b"):
+        handles[ns] = metricsvc.start_metric_worker(
+            {"name": "shared-name", "run": {"root": str(tmp_path / ns), "trial": "t"},
+             "sinks": {"console": None}}, namespace=ns)
+    assert handles["team-a"]._actor_id != handles["team-b"]._actor_id
+    for ns, value in (("team-a", 1.0), ("team-b", 2.0)):
+        c = MetricClient(None, rank=0, world_size=1, name="shared-name", namespace=ns)
+        c.submit_metric({"x": value})
+        c.wait_submit()
+    assert ray.get(handles["team-a"].wait_final_res.remote(0, 10)) == {"x": 1.0}
+    assert ray.get(handles["team-b"].wait_final_res.remote(0, 10)) == {"x": 2.0}
+    for handle in handles.values():
+        ray.kill(handle)
+
+
+def test_a_planted_api_key_appears_in_no_log_journal_health_or_config(tmp_path):
+    """The documented way: the key is in the environment of the driver (or of `ray start`)."""
+    secret = "sk-planted-5f3c9a0e7d41"
+    script = textwrap.dedent(f"""
+        import json, ray, metricsvc
+        from clients import MetricClient
+        ray.init(num_cpus=1, include_dashboard=False)
+        cfg = {{"name": "secret-holder", "run": {{"root": {str(tmp_path)!r}, "trial": "t"}},
+               "sinks": {{"console": {{"every": 1}}, "wandb": {{"mode": "offline"}},
+                         "swanlab": {{"mode": "offline"}}}}}}
+        handle = metricsvc.start_metric_worker(cfg)
+        c = MetricClient(None, rank=0, world_size=1, name="secret-holder")
+        for step in range(3):
+            c.submit_metric({{"loss": float(step)}})
+            c.wait_submit()
+        health = ray.get(handle.close.remote())
+        print("HEALTH", json.dumps(health, default=str))
+        print("SESSION", ray._private.worker._global_node.get_session_dir_path())
+    """)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "WANDB_API_KEY": secret,
+           "SWANLAB_API_KEY": secret}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert secret not in out.stdout + out.stderr  # the driver's console, health included
+    session = next(line.split(" ", 1)[1] for line in out.stdout.splitlines()
+                   if line.startswith("SESSION "))
+    files = [p for p in Path(tmp_path).rglob("*") if p.is_file()]
+    assert any(p.name == "metrics.jsonl" for p in files)
+    assert any(p.name == "config.yaml" for p in files)
+    logs = [p for p in Path(session, "logs").rglob("*") if p.is_file()]
+    assert logs
+    leaked = [str(p) for p in files + logs if secret.encode() in p.read_bytes()]
+    assert leaked == []
