@@ -151,6 +151,17 @@ def test_malformed_batches_are_rejected_with_a_clear_message(mutate, message):
     assert agg.counts["rejected"] == 1 and agg.pending_summary() == {}
 
 
+def test_limits_reject_big_batches_and_too_many_keys():
+    agg = Aggregator(limits=Limits(max_batch_bytes=2048, max_keys_per_batch=100))
+    many = {f"k{i}": 1.0 for i in range(101)}
+    with pytest.raises(BatchRejected, match="has 101 keys; the limit is 100"):
+        agg.submit(batch(0, 0, **many))
+    big = {f"k{i}": 1.0 for i in range(60)}
+    with pytest.raises(BatchRejected, match="bytes; the limit is 2048"):
+        agg.submit(batch(0, 0, **big))
+    assert agg.counts["rejected"] == 2 and agg.pending_summary() == {}
+
+
 def test_limits_reject_long_keys_and_too_many_pending_steps():
     agg = Aggregator(limits=Limits(max_key_length=8), max_pending_steps=2)
     with pytest.raises(BatchRejected, match="the limit is 8"):

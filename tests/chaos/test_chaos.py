@@ -57,6 +57,7 @@ def test_a_dead_rank_makes_later_steps_partial_within_the_timeout(make_worker):
         assert result["metrics"] == pytest.approx(expected, rel=1e-12)
     health = ray.get(handle.close.remote())
     assert health["partial_steps"] == 20 and health["pending_steps"] == {}
+    assert health["rank_last_seen"][victim] == 9 and health["rank_last_seen"][0] == steps - 1
     assert [r["step"] for r in journal(health)] == list(range(steps))
 
 
