@@ -31,7 +31,7 @@ from metricsvc.reduce import (
     is_approximate_plain_key,
 )
 from metricsvc.step import PendingStep, Window
-from metricsvc.validation import BatchRejected, Limits, check_batch
+from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
 
 Status = Literal["merged", "duplicate", "late"]
 
@@ -75,6 +75,7 @@ class Aggregator:
         self._resolver = KindResolver(reduce_rules)
         self._rename = Renamer(renames)
         self.deriver = Deriver()
+        self._key_cache = KeyCache()
         self._clock = clock
         self._pending: dict[int, PendingStep] = {}
         self._windows: dict[str, Window] = {}
@@ -103,7 +104,7 @@ class Aggregator:
             raise
 
     def _checked(self, batch: Batch) -> Batch:
-        batch = check_batch(batch, self.limits)
+        batch = check_batch(batch, self.limits, self._key_cache)
         if batch.sketch_rows.size and batch.sketch_alpha != self.output.sketch.alpha:
             key = batch.keys[int(batch.sketch_rows[0])]
             raise BatchRejected(
@@ -189,7 +190,7 @@ class Aggregator:
         target.streams.append(name)
         target.stream_only = target.stream_only or close
         self._windows[name] = Window()
-        preview = self._metrics(window, keys, [self._resolver.resolve(k, int(c))
+        preview = self._metrics(window.merged(), keys, [self._resolver.resolve(k, int(c))
                                                for k, c in zip(keys, codes)], derive=False)
         return preview, self._emit_ready()
 
@@ -235,9 +236,9 @@ class Aggregator:
                 self._emitted.popitem(last=False)
         return out
 
-    def _metrics(self, c: Any, keys: list[str], kinds: list[ReduceType],
+    def _metrics(self, merged: tuple, keys: list[str], kinds: list[ReduceType],
                  derive: bool = True) -> dict[str, float]:
-        data, _, sketches = c.merged()
+        data, _, sketches = merged
         internal = [i for i, key in enumerate(keys) if split_internal(key) is not None]
         public = np.setdiff1d(np.arange(len(keys)), internal)
         metrics = finalize(
@@ -256,7 +257,8 @@ class Aggregator:
 
     def _finish(self, p: PendingStep) -> StepResult:
         kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(p.keys, p.codes)]
-        metrics = self._metrics(p, p.keys, kinds)
+        merged = p.merged()
+        metrics = self._metrics(merged, p.keys, kinds)
         partial = not p.complete
         if partial:
             self.counts["partial"] += 1
@@ -273,7 +275,7 @@ class Aggregator:
             meta["streams"] = list(p.streams)
         if self.deriver.cumulative:
             meta["cumulative"] = self.deriver.state()
-        meta.update(_anomalies(p, kinds))
+        meta.update(_anomalies(p, kinds, merged))
         ignored = [k for k in p.keys if split_internal(k) and not self.deriver.handles(k)]
         if ignored:
             meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
@@ -294,9 +296,9 @@ class Aggregator:
         return {name: len(w.keys) for name, w in self._windows.items()}
 
 
-def _anomalies(p: PendingStep, kinds: list[ReduceType]) -> dict[str, Any]:
+def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[str, Any]:
     """Return the meta entries that flag values a user should not trust blindly."""
-    data, contributors, _ = p.merged()
+    data, contributors, _ = merged
     out: dict[str, Any] = {}
     nonfinite = np.flatnonzero(data[:, NONFINITE] > 0)
     if nonfinite.size:

@@ -152,13 +152,12 @@ class Batch:
         return self.sketch_codes[lo:hi], self.sketch_counts[lo:hi]
 
     @property
+    def nbytes_without_keys(self) -> int:
+        """Return the wire size of the numeric columns in bytes."""
+        return int(self.data.nbytes + self.kinds.nbytes + self.expected.nbytes
+                   + self.sketch_codes.nbytes + self.sketch_counts.nbytes)
+
+    @property
     def nbytes(self) -> int:
         """Return the approximate wire size of the batch in bytes."""
-        return int(
-            self.data.nbytes
-            + self.kinds.nbytes
-            + self.expected.nbytes
-            + self.sketch_codes.nbytes
-            + self.sketch_counts.nbytes
-            + sum(len(key) for key in self.keys)
-        )
+        return self.nbytes_without_keys + sum(len(key) for key in self.keys)

@@ -49,6 +49,7 @@ class Collection:
         self._expected = np.zeros(16, dtype=np.int32)
         self._from_stream = np.zeros(16, dtype=bool)
         self.parts: list[Part] = []
+        self._layouts: dict[tuple[str, ...], np.ndarray] = {}  # key tuple -> rows
 
     @property
     def codes(self) -> np.ndarray:
@@ -64,8 +65,12 @@ class Collection:
 
     def locate(self, keys: Sequence[str], kinds: np.ndarray, who: str) -> np.ndarray:
         """Return each key's row (-1 if new); raise if a key arrives with another kind."""
-        get = self.index.get
-        idx = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        known = self._layouts.get(keys) if isinstance(keys, tuple) else None
+        if known is not None:
+            idx = known.copy()  # the same key tuple as an earlier batch: no per-key lookups
+        else:
+            get = self.index.get
+            idx = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
         old = idx >= 0
         clash = self._codes[idx[old]] != kinds[old]
         if clash.any():
@@ -101,6 +106,8 @@ class Collection:
         self._expected[idx] = np.maximum(self._expected[idx], expected)
         if from_stream:
             self._from_stream[idx] = True
+        if isinstance(keys, tuple) and len(self._layouts) < 64:
+            self._layouts[keys] = idx.copy()
         part.sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
         self.parts.append(part)
 

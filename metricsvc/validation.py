@@ -56,7 +56,24 @@ def check_rank(rank: object, world_size: object) -> tuple[int, int]:
     return rank, world_size
 
 
-def check_batch(batch: object, limits: Limits = Limits()) -> Batch:
+class KeyCache:
+    """Key tuples already checked, with their size in bytes: ranks send the same keys each
+    step, and checking 1000 names per batch would otherwise dominate the merge."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._known: dict[tuple[str, ...], int] = {}
+
+    def get(self, keys: tuple[str, ...]) -> int | None:
+        return self._known.get(keys)
+
+    def add(self, keys: tuple[str, ...], nbytes: int) -> None:
+        if len(self._known) >= self.capacity:
+            self._known.pop(next(iter(self._known)))
+        self._known[keys] = nbytes
+
+
+def check_batch(batch: object, limits: Limits = Limits(), cache: KeyCache | None = None) -> Batch:
     """Return ``batch`` if it is a well-formed wire batch, else raise ``BatchRejected``."""
     if not isinstance(batch, Batch):
         raise BatchRejected(f"expected a metricsvc Batch, got {type(batch).__name__}")
@@ -76,24 +93,36 @@ def check_batch(batch: object, limits: Limits = Limits()) -> Batch:
             f"batch of rank {batch.rank} step {batch.step} has {k} keys; "
             f"the limit is {limits.max_keys_per_batch}"
         )
-    if batch.nbytes > limits.max_batch_bytes:
+    if not isinstance(batch.keys, tuple):
+        raise BatchRejected(f"batch keys must be a tuple, got {type(batch.keys).__name__}")
+    key_bytes = cache.get(batch.keys) if cache is not None else None
+    if key_bytes is None:
+        _check_keys(batch.keys, limits)
+        key_bytes = sum(len(key) for key in batch.keys)
+        if cache is not None:
+            cache.add(batch.keys, key_bytes)
+    nbytes = key_bytes + batch.nbytes_without_keys
+    if nbytes > limits.max_batch_bytes:
         raise BatchRejected(
-            f"batch of rank {batch.rank} step {batch.step} is {batch.nbytes} bytes; "
+            f"batch of rank {batch.rank} step {batch.step} is {nbytes} bytes; "
             f"the limit is {limits.max_batch_bytes}"
         )
     _check_columns(batch, k)
-    for key in batch.keys:
+    _check_values(batch)
+    _check_sketches(batch)
+    return batch
+
+
+def _check_keys(keys: tuple, limits: Limits) -> None:
+    for key in keys:
         try:
             check_key(key, limits)
         except (TypeError, ValueError) as err:
             raise BatchRejected(str(err)) from None
-    if len(set(batch.keys)) != k:
+    if len(set(keys)) != len(keys):
         seen: set[str] = set()
-        dup = next(key for key in batch.keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        dup = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
         raise BatchRejected(f"key {dup!r} appears twice in one batch")
-    _check_values(batch)
-    _check_sketches(batch)
-    return batch
 
 
 def _check_columns(batch: Batch, k: int) -> None:
