@@ -12,6 +12,7 @@ from clients import metrics
 from clients.buffer import RecordBuffer, TrackerAPI
 from clients.rpc import call
 from clients.stream import StreamRecorder
+from metricsvc.combiner import combiner_name
 from metricsvc.config import DEFAULT_NAME
 from metricsvc.records import Batch
 from metricsvc.sketch import SketchSpec
@@ -46,11 +47,13 @@ class MetricClient(TrackerAPI):
         compile: bool | None = None,
         retry_s: float = 120.0,
         max_inflight: int = 256,
+        via: str | None = None,
     ) -> None:
         self.rank, self.world_size = check_rank(rank, world_size)
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         self._worker = worker
+        self._via = via
         self._name = name or DEFAULT_NAME
         self._namespace = namespace
         self.buffer = RecordBuffer(sketch_spec, compile)
@@ -65,13 +68,30 @@ class MetricClient(TrackerAPI):
         self._epoch: str | None = None
         self.rpc_count = 0
         self.resent = 0
+        if via is not None and worker is None:
+            self._worker = self._find_worker()  # register with the combiner before step 0
 
     @property
     def worker(self) -> Any:
-        """The MetricWorker handle, looked up by name on first use if none was given."""
+        """Where batches go: the combiner ``via`` names, this node's combiner (topology
+        per_node) or the MetricWorker itself, looked up by name on first use."""
         if self._worker is None:
-            self._worker = ray.get_actor(self._name, namespace=self._namespace)
+            self._worker = self._find_worker()
         return self._worker
+
+    def _find_worker(self) -> Any:
+        label = self._via
+        if label is None:
+            label = ray.get_runtime_context().get_node_id()
+        try:
+            combiner = ray.get_actor(combiner_name(self._name, label), namespace=self._namespace)
+        except ValueError:
+            if self._via is not None:
+                raise ValueError(f"no combiner {self._via!r} for service {self._name!r}; "
+                                 f"start it with metricsvc.start_combiner") from None
+            return ray.get_actor(self._name, namespace=self._namespace)
+        ray.get(combiner.register.remote(self.rank))
+        return combiner
 
     def stream(self, name: str, **kwargs: Any) -> StreamRecorder:
         """Return a recorder for stream ``name``: no step barrier; see ``StreamRecorder``."""

@@ -1,6 +1,7 @@
 """metricsvc: exact, non-blocking metrics aggregation for distributed training on Ray."""
 
 from metricsvc.aggregator import Aggregator, StepResult
+from metricsvc.combiner import Combiner, start_combiner
 from metricsvc.config import ServiceConfig, load_config
 from metricsvc.records import Batch
 from metricsvc.reduce import ReduceType
@@ -18,6 +19,7 @@ __all__ = [
     "Aggregator",
     "Batch",
     "BatchRejected",
+    "Combiner",
     "MetricWorker",
     "ReduceType",
     "ServiceConfig",
@@ -26,6 +28,7 @@ __all__ = [
     "StepUnavailable",
     "get_metric_worker",
     "load_config",
+    "start_combiner",
     "start_metric_worker",
     "stop_metric_worker",
 ]

@@ -221,6 +221,12 @@ class ServiceConfig(_Strict):
     straggler_timeout_s: float | None = Field(
         600.0, gt=0, description="finish a step as partial this long after its first batch"
     )
+    topology: Literal["flat", "per_node"] = Field(
+        "flat", description="per_node: one combiner per node forwards its ranks' batches"
+    )
+    combiner_timeout_s: float = Field(
+        30.0, gt=0, description="a combiner forwards a step this long after its first batch"
+    )
     reduce_rules: dict[str, str] = Field(
         default_factory=dict, description="glob -> reduce kind for plain submit_metric keys"
     )

@@ -134,6 +134,29 @@ class MetricWorkerImpl:
             await self._notify()  # wait_final_res(step=None) watches newest_closed
         return self._ack(outcome.status, step=batch.step, seq=batch.seq)
 
+    async def submit_many(self, batches: list[Batch]) -> dict[str, Any]:
+        """Merge batches forwarded by a combiner, each exactly as if sent directly.
+
+        Returns the ack with one status per batch (``rejected: <why>`` for a refused one:
+        a refusal does not stop the others).
+        """
+        self.calls["submit_many"] += 1
+        self._ensure_ticker()
+        statuses, finished = [], []
+        for batch in batches:
+            try:
+                outcome = self.aggregator.submit(batch)
+            except BatchRejected as err:
+                statuses.append(f"rejected: {err}")
+                continue
+            statuses.append(outcome.status)
+            finished.extend(outcome.finished)
+        if finished:
+            await self._publish(finished)
+        else:
+            await self._notify()
+        return self._ack("batch", statuses=statuses)
+
     # -- streams -----------------------------------------------------------------------
     async def stream_submit(self, name: str, client: str, batch: Batch) -> dict[str, Any]:
         """Add a stream client's records to the current window of stream ``name``."""
@@ -333,6 +356,12 @@ def start_metric_worker(
         runtime_env=runtime_env,
     ).remote(cfg.model_dump())
     ray.get(handle.health.remote())  # surfaces a failing __init__ here, not later
+    if cfg.topology == "per_node":
+        from metricsvc.combiner import start_combiner
+
+        for node in ray.nodes():
+            if node.get("Alive"):
+                start_combiner(cfg, node["NodeID"], node_id=node["NodeID"])
     # Registered after ray.init's own exit hook, so it runs first, while Ray still answers:
     # a driver that ends without close() must not lose what the sinks buffer.
     atexit.register(_close_at_exit, handle)

@@ -1,0 +1,190 @@
+"""Node-level pre-aggregation: one Combiner actor per node gathers its local ranks' batches
+and forwards each step to the MetricWorker in one call.
+
+The combiner forwards the batches themselves (``submit_many``), not a pre-merged
+sum: the MetricWorker still merges every rank's contribution in rank order, so
+results are bit-for-bit those of the flat topology, and every step-protocol rule
+(final flags, duplicates, late batches, straggler timeouts) applies unchanged. What
+shrinks is the number of calls the singleton serves: one per node per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from metricsvc.config import ConfigSource, ServiceConfig, load_config
+from metricsvc.records import Batch
+from metricsvc.validation import check_batch
+
+log = logging.getLogger(__name__)
+
+UPSTREAM_ERRORS: tuple[type[BaseException], ...] = tuple(
+    e for e in (getattr(ray.exceptions, n, None) for n in ("RayActorError",
+                                                           "ActorUnavailableError"))
+    if e is not None
+)
+
+
+def combiner_name(service: str, label: str) -> str:
+    """Return the Ray actor name of the combiner ``label`` of service ``service``."""
+    return f"{service}--combiner--{label}"
+
+
+@dataclass
+class _Gathering:
+    opened: float
+    batches: list[Batch] = field(default_factory=list)
+    closed: set[int] = field(default_factory=set)
+
+
+class CombinerImpl:
+    """Actor body of a combiner; start one with ``start_combiner``."""
+
+    def __init__(self, config: ConfigSource = None, label: str = "0") -> None:
+        self.config: ServiceConfig = load_config(config)
+        self.label = label
+        self.epoch = uuid.uuid4().hex
+        self.local_ranks: set[int] = set()
+        self._gathering: dict[int, _Gathering] = {}
+        self._forwarded_through: int | None = None
+        self._inflight: list[tuple[int, list[Batch]]] = []  # forwarded, not yet journaled
+        self._upstream_epoch: str | None = None
+        self.durable_through: int | None = None
+        self.last_final_step: int | None = None
+        self.calls = {"submit": 0, "forward": 0, "resent": 0, "rejected_upstream": 0}
+        self._ticker: asyncio.Task[None] | None = None
+        self._lock: asyncio.Lock | None = None
+
+    # -- ranks -------------------------------------------------------------------------
+    async def register(self, rank: int) -> None:
+        """Count ``rank`` among this node's ranks (clients call it when they start)."""
+        self.local_ranks.add(int(rank))
+
+    async def submit(self, batch: Batch) -> dict[str, Any]:
+        """Take a local rank's batch; forward the step once every local rank closed it."""
+        self.calls["submit"] += 1
+        batch = check_batch(batch, self.config.limits.to_limits())
+        self._ensure_ticker()
+        self.local_ranks.add(batch.rank)
+        step = batch.step
+        if self._forwarded_through is not None and step <= self._forwarded_through \
+                and step not in self._gathering:
+            await self._forward(step, [batch])  # late or resent: the MetricWorker decides
+        else:
+            g = self._gathering.setdefault(step, _Gathering(time.monotonic()))
+            g.batches.append(batch)
+            if batch.final:
+                g.closed.add(batch.rank)
+            if self.local_ranks <= g.closed:
+                await self._forward(step, self._gathering.pop(step).batches)
+        return {"status": "accepted", "epoch": self.epoch, "step": step, "seq": batch.seq,
+                "durable_through": self.durable_through,
+                "last_final_step": self.last_final_step}
+
+    # -- upstream ----------------------------------------------------------------------
+    def _upstream(self) -> Any:
+        return ray.get_actor(self.config.name, namespace=self.config.namespace)
+
+    async def _call_upstream(self, batches: list[Batch]) -> dict[str, Any]:
+        deadline = time.monotonic() + 120.0
+        delay = 0.05
+        while True:
+            try:
+                return await self._upstream().submit_many.remote(batches)
+            except UPSTREAM_ERRORS:
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+    async def _forward(self, step: int, batches: list[Batch]) -> None:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:  # one forward at a time keeps steps in order upstream
+            ack = await self._call_upstream(batches)
+            self.calls["forward"] += 1
+            self._note_rejections(ack)
+            if self._upstream_epoch is not None and ack["epoch"] != self._upstream_epoch:
+                for _, old in list(self._inflight):  # a new incarnation: resend what it lost
+                    self._note_rejections(await self._call_upstream(old))
+                    self.calls["resent"] += 1
+            self._upstream_epoch = ack["epoch"]
+            self._inflight.append((step, batches))
+            self.durable_through = ack.get("durable_through")
+            self.last_final_step = ack.get("last_final_step")
+            if self.durable_through is not None:
+                self._inflight = [(s, b) for s, b in self._inflight if s > self.durable_through]
+            if self._forwarded_through is None or step > self._forwarded_through:
+                self._forwarded_through = step
+
+    def _note_rejections(self, ack: dict[str, Any]) -> None:
+        for status in ack.get("statuses", ()):
+            if status.startswith("rejected"):
+                self.calls["rejected_upstream"] += 1
+                log.error("combiner %s: the MetricWorker %s", self.label, status)
+
+    # -- time --------------------------------------------------------------------------
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        timeout = self.config.combiner_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for step in sorted(self._gathering):
+                if now - self._gathering[step].opened >= timeout:
+                    # A local straggler: forward what is here; the MetricWorker's own
+                    # straggler timeout decides whether the step ends partial.
+                    await self._forward(step, self._gathering.pop(step).batches)
+
+    async def flush(self) -> int:
+        """Forward every step still gathering; return how many were forwarded."""
+        steps = sorted(self._gathering)
+        for step in steps:
+            await self._forward(step, self._gathering.pop(step).batches)
+        return len(steps)
+
+    def health(self) -> dict[str, Any]:
+        """Return this combiner's state."""
+        return {"label": self.label, "epoch": self.epoch, "local_ranks": sorted(self.local_ranks),
+                "gathering": {s: sorted(g.closed) for s, g in sorted(self._gathering.items())},
+                "forwarded_through": self._forwarded_through,
+                "durable_through": self.durable_through, "inflight": len(self._inflight),
+                "calls": dict(self.calls)}
+
+
+Combiner = ray.remote(num_cpus=0, max_restarts=3, max_concurrency=1088)(CombinerImpl)
+
+# Ray ends an actor once no handle refers to it; the combiners a driver starts live as
+# long as the driver does.
+_started: dict[str, Any] = {}
+
+
+def start_combiner(config: ConfigSource, label: str, *, node_id: str | None = None) -> Any:
+    """Create (or return) the combiner ``label`` of the service ``config`` names.
+
+    With ``node_id`` the combiner is pinned to that node; ranks there find it by
+    their node id. Without, it is a logical group: ranks name it with ``via=label``.
+    """
+    cfg = load_config(config)
+    options: dict[str, Any] = {}
+    if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    handle = Combiner.options(  # type: ignore[attr-defined]
+        name=combiner_name(cfg.name, label), namespace=cfg.namespace, get_if_exists=True,
+        **options,
+    ).remote(cfg.model_dump(), label)
+    ray.get(handle.health.remote())
+    _started[combiner_name(cfg.name, label)] = handle
+    return handle

@@ -1,0 +1,61 @@
+"""Node-level pre-aggregation: combiners forward each step in one call, results unchanged."""
+
+import ray
+
+import metricsvc
+from metricsvc.combiner import combiner_name
+from metricsvc.sinks.jsonl import read_journal
+from tests.chaos.test_chaos import calls_for
+from tests.helpers import RankActor
+
+WORLD, STEPS = 8, 5
+
+
+def run(cfg, via):
+    ranks = [RankActor.remote(cfg.name, r, WORLD, via=via(r)) for r in range(WORLD)]
+    ray.get([a.run.remote([], flush=False) for a in ranks])  # all registered
+    for step in range(STEPS):
+        ray.get([a.run.remote(calls_for(7, step, r)) for r, a in enumerate(ranks)])
+
+
+def test_two_fake_nodes_of_four_ranks_equal_the_flat_topology_exactly(make_worker):
+    flat, flat_cfg = make_worker()
+    run(flat_cfg, lambda r: None)
+    ray.get(flat.wait_final.remote(STEPS - 1, 30))
+    flat_health = ray.get(flat.close.remote())
+
+    per_node, cfg = make_worker(topology="per_node")
+    for label in ("nodeA", "nodeB"):
+        metricsvc.start_combiner(cfg, label)
+    run(cfg, lambda r: "nodeA" if r < 4 else "nodeB")
+    ray.get(per_node.wait_final.remote(STEPS - 1, 30))
+    health = ray.get(per_node.close.remote())
+
+    flat_lines = read_journal(f"{flat_health['run_dir']}/metrics.jsonl")
+    lines = read_journal(f"{health['run_dir']}/metrics.jsonl")
+    assert [r["step"] for r in lines] == list(range(STEPS))
+    assert [r["metrics"] for r in lines] == [r["metrics"] for r in flat_lines]  # bit for bit
+    assert all(r["meta"]["ranks"] == list(range(WORLD)) for r in lines)
+    # the singleton served one call per node per step, not one per rank
+    assert health["calls"].get("submit", 0) == 0
+    assert health["calls"]["submit_many"] == 2 * STEPS
+    for label in ("nodeA", "nodeB"):
+        combiner = ray.get_actor(combiner_name(cfg.name, label), namespace="metricsvc-tests")
+        h = ray.get(combiner.health.remote())
+        assert h["calls"]["submit"] == 4 * STEPS and h["calls"]["forward"] == STEPS
+        assert h["local_ranks"] == ([0, 1, 2, 3] if label == "nodeA" else [4, 5, 6, 7])
+        ray.kill(combiner)
+
+
+def test_per_node_start_places_one_combiner_on_each_node(make_worker):
+    handle, cfg = make_worker(topology="per_node")
+    node = ray.get_runtime_context().get_node_id()
+    combiner = ray.get_actor(combiner_name(cfg.name, node), namespace="metricsvc-tests")
+    from clients import MetricClient
+
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({"x": 2.0})
+    c.wait_submit()
+    assert c.worker._actor_id == combiner._actor_id  # found by node id, without being told
+    assert ray.get(handle.wait_final_res.remote(0, 30)) == {"x": 2.0}
+    ray.kill(combiner)
