@@ -28,4 +28,7 @@ clean:
 	rm -rf $(VENV) runs .pytest_cache
 
 bench: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) benchmarks/bench_summarize.py
+	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.bench_summarize
+	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.bench_merge
+	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.bench_rpc
+	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.bench_scale

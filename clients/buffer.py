@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from clients.summarize import (
     Row,
     add_dense,
@@ -18,10 +20,13 @@ from clients.summarize import (
     to_host,
 )
 from clients.tracker import Tracker
-from metricsvc.records import Batch, scalar_row
+from metricsvc.records import Batch, scalar_row, scalar_rows
 from metricsvc.reduce import AUTO, ReduceType
 from metricsvc.sketch import SketchSpec, dense_to_sparse
 from metricsvc.validation import check_key
+
+_PLAIN_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64,
+                            np.int32, np.int16, np.int8, np.uint8, np.bool_})
 
 
 def _kind_name(code: int) -> str:
@@ -46,6 +51,7 @@ class RecordBuffer:
         self.compile = compile
         self.lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
+        self._good_keys: set[str] = set()  # names already checked (they recur every step)
         self._trackers: dict[str, Tracker] = {}
         self.tracker = Tracker(self, prefix=prefix)
         self.host_copies = 0
@@ -65,9 +71,25 @@ class RecordBuffer:
     # -- recording -----------------------------------------------------------------------
     def record_plain(self, metrics: Mapping[str, Any], expected: int) -> None:
         """Record a plain dict whose reductions the service takes from the key names."""
-        rows = {check_key(self.prefix + k): summarize(v, key=k, compile=self.compile)
-                for k, v in metrics.items()}
-        self._record_all(rows, AUTO, expected)
+        keys = [self._checked(self.prefix + k if self.prefix else k) for k in metrics]
+        values = list(metrics.values())
+        rows = None
+        if all(type(v) in _PLAIN_NUMBERS for v in values):
+            # The common case (a dict of floats): one vectorised pass, no per-key summaries.
+            try:
+                rows = list(scalar_rows(np.array(values, dtype=np.float64)))
+            except OverflowError:  # an int past float64: the per-key path names it
+                rows = None
+        if rows is None:
+            rows = [summarize(v, key=k, compile=self.compile) for k, v in metrics.items()]
+        self._record_all(dict(zip(keys, rows)), AUTO, expected)
+
+    def _checked(self, key: str) -> str:
+        if key not in self._good_keys:
+            check_key(key)
+            if len(self._good_keys) < 100_000:
+                self._good_keys.add(key)
+        return key
 
     def _record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
         """Summarise ``{full key: value}`` under one mask and merge into the buffer."""

@@ -139,7 +139,7 @@ def summarize_many(
     out: dict[str, Row] = {}
     for key, (v, m) in prepared.items():
         if not is_tensor(v):
-            out[key] = scalar_row(float(v)) if isinstance(v, numbers.Number) else (
+            out[key] = _plain_number_row(key, v) if isinstance(v, numbers.Number) else (
                 summarize_array(v, m)
             )
             continue
@@ -161,6 +161,13 @@ def summarize_many(
                     pack = packs[(x.dtype, x.device)] = _MaskPack(flat_mask, x)
                 out[key] = _eager_row(x, pack)
     return out
+
+
+def _plain_number_row(key: str, value: Any) -> Any:
+    try:
+        return scalar_row(float(value))
+    except OverflowError:
+        raise ValueError(f"value for key {key!r} does not fit in a float64: {value}") from None
 
 
 class _MaskPack:

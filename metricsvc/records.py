@@ -78,6 +78,22 @@ def scalar_row(value: float, weight: float = 1.0) -> np.ndarray:
     return row
 
 
+def scalar_rows(values: np.ndarray) -> np.ndarray:
+    """Return one record per plain number (count 1 each; NaN/inf counted as nonfinite)."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    finite = np.isfinite(v)
+    z = np.where(finite, v, 0.0)
+    rows = np.empty((v.size, NFIELDS), dtype=np.float64)
+    rows[:, SUM] = z
+    rows[:, COUNT] = finite
+    rows[:, MIN] = np.where(finite, v, np.inf)
+    rows[:, MAX] = np.where(finite, v, -np.inf)
+    with np.errstate(over="ignore"):
+        rows[:, SUMSQ] = z * z
+    rows[:, NONFINITE] = ~finite
+    return rows
+
+
 @dataclass(frozen=True)
 class Batch:
     """One rank's contribution to one step, columnar: no per-key objects cross the wire.

@@ -1,0 +1,152 @@
+"""End to end on local Ray: ours vs the siiRL pattern vs one call per key.
+
+W rank actors (num_cpus=0) each record K plain float metrics per step and flush;
+the driver waits for each step's final result. Reported per pattern: steps/s,
+actor calls per step, and the latency from the last rank's flush to the final
+result (p50/p95), with ratios against ours measured in the same run.
+
+    python benchmarks/bench_rpc.py [--worlds 4 8 16 32] [--keys 50 300] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+
+import metricsvc  # noqa: E402
+from benchmarks.baselines.per_key import PerKeyClient, PerKeyWorker  # noqa: E402
+from benchmarks.baselines.siirl_style import SiirlStyleClient, SiirlStyleWorker  # noqa: E402
+from clients import MetricClient  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def metric_names(k: int) -> list[str]:
+    kinds = ["mean", "max", "min", "mean", "total"]
+    return [f"group{i % 7}/metric_{i}/{kinds[i % len(kinds)]}" for i in range(k)]
+
+
+@ray.remote(num_cpus=0)
+class BenchRank:
+    """A rank that can speak each pattern."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.client = None
+
+    def setup(self, pattern: str, worker, world: int, keys: int) -> None:
+        self.names = metric_names(keys)
+        self.rng = np.random.default_rng(self.rank)
+        if pattern == "ours":
+            self.client = MetricClient(worker, rank=self.rank, world_size=world)
+        elif pattern == "harness":
+            self.client = None
+        elif pattern == "siirl":
+            self.client = SiirlStyleClient(worker, world)
+        else:
+            self.client = PerKeyClient(worker, world)
+        self.pattern = pattern
+
+    def step(self) -> float:
+        values = dict(zip(self.names, self.rng.normal(size=len(self.names)).tolist()))
+        start = time.time()
+        if self.pattern == "ours":
+            self.client.submit_metric(values)
+            self.client.wait_submit()
+        elif self.pattern == "harness":
+            pass  # the driver's per-step round trip to every rank, and nothing else
+        else:
+            self.client.flush(values)
+        return start
+
+
+def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> dict:
+    if pattern == "harness":
+        worker = None
+    elif pattern == "ours":
+        worker = metricsvc.start_metric_worker(
+            {"name": f"bench-{index}", "sinks": {"console": None, "jsonl": None},
+             "run": {"root": "/tmp/metricsvc-bench", "trial": str(index)}})
+    elif pattern == "siirl":
+        worker = SiirlStyleWorker.remote()
+    else:
+        worker = PerKeyWorker.remote()
+    active = ranks[:world]
+    ray.get([r.setup.remote(pattern, worker, world, keys) for r in active])
+    latencies = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        if pattern == "harness":
+            flushed = ray.get([r.step.remote() for r in active])
+            latencies.append(time.time() - max(flushed))
+            continue
+        final = (worker.wait_final_res.remote(step, 120) if pattern == "ours"
+                 else worker.wait_final_res.remote(keys))
+        flushed = ray.get([r.step.remote() for r in active])
+        result = ray.get(final)
+        latencies.append(time.time() - max(flushed))
+        assert len(result) == keys
+    elapsed = time.perf_counter() - t0
+    if pattern == "harness":
+        calls = 0
+    elif pattern == "ours":
+        calls = ray.get(worker.health.remote())["calls"]["submit"]
+        ray.get(worker.close.remote())
+    else:
+        calls = ray.get(worker.call_count.remote())
+    if worker is not None:
+        ray.kill(worker)
+    lat = sorted(latencies)
+    return {"pattern": pattern, "world": world, "keys": keys, "steps": steps,
+            "steps_per_s": steps / elapsed, "calls_per_step": calls / steps,
+            "latency_p50_ms": 1e3 * statistics.median(lat),
+            "latency_p95_ms": 1e3 * lat[min(len(lat) - 1, int(0.95 * len(lat)))]}
+
+
+def main() -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--keys", type=int, nargs="+", default=[50, 300])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--per-key-steps", type=int, default=3,
+                        help="steps for the one-call-per-key baseline (it is slow)")
+    args = parser.parse_args()
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
+    ranks = [BenchRank.remote(r) for r in range(max(args.worlds))]
+    run("harness", ranks, max(args.worlds), 1, 3, -1)  # warm-up: every rank process started
+    rows, index = [], 0
+    for world in args.worlds:
+        for keys in args.keys:
+            for pattern in ("harness", "ours", "siirl", "per_key"):  # harness: the trigger alone
+                steps = args.steps if pattern != "per_key" else args.per_key_steps
+                rows.append(run(pattern, ranks, world, keys, steps, index))
+                index += 1
+    print(f"bench_rpc: local Ray on {os.cpu_count()} cores; W rank actors each flush K plain "
+          "float metrics per step")
+    print("| W | K | pattern | steps/s | actor calls / step | flush→final p50 ms | p95 ms | "
+          "ours: steps/s × |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        ours = next(r for r in rows if r["pattern"] == "ours" and r["world"] == row["world"]
+                    and r["keys"] == row["keys"])
+        print(f"| {row['world']} | {row['keys']} | {row['pattern']} | "
+              f"{row['steps_per_s']:.1f} | {row['calls_per_step']:.0f} | "
+              f"{row['latency_p50_ms']:.1f} | {row['latency_p95_ms']:.1f} | "
+              f"{ours['steps_per_s'] / row['steps_per_s']:.1f} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "rpc.json").write_text(json.dumps(rows, indent=2) + "\n")
+    ray.shutdown()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The ``metricsvc`` command: demo, report, plot, health, validate-config.
+
+Errors are one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import os
+import re
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from metricsvc.config import DEFAULT_NAME, load_config
+from metricsvc.sinks.jsonl import read_journal
+
+_SECRET = re.compile(r"(key|token|secret|password)", re.IGNORECASE)
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+# -- journal helpers ---------------------------------------------------------------------
+def journal_path(target: str) -> Path:
+    """Return the journal of a run folder, or the journal file itself."""
+    path = Path(target)
+    if path.is_dir():
+        found = sorted(path.rglob("metrics.jsonl"))
+        if not found:
+            raise CliError(f"no metrics.jsonl under {path}")
+        return found[-1]
+    if not path.is_file():
+        raise CliError(f"no such run folder or journal: {path}")
+    return path
+
+
+def load_steps(target: str) -> list[dict[str, Any]]:
+    steps = read_journal(journal_path(target))
+    if not steps:
+        raise CliError(f"{target}: the journal holds no finished step")
+    return steps
+
+
+def select_keys(steps: list[dict[str, Any]], patterns: Sequence[str] | None) -> list[str]:
+    keys = sorted({k for s in steps for k in s["metrics"]})
+    if patterns:
+        keys = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+        if not keys:
+            raise CliError(f"no key matches {' '.join(patterns)}")
+    return keys
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return f"{value:.6g}"
+
+
+# -- commands ----------------------------------------------------------------------------
+def cmd_report(args: argparse.Namespace) -> None:
+    steps = load_steps(args.target)[-args.last:]
+    keys = select_keys(steps, args.keys)
+    heads = [f"{s['step']}{'*' if s['meta'].get('partial') else ''}" for s in steps]
+    width = max(len(k) for k in keys)
+    cols = [max(len(h), 12) for h in heads]
+    print(f"{'step':<{width}}  " + "  ".join(h.rjust(c) for h, c in zip(heads, cols)))
+    for key in keys:
+        cells = [_fmt(s["metrics"].get(key)).rjust(c) for s, c in zip(steps, cols)]
+        print(f"{key:<{width}}  " + "  ".join(cells))
+    partial = [s for s in steps if s["meta"].get("partial")]
+    for s in partial:
+        print(f"* step {s['step']} is partial: missing ranks {s['meta'].get('missing_ranks')}")
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    steps = load_steps(args.target)
+    keys = select_keys(steps, args.keys)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CliError("plot needs matplotlib: pip install 'metricsvc[plot]'") from None
+    series = _plot_series(keys)
+    fig, axes = plt.subplots(len(series), 1, figsize=(7, 2.6 * len(series)), squeeze=False)
+    xs = [s["step"] for s in steps]
+    partial = [s["step"] for s in steps if s["meta"].get("partial")]
+    for ax, (label, mean_key, band) in zip(axes[:, 0], series):
+        ys = [_num(s["metrics"].get(mean_key)) for s in steps]
+        ax.plot(xs, ys, marker=".", label=label)
+        if band:
+            lo = [_num(s["metrics"].get(band[0])) for s in steps]
+            hi = [_num(s["metrics"].get(band[1])) for s in steps]
+            ax.fill_between(xs, lo, hi, alpha=0.2, label="min-max")
+        for step in partial:
+            ax.axvline(step, color="tab:red", alpha=0.3, linestyle="--")
+        ax.set_title(label, fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("step" + ("  (dashed: partial steps)" if partial else ""))
+    fig.tight_layout()
+    out = Path(args.output)
+    if not out.parent.exists():
+        raise CliError(f"cannot write {out}: no folder {out.parent}")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out} ({len(series)} plots, {len(xs)} steps)")
+
+
+def _num(value: Any) -> float:
+    return value if isinstance(value, (int, float)) else math.nan
+
+
+def _plot_series(keys: list[str]) -> list[tuple[str, str, tuple[str, str] | None]]:
+    """Group ``x/mean`` (or ``x/avg``) with ``x/min`` and ``x/max`` into one banded series."""
+    present, used, out = set(keys), set(), []
+    for key in keys:
+        base, _, last = key.rpartition("/")
+        if last in ("mean", "avg") and {f"{base}/min", f"{base}/max"} <= present:
+            out.append((base, key, (f"{base}/min", f"{base}/max")))
+            used |= {key, f"{base}/min", f"{base}/max"}
+    out += [(k, k, None) for k in keys if k not in used]
+    return out
+
+
+def cmd_health(args: argparse.Namespace) -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if args.address != "auto":  # ray.init would retry an unreachable address for minutes
+        host, _, port = args.address.rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+        except (OSError, ValueError) as err:
+            raise CliError(f"cannot connect to Ray at {args.address}: {err}") from None
+    try:
+        ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
+                 logging_level="ERROR")
+    except Exception as err:
+        raise CliError(f"cannot connect to Ray at {args.address}: {err}") from None
+    try:
+        worker = ray.get_actor(args.name, namespace=args.namespace)
+    except ValueError:
+        raise CliError(f"no MetricWorker named {args.name!r} in namespace "
+                       f"{args.namespace!r}") from None
+    print(json.dumps(ray.get(worker.health.remote(), timeout=30), indent=2, default=str))
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """Return ``value`` with anything under a secret-looking key replaced by ``***``."""
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v, key) for v in value]
+    return "***" if _SECRET.search(key) and value not in (None, "") else value
+
+
+def cmd_validate_config(args: argparse.Namespace) -> None:
+    cfg = load_config(args.file)
+    print(yaml.safe_dump(redact(json.loads(cfg.model_dump_json())), sort_keys=False), end="")
+    print(f"# {args.file}: valid", file=sys.stderr)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from clients.demo import run_demo  # the demo runs DAG workers, so it needs the clients
+
+    run_demo(args.config, workers=args.workers, steps=args.steps)
+
+
+# -- entry point -------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metricsvc", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="local Ray, the MetricWorker, DAG workers, finished steps")
+    demo.add_argument("--config", default=None, help="YAML config (default: built-in demo)")
+    demo.add_argument("--workers", type=int, default=4)
+    demo.add_argument("--steps", type=int, default=20)
+    report = sub.add_parser("report", help="a readable table of a run's journal")
+    report.add_argument("target", metavar="RUN_DIR_OR_JOURNAL")
+    report.add_argument("--keys", nargs="+", help="glob patterns, e.g. 'critic/*'")
+    report.add_argument("--last", type=int, default=5, help="last N steps (default 5)")
+    plot = sub.add_parser("plot", help="line plots of chosen keys over steps")
+    plot.add_argument("target", metavar="RUN_DIR_OR_JOURNAL")
+    plot.add_argument("--keys", nargs="+", required=True, help="glob patterns")
+    plot.add_argument("-o", "--output", required=True, help="PNG file to write")
+    health = sub.add_parser("health", help="print a running MetricWorker's health")
+    health.add_argument("--name", default=DEFAULT_NAME)
+    health.add_argument("--namespace", default=None)
+    health.add_argument("--address", default="auto")
+    validate = sub.add_parser("validate-config", help="validate a YAML config, print it resolved")
+    validate.add_argument("file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = {"demo": cmd_demo, "report": cmd_report, "plot": cmd_plot, "health": cmd_health,
+               "validate-config": cmd_validate_config}[args.command]
+    try:
+        handler(args)
+    except (CliError, ValueError, OSError, KeyError) as err:
+        print(f"metricsvc {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # never a traceback at the user: one line, non-zero
+        print(f"metricsvc {args.command}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The `metricsvc` command, run as a user would: a subprocess, files read back."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
+def cli(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "metricsvc.cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def journal(tmp_path_factory):
+    """A small journal with a partial step, written as the service writes it."""
+    from metricsvc.sinks.jsonl import JsonlSink
+
+    run = tmp_path_factory.mktemp("run")
+    sink = JsonlSink()
+    sink.open(run)
+    for step in range(6):
+        partial = step == 4
+        sink.write(step, {"critic/score/mean": 0.1 * step, "critic/score/min": 0.0,
+                          "critic/score/max": 0.2 * step, "actor/lr": 1e-5},
+                   {"partial": partial, "missing_ranks": [3] if partial else []})
+    sink.close()
+    return run
+
+
+def test_report_prints_a_table_and_marks_partial_steps(journal):
+    out = cli("report", journal, "--keys", "critic/*", "--last", "3")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["step", "3", "4*", "5"]
+    row = next(line for line in lines if line.startswith("critic/score/mean"))
+    assert [float(x) for x in row.split()[1:]] == pytest.approx([0.3, 0.4, 0.5])
+    assert "actor/lr" not in out.stdout
+    assert "* step 4 is partial: missing ranks [3]" in out.stdout
+
+
+def test_plot_writes_a_png_with_bands_and_partial_marks(journal, tmp_path):
+    png = tmp_path / "out.png"
+    out = cli("plot", journal / "metrics.jsonl", "--keys", "critic/*", "actor/lr", "-o", png)
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert "2 plots, 6 steps" in out.stdout  # critic/score as one banded series, and actor/lr
+
+
+def test_validate_config_prints_the_resolved_config_with_secrets_redacted(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("sinks:\n  custom:\n    - target: pkg.mod:Sink\n"
+                   "      options: {api_key: sk-live-123, path: x}\n")
+    out = cli("validate-config", cfg)
+    assert out.returncode == 0, out.stderr
+    assert "sk-live-123" not in out.stdout and "api_key: '***'" in out.stdout
+    assert "straggler_timeout_s: 600.0" in out.stdout and "path: x" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("report", "/no/such/run"), "no such run folder or journal: /no/such/run"),
+        (("plot", "/no/such/run", "--keys", "x", "-o", "/tmp/x.png"), "no such run folder"),
+        (("validate-config", "/no/such.yaml"), "config file not found: /no/such.yaml"),
+        (("health", "--address", "127.0.0.1:1"), "cannot connect to Ray"),
+    ],
+)
+def test_errors_are_one_clear_line_and_a_nonzero_exit(args, message):
+    out = cli(*args, timeout=120)
+    assert out.returncode != 0
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_bad_keys_and_bad_yaml_are_clear(journal, tmp_path):
+    out = cli("report", journal, "--keys", "nope/*")
+    assert out.returncode == 2 and "no key matches nope/*" in out.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sinks:\n  jsonl:\n    filenme: x\n")
+    out = cli("validate-config", bad)
+    assert out.returncode == 2
+    assert "sinks.jsonl.filenme: Extra inputs are not permitted" in out.stderr
+
+
+def test_demo_runs_end_to_end_with_progress_and_report(tmp_path):
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text(f"name: cli_demo\nrun:\n  root: {tmp_path}\n  experiment: demo\n"
+                   "sinks:\n  console: null\n")
+    out = cli("demo", "--config", cfg, "--workers", "2", "--steps", "3")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "[####################] 3/3" in out.stderr
+    journal = next((tmp_path / "demo").glob("*/metrics.jsonl"))
+    lines = [json.loads(x) for x in journal.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    assert "critic/vf_explained_var" in lines[0]["metrics"]
+    assert f"journal: {journal}" in out.stdout
+
+
+def test_health_connects_to_a_running_cluster(tmp_path):
+    script = f"""
+import os, subprocess, sys, ray, metricsvc
+ray.init(num_cpus=1, include_dashboard=False, namespace="hns")
+metricsvc.start_metric_worker({{"name": "hw", "run": {{"root": {str(tmp_path)!r}}},
+                               "sinks": {{"console": None}}}})
+out = subprocess.run([sys.executable, "-m", "metricsvc.cli", "health", "--name", "hw",
+                      "--namespace", "hns", "--address", "auto"], capture_output=True,
+                     text=True)
+print(out.returncode, out.stdout, out.stderr)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, env=ENV, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("0 ") and '"name": "hw"' in out.stdout
