@@ -60,9 +60,14 @@ def _unbiased_var(row: np.ndarray) -> float | None:
     return max(row[SUMSQ] - n * mean * mean, 0.0) / (n - 1)
 
 
-def _parts(rest: str, names: tuple[str, ...]) -> tuple[str, str] | None:
-    out, _, role = rest.rpartition("/")
-    return (out, role) if out and role in names else None
+def _by_output(items: dict, roles: tuple[str, ...]) -> dict[str, dict[str, Merged]]:
+    """Group ``{(prefix, "<out>/<role>"): merged}`` into ``{prefix/<out>: {role: merged}}``."""
+    grouped: dict[str, dict[str, Merged]] = defaultdict(dict)
+    for (prefix, rest), merged in items.items():
+        out, _, role = rest.rpartition("/")
+        if out and role in roles:
+            grouped[_join(prefix, out)][role] = merged
+    return grouped
 
 
 class Deriver:
@@ -101,26 +106,16 @@ class Deriver:
 
     # -- handlers ------------------------------------------------------------------------
     def _ratio(self, items: dict, rules: OutputRules) -> dict[str, float]:
-        pairs: dict[str, dict[str, Merged]] = defaultdict(dict)
-        for (prefix, rest), merged in items.items():
-            parts = _parts(rest, ("num", "den"))
-            if parts:
-                pairs[_join(prefix, parts[0])][parts[1]] = merged
         out = {}
-        for name, p in pairs.items():
+        for name, p in _by_output(items, ("num", "den")).items():
             num, den = _scalar(p.get("num"), rules), _scalar(p.get("den"), rules)
             if num is not None and den:
                 out[name] = num / den
         return out
 
     def _explained_var(self, items: dict, rules: OutputRules) -> dict[str, float]:
-        pairs: dict[str, dict[str, Merged]] = defaultdict(dict)
-        for (prefix, rest), merged in items.items():
-            parts = _parts(rest, ("target", "residual"))
-            if parts:
-                pairs[_join(prefix, parts[0])][parts[1]] = merged
         out = {}
-        for name, p in pairs.items():
+        for name, p in _by_output(items, ("target", "residual")).items():
             if "target" not in p or "residual" not in p:
                 continue
             var_target, var_res = _unbiased_var(p["target"][1]), _unbiased_var(p["residual"][1])
@@ -145,13 +140,8 @@ class Deriver:
         return out
 
     def _cumulative(self, items: dict, rules: OutputRules) -> dict[str, float]:
-        pairs: dict[str, dict[str, Merged]] = defaultdict(dict)
-        for (prefix, rest), merged in items.items():
-            parts = _parts(rest, ("tokens", "seconds"))
-            if parts:
-                pairs[_join(prefix, parts[0])][parts[1]] = merged
         out = {}
-        for name, p in pairs.items():
+        for name, p in _by_output(items, ("tokens", "seconds")).items():
             tokens = _scalar(p.get("tokens"), rules) or 0.0
             seconds = _scalar(p.get("seconds"), rules) or 0.0
             total = self.cumulative[name]

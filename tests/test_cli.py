@@ -109,8 +109,9 @@ import os, subprocess, sys, ray, metricsvc
 ray.init(num_cpus=1, include_dashboard=False, namespace="hns")
 metricsvc.start_metric_worker({{"name": "hw", "run": {{"root": {str(tmp_path)!r}}},
                                "sinks": {{"console": None}}}})
+address = ray.get_runtime_context().gcs_address  # other clusters may run beside this one
 out = subprocess.run([sys.executable, "-m", "metricsvc.cli", "health", "--name", "hw",
-                      "--namespace", "hns", "--address", "auto"], capture_output=True,
+                      "--namespace", "hns", "--address", address], capture_output=True,
                      text=True)
 print(out.returncode, out.stdout, out.stderr)
 """

@@ -2,45 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import ray
 
-from benchmarks.baselines.siirl_style import reduce_by_substring
+from benchmarks.baselines.siirl_style import ListReducer
 
 
 @ray.remote(num_cpus=0, max_concurrency=1024)
-class PerKeyWorker:
-    """One call per (rank, key); a round is final when no key is waiting."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, list[float]] = {}
-        self.final: dict[str, float] = {}
-        self.calls = 0
-        self.expect = 1 << 30
-        self._done = asyncio.Event()
+class PerKeyWorker(ListReducer):
+    """One call per (rank, key), the same per-key lists as the siiRL pattern."""
 
     async def submit(self, key: str, value: float, world_size: int) -> None:
         self.calls += 1
-        values = self.pending.setdefault(key, [])
-        values.append(value)
-        if len(values) == world_size:
-            self.final[key] = reduce_by_substring(key, self.pending.pop(key))
-        if len(self.final) >= self.expect:
-            self._done.set()
-
-    async def wait_final_res(self, expect: int) -> dict[str, float]:
-        """Wait until ``expect`` keys are reduced (the driver knows how many it asked for)."""
-        self.expect = expect
-        if len(self.final) >= expect:
-            self._done.set()
-        await self._done.wait()
-        result, self.final = self.final, {}
-        self._done.clear()
-        return result
-
-    def call_count(self) -> int:
-        return self.calls
+        self.add(key, value, world_size)
 
 
 class PerKeyClient:

@@ -25,9 +25,8 @@ def reduce_by_substring(name: str, values: list[float]) -> float:
     return float(np.mean(values))
 
 
-@ray.remote(num_cpus=0, max_concurrency=1024)
-class SiirlStyleWorker:
-    """Per-key lists, reduced in Python once world_size values arrived."""
+class ListReducer:
+    """Per-key Python lists, each reduced in Python once ``world_size`` values arrived."""
 
     def __init__(self) -> None:
         self.pending: dict[str, list[float]] = {}
@@ -36,13 +35,11 @@ class SiirlStyleWorker:
         self.expect = 1 << 30
         self._done = asyncio.Event()
 
-    async def submit_metric(self, metrics: dict[str, float], world_size: int) -> None:
-        self.calls += 1
-        for key, value in metrics.items():
-            values = self.pending.setdefault(key, [])
-            values.append(value)
-            if len(values) == world_size:
-                self.final[key] = reduce_by_substring(key, self.pending.pop(key))
+    def add(self, key: str, value: float, world_size: int) -> None:
+        values = self.pending.setdefault(key, [])
+        values.append(value)
+        if len(values) == world_size:
+            self.final[key] = reduce_by_substring(key, self.pending.pop(key))
         if len(self.final) >= self.expect:
             self._done.set()
 
@@ -58,6 +55,16 @@ class SiirlStyleWorker:
 
     def call_count(self) -> int:
         return self.calls
+
+
+@ray.remote(num_cpus=0, max_concurrency=1024)
+class SiirlStyleWorker(ListReducer):
+    """siiRL's MetricWorker: one call per metrics dict."""
+
+    async def submit_metric(self, metrics: dict[str, float], world_size: int) -> None:
+        self.calls += 1
+        for key, value in metrics.items():
+            self.add(key, value, world_size)
 
 
 class SiirlStyleClient:
