@@ -17,6 +17,7 @@ from metricsvc.config import DEFAULT_NAME
 from metricsvc.records import Batch
 from metricsvc.sketch import SketchSpec
 from metricsvc.validation import check_rank
+from metricsvc.wire import encode
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class MetricClient(TrackerAPI):
                     seq=self._seq, final=True)
             batch = self._unacked
         try:
-            ack = self._call("submit", batch, timeout_s=timeout_s)
+            ack = self._call("submit", encode(batch), timeout_s=timeout_s)
         except ValueError:
             self._unacked = None  # rejected by the service: retrying cannot help
             raise
@@ -204,7 +205,7 @@ class MetricClient(TrackerAPI):
         self._forget_durable(ack.get("durable_through"))
         for old in list(self._inflight):
             try:
-                self._call("submit", old)
+                self._call("submit", encode(old))
                 self.resent += 1
             except ValueError as err:  # e.g. too many pending steps: nothing more to do
                 log.error("resending step %d after a restart failed: %s", old.step, err)

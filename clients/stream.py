@@ -20,6 +20,7 @@ from clients.rpc import call
 from metricsvc.records import Batch
 from metricsvc.sketch import SketchSpec
 from metricsvc.validation import check_key
+from metricsvc.wire import encode
 
 
 class StreamRecorder(TrackerAPI):
@@ -72,7 +73,7 @@ class StreamRecorder(TrackerAPI):
             batch = self._unacked
         self.rpc_count += 1
         try:
-            ack = call(self._worker, "stream_submit", self.name, self.client_id, batch,
+            ack = call(self._worker, "stream_submit", self.name, self.client_id, encode(batch),
                        retry_s=self.retry_s, timeout_s=timeout_s)
         except ValueError:
             self._unacked = None  # rejected: resending the same batch cannot help

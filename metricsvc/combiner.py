@@ -22,6 +22,7 @@ import ray
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
 from metricsvc.records import Batch
 from metricsvc.validation import check_batch
+from metricsvc.wire import as_batch, encode
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def combiner_name(service: str, label: str) -> str:
 @dataclass
 class _Gathering:
     opened: float
-    batches: list[Batch] = field(default_factory=list)
+    batches: list[bytes] = field(default_factory=list)  # as they came: wire bytes
     closed: set[int] = field(default_factory=set)
 
 
@@ -54,7 +55,7 @@ class CombinerImpl:
         self.local_ranks: set[int] = set()
         self._gathering: dict[int, _Gathering] = {}
         self._forwarded_through: int | None = None
-        self._inflight: list[tuple[int, list[Batch]]] = []  # forwarded, not yet journaled
+        self._inflight: list[tuple[int, list[bytes]]] = []  # forwarded, not yet journaled
         self._upstream_epoch: str | None = None
         self.durable_through: int | None = None
         self.last_final_step: int | None = None
@@ -67,19 +68,20 @@ class CombinerImpl:
         """Count ``rank`` among this node's ranks (clients call it when they start)."""
         self.local_ranks.add(int(rank))
 
-    async def submit(self, batch: Batch) -> dict[str, Any]:
+    async def submit(self, item: Batch | bytes) -> dict[str, Any]:
         """Take a local rank's batch; forward the step once every local rank closed it."""
         self.calls["submit"] += 1
-        batch = check_batch(batch, self.config.limits.to_limits())
+        batch = check_batch(as_batch(item), self.config.limits.to_limits())
+        blob = item if isinstance(item, bytes) else encode(batch)
         self._ensure_ticker()
         self.local_ranks.add(batch.rank)
         step = batch.step
         if self._forwarded_through is not None and step <= self._forwarded_through \
                 and step not in self._gathering:
-            await self._forward(step, [batch])  # late or resent: the MetricWorker decides
+            await self._forward(step, [blob])  # late or resent: the MetricWorker decides
         else:
             g = self._gathering.setdefault(step, _Gathering(time.monotonic()))
-            g.batches.append(batch)
+            g.batches.append(blob)
             if batch.final:
                 g.closed.add(batch.rank)
             if self.local_ranks <= g.closed:
@@ -92,7 +94,7 @@ class CombinerImpl:
     def _upstream(self) -> Any:
         return ray.get_actor(self.config.name, namespace=self.config.namespace)
 
-    async def _call_upstream(self, batches: list[Batch]) -> dict[str, Any]:
+    async def _call_upstream(self, batches: list[bytes]) -> dict[str, Any]:
         deadline = time.monotonic() + 120.0
         delay = 0.05
         while True:
@@ -104,7 +106,7 @@ class CombinerImpl:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
 
-    async def _forward(self, step: int, batches: list[Batch]) -> None:
+    async def _forward(self, step: int, batches: list[bytes]) -> None:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:  # one forward at a time keeps steps in order upstream

@@ -28,6 +28,7 @@ from metricsvc.records import Batch
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.sinks.jsonl import read_journal
 from metricsvc.validation import BatchRejected
+from metricsvc.wire import as_batch
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,15 @@ class MetricWorkerImpl:
                 "last_final_step": self.aggregator.last_emitted, **extra}
 
     # -- ranks -------------------------------------------------------------------------
-    async def submit(self, batch: Batch) -> dict[str, Any]:
-        """Merge one rank's batch; return the ack ``{"status", "step", "seq"}``.
+    def _decoded(self, item: Batch | bytes) -> Batch:
+        try:
+            return as_batch(item)
+        except BatchRejected:
+            self.aggregator.counts["rejected"] += 1
+            raise
+
+    async def submit(self, batch: Batch | bytes) -> dict[str, Any]:
+        """Merge one rank's batch (or its wire bytes); return the ack.
 
         Raises:
             BatchRejected: (a ValueError) the batch was refused; nothing was merged.
@@ -114,6 +122,7 @@ class MetricWorkerImpl:
         self.calls["submit"] += 1
         self._ensure_ticker()
         try:
+            batch = self._decoded(batch)
             outcome = self.aggregator.submit(batch)
         except BatchRejected as err:
             log.warning("rejected batch: %s", err)
@@ -134,7 +143,7 @@ class MetricWorkerImpl:
             await self._notify()  # wait_final_res(step=None) watches newest_closed
         return self._ack(outcome.status, step=batch.step, seq=batch.seq)
 
-    async def submit_many(self, batches: list[Batch]) -> dict[str, Any]:
+    async def submit_many(self, batches: list[Batch | bytes]) -> dict[str, Any]:
         """Merge batches forwarded by a combiner, each exactly as if sent directly.
 
         Returns the ack with one status per batch (``rejected: <why>`` for a refused one:
@@ -145,7 +154,7 @@ class MetricWorkerImpl:
         statuses, finished = [], []
         for batch in batches:
             try:
-                outcome = self.aggregator.submit(batch)
+                outcome = self.aggregator.submit(self._decoded(batch))
             except BatchRejected as err:
                 statuses.append(f"rejected: {err}")
                 continue
@@ -158,9 +167,10 @@ class MetricWorkerImpl:
         return self._ack("batch", statuses=statuses)
 
     # -- streams -----------------------------------------------------------------------
-    async def stream_submit(self, name: str, client: str, batch: Batch) -> dict[str, Any]:
+    async def stream_submit(self, name: str, client: str, batch: Batch | bytes) -> dict[str, Any]:
         """Add a stream client's records to the current window of stream ``name``."""
         self.calls["stream_submit"] += 1
+        batch = self._decoded(batch)
         status = self.aggregator.stream_submit(name, client, batch)
         return self._ack(status, seq=batch.seq)
 
