@@ -99,7 +99,7 @@ class MetricWorkerImpl:
         """Return the last step the journal holds (clients may forget batches up to it)."""
         if self._journal_path() is None:
             return self.aggregator.last_emitted
-        return self.sinks.health().get("jsonl", {}).get("last_step")
+        return self.sinks.last_step("jsonl")
 
     def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
         return {"status": status, "epoch": self.epoch, "durable_through": self._durable_through(),
@@ -121,6 +121,7 @@ class MetricWorkerImpl:
         """
         self.calls["submit"] += 1
         self._ensure_ticker()
+        newest = self.aggregator.newest_closed
         try:
             batch = self._decoded(batch)
             outcome = self.aggregator.submit(batch)
@@ -139,7 +140,7 @@ class MetricWorkerImpl:
             )
         if outcome.finished:
             await self._publish(outcome.finished)
-        elif batch.final:
+        elif self.aggregator.newest_closed != newest:
             await self._notify()  # wait_final_res(step=None) watches newest_closed
         return self._ack(outcome.status, step=batch.step, seq=batch.seq)
 

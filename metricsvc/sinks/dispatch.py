@@ -204,6 +204,13 @@ class SinkDispatcher:
         for worker in self._workers:
             worker.close(timeout_s)
 
+    def last_step(self, name: str) -> int | None:
+        """Return the last step sink ``name`` has written (None if none, or no such sink)."""
+        for worker in self._workers:
+            if worker.name == name:
+                return worker.stats["last_step"]
+        return None
+
     def health(self) -> dict[str, dict[str, Any]]:
         """Return each sink's delivery record: written, failures, dead-lettered, last error."""
         return {
