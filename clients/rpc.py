@@ -9,15 +9,9 @@ from typing import Any
 
 import ray
 
+from metricsvc.retry import ACTOR_ERRORS, backoff
+
 log = logging.getLogger(__name__)
-
-# Raised while the actor is dead or restarting; worth waiting for, unlike a rejection.
-ACTOR_ERRORS: tuple[type[BaseException], ...] = tuple(
-    e for e in (getattr(ray.exceptions, name, None)
-                for name in ("RayActorError", "ActorUnavailableError"))
-    if e is not None
-)
-
 
 class ServiceUnavailable(RuntimeError):
     """The MetricWorker stayed unreachable for longer than the client's ``retry_s``."""
@@ -33,15 +27,14 @@ def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
         GetTimeoutError: the call itself ran past ``timeout_s``.
         Whatever the actor method raised (a rejection is a ``ValueError``).
     """
-    deadline = time.monotonic() + retry_s
-    delay = 0.05
+    pauses = backoff(retry_s)
     while True:
         try:
             return ray.get(getattr(worker(), method).remote(*args), timeout=timeout_s)
         except ACTOR_ERRORS as err:
-            if time.monotonic() + delay > deadline:
+            delay = next(pauses, None)
+            if delay is None:
                 raise ServiceUnavailable(
                     f"{label} unreachable for {retry_s} s ({method}): {err}") from err
             log.warning("%s unreachable (%s), retrying in %.2f s", label, method, delay)
             time.sleep(delay)
-            delay = min(2 * delay, 2.0)

@@ -21,17 +21,11 @@ import ray
 
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
 from metricsvc.records import Batch
+from metricsvc.retry import ACTOR_ERRORS, backoff
 from metricsvc.validation import check_batch
 from metricsvc.wire import as_batch, encode
 
 log = logging.getLogger(__name__)
-
-UPSTREAM_ERRORS: tuple[type[BaseException], ...] = tuple(
-    e for e in (getattr(ray.exceptions, n, None) for n in ("RayActorError",
-                                                           "ActorUnavailableError"))
-    if e is not None
-)
-
 
 def combiner_name(service: str, label: str) -> str:
     """Return the Ray actor name of the combiner ``label`` of service ``service``."""
@@ -95,16 +89,15 @@ class CombinerImpl:
         return ray.get_actor(self.config.name, namespace=self.config.namespace)
 
     async def _call_upstream(self, batches: list[bytes]) -> dict[str, Any]:
-        deadline = time.monotonic() + 120.0
-        delay = 0.05
+        pauses = backoff(120.0)
         while True:
             try:
                 return await self._upstream().submit_many.remote(batches)
-            except UPSTREAM_ERRORS:
-                if time.monotonic() + delay > deadline:
+            except ACTOR_ERRORS:
+                delay = next(pauses, None)
+                if delay is None:
                     raise
                 await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
 
     async def _forward(self, step: int, batches: list[bytes]) -> None:
         if self._lock is None:
