@@ -32,6 +32,7 @@ from metricsvc.reduce import (
 )
 from metricsvc.step import PendingStep, Window
 from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
+from metricsvc.wire import as_batch
 
 Status = Literal["merged", "duplicate", "late"]
 
@@ -99,6 +100,14 @@ class Aggregator:
         """
         try:
             return self._submit(self._checked(batch))
+        except BatchRejected:
+            self.counts["rejected"] += 1
+            raise
+
+    def decode(self, item: Batch | bytes) -> Batch:
+        """Return the Batch that ``item`` is or encodes; malformed bytes count as rejected."""
+        try:
+            return as_batch(item)
         except BatchRejected:
             self.counts["rejected"] += 1
             raise

@@ -28,7 +28,6 @@ from metricsvc.records import Batch
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.sinks.jsonl import read_journal
 from metricsvc.validation import BatchRejected
-from metricsvc.wire import as_batch
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +105,6 @@ class MetricWorkerImpl:
                 "last_final_step": self.aggregator.last_emitted, **extra}
 
     # -- ranks -------------------------------------------------------------------------
-    def _decoded(self, item: Batch | bytes) -> Batch:
-        try:
-            return as_batch(item)
-        except BatchRejected:
-            self.aggregator.counts["rejected"] += 1
-            raise
-
     async def submit(self, batch: Batch | bytes) -> dict[str, Any]:
         """Merge one rank's batch (or its wire bytes); return the ack.
 
@@ -123,7 +115,7 @@ class MetricWorkerImpl:
         self._ensure_ticker()
         newest = self.aggregator.newest_closed
         try:
-            batch = self._decoded(batch)
+            batch = self.aggregator.decode(batch)
             outcome = self.aggregator.submit(batch)
         except BatchRejected as err:
             log.warning("rejected batch: %s", err)
@@ -155,7 +147,7 @@ class MetricWorkerImpl:
         statuses, finished = [], []
         for batch in batches:
             try:
-                outcome = self.aggregator.submit(self._decoded(batch))
+                outcome = self.aggregator.submit(self.aggregator.decode(batch))
             except BatchRejected as err:
                 statuses.append(f"rejected: {err}")
                 continue
@@ -171,7 +163,7 @@ class MetricWorkerImpl:
     async def stream_submit(self, name: str, client: str, batch: Batch | bytes) -> dict[str, Any]:
         """Add a stream client's records to the current window of stream ``name``."""
         self.calls["stream_submit"] += 1
-        batch = self._decoded(batch)
+        batch = self.aggregator.decode(batch)
         status = self.aggregator.stream_submit(name, client, batch)
         return self._ack(status, seq=batch.seq)
 
