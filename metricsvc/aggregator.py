@@ -199,8 +199,8 @@ class Aggregator:
         target.streams.append(name)
         target.stream_only = target.stream_only or close
         self._windows[name] = Window()
-        preview = self._metrics(window.merged(), keys, [self._resolver.resolve(k, int(c))
-                                               for k, c in zip(keys, codes)], derive=False)
+        kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(keys, codes)]
+        preview = self._metrics(window.merged(), keys, kinds, _internal_rows(keys), derive=False)
         return preview, self._emit_ready()
 
     # -- time --------------------------------------------------------------------------
@@ -246,9 +246,9 @@ class Aggregator:
         return out
 
     def _metrics(self, merged: tuple, keys: list[str], kinds: list[ReduceType],
-                 derive: bool = True) -> dict[str, float]:
+                 internal: list[int], derive: bool = True) -> dict[str, float]:
+        """Finalise the public keys; derive metrics from the ``internal`` ones (their rows)."""
         data, _, sketches = merged
-        internal = [i for i, key in enumerate(keys) if split_internal(key) is not None]
         public = np.setdiff1d(np.arange(len(keys)), internal)
         metrics = finalize(
             [keys[i] for i in public],
@@ -267,7 +267,8 @@ class Aggregator:
     def _finish(self, p: PendingStep) -> StepResult:
         kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(p.keys, p.codes)]
         merged = p.merged()
-        metrics = self._metrics(merged, p.keys, kinds)
+        internal = _internal_rows(p.keys)
+        metrics = self._metrics(merged, p.keys, kinds, internal)
         partial = not p.complete
         if partial:
             self.counts["partial"] += 1
@@ -285,7 +286,7 @@ class Aggregator:
         if self.deriver.cumulative:
             meta["cumulative"] = self.deriver.state()
         meta.update(_anomalies(p, kinds, merged))
-        ignored = [k for k in p.keys if split_internal(k) and not self.deriver.handles(k)]
+        ignored = [p.keys[i] for i in internal if not self.deriver.handles(p.keys[i])]
         if ignored:
             meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
         return StepResult(p.step, metrics, meta)
@@ -303,6 +304,11 @@ class Aggregator:
     def windows_summary(self) -> dict[str, int]:
         """Return the number of keys waiting in each stream window."""
         return {name: len(w.keys) for name, w in self._windows.items()}
+
+
+def _internal_rows(keys: list[str]) -> list[int]:
+    """Return the rows of internal keys (a ``__`` path segment): derivation inputs only."""
+    return [i for i, key in enumerate(keys) if split_internal(key) is not None]
 
 
 def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[str, Any]:

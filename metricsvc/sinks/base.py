@@ -83,10 +83,6 @@ class SinkRegistry:
     def __contains__(self, name: object) -> bool:
         return name in self._factories
 
-    def names(self) -> list[str]:
-        """Return the registered names."""
-        return sorted(self._factories)
-
 
 def _lazy(ep: Any) -> SinkFactory:
     # Importing a third-party sink only when it is configured keeps start-up cheap and safe.
