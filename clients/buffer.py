@@ -33,7 +33,7 @@ def _kind_name(code: int) -> str:
     return "AUTO (from the key name)" if code == AUTO else ReduceType(code).name
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     code: int
     expected: int
@@ -71,10 +71,13 @@ class RecordBuffer:
     # -- recording -----------------------------------------------------------------------
     def record_plain(self, metrics: Mapping[str, Any], expected: int) -> None:
         """Record a plain dict whose reductions the service takes from the key names."""
-        keys = [self._checked(self.prefix + k if self.prefix else k) for k in metrics]
+        if not self.prefix and self._good_keys.issuperset(metrics):
+            keys = list(metrics)  # every name checked in an earlier step
+        else:
+            keys = [self._checked(self.prefix + k if self.prefix else k) for k in metrics]
         values = list(metrics.values())
         rows = None
-        if all(type(v) in _PLAIN_NUMBERS for v in values):
+        if _PLAIN_NUMBERS.issuperset(map(type, values)):
             # The common case (a dict of floats): one vectorised pass, no per-key summaries.
             try:
                 rows = list(scalar_rows(np.array(values, dtype=np.float64)))
@@ -119,9 +122,16 @@ class RecordBuffer:
         sketches: dict[str, Row] | None = None,
     ) -> None:
         with self.lock:
+            entries = self._entries
+            if sketches is None and entries.keys().isdisjoint(rows):
+                # Keys new in this step (the common case): nothing to merge or to clash with.
+                entries.update((key, _Entry(code, expected, row)) for key, row in rows.items())
+                if self.on_record is not None:
+                    self.on_record()
+                return
             # Check every key before touching the buffer: a bad call records nothing.
             for key in rows:
-                entry = self._entries.get(key)
+                entry = entries.get(key)
                 if entry is not None and entry.code != code:
                     raise ValueError(
                         f"key {key!r} was recorded as {_kind_name(entry.code)} in "
@@ -129,9 +139,9 @@ class RecordBuffer:
                     )
             for key, row in rows.items():
                 sk = None if sketches is None else sketches[key]
-                entry = self._entries.get(key)
+                entry = entries.get(key)
                 if entry is None:
-                    self._entries[key] = _Entry(code, expected, row, sk)
+                    entries[key] = _Entry(code, expected, row, sk)
                     continue
                 entry.row = merge_rows(entry.row, row)
                 entry.expected = max(entry.expected, expected)

@@ -356,15 +356,16 @@ def to_host(parts: Sequence[Any]) -> tuple[list[np.ndarray], int]:
     Tensor parts are flattened and concatenated per device, then copied with
     one transfer per device, whatever their number.
     """
+    torch = _torch()
+    tensor = () if torch is None else torch.Tensor  # isinstance(x, ()) is False
     out: list[Any] = [None] * len(parts)
     by_device: dict[Any, list[int]] = {}
     for i, part in enumerate(parts):
-        if is_tensor(part):
+        if isinstance(part, tensor):
             by_device.setdefault(part.device, []).append(i)
         else:
             out[i] = np.asarray(part, dtype=np.float64)
     if by_device:
-        torch = _torch()
         for idx in by_device.values():
             flat = torch.cat([parts[i].reshape(-1).to(torch.float64) for i in idx])
             host = flat.numpy(force=True)

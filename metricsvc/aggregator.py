@@ -308,7 +308,8 @@ class Aggregator:
 
 def _internal_rows(keys: list[str]) -> list[int]:
     """Return the rows of internal keys (a ``__`` path segment): derivation inputs only."""
-    return [i for i, key in enumerate(keys) if split_internal(key) is not None]
+    return [i for i, key in enumerate(keys)
+            if (key.startswith("__") or "/__" in key) and split_internal(key) is not None]
 
 
 def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
+from metricsvc.fastpath import FastPathServer
 from metricsvc.records import Batch
 from metricsvc.retry import ACTOR_ERRORS, backoff
 from metricsvc.validation import check_batch
@@ -56,6 +57,13 @@ class CombinerImpl:
         self.calls = {"submit": 0, "forward": 0, "resent": 0, "rejected_upstream": 0}
         self._ticker: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
+        fast = self.config.fast_path
+        self.fast_path = (
+            FastPathServer(self._submit, host=fast.host, port=0,  # one node, many combiners
+                           max_frame=self.config.limits.max_batch_bytes,
+                           label=f"combiner {label!r}")
+            if fast.enabled else None
+        )
 
     # -- ranks -------------------------------------------------------------------------
     async def register(self, rank: int) -> None:
@@ -63,7 +71,15 @@ class CombinerImpl:
         self.local_ranks.add(int(rank))
 
     async def submit(self, item: Batch | bytes) -> dict[str, Any]:
-        """Take a local rank's batch; forward the step once every local rank closed it."""
+        """Take a local rank's batch; forward the step once every local rank closed it.
+
+        Like the MetricWorker's, the ack offers this combiner's fast path."""
+        ack = await self._submit(item)
+        if self.fast_path is not None:
+            ack["fast_path"] = await self.fast_path.start()
+        return ack
+
+    async def _submit(self, item: Batch | bytes) -> dict[str, Any]:
         self.calls["submit"] += 1
         batch = check_batch(as_batch(item), self.config.limits.to_limits())
         blob = item if isinstance(item, bytes) else encode(batch)
@@ -154,7 +170,8 @@ class CombinerImpl:
                 "gathering": {s: sorted(g.closed) for s, g in sorted(self._gathering.items())},
                 "forwarded_through": self._forwarded_through,
                 "durable_through": self.durable_through, "inflight": len(self._inflight),
-                "calls": dict(self.calls)}
+                "calls": dict(self.calls),
+                "fast_path": None if self.fast_path is None else self.fast_path.health()}
 
 
 Combiner = ray.remote(num_cpus=0, max_restarts=3, max_concurrency=1088)(CombinerImpl)

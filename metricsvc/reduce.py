@@ -9,6 +9,7 @@ the *exact* last path segment of the key, then the mean. Never substrings.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -79,6 +80,7 @@ def kind_for_key(key: str, rules: Sequence[tuple[str, ReduceType]] = ()) -> Redu
     return _SEGMENT_KINDS.get(key.rsplit("/", 1)[-1], ReduceType.AVG)
 
 
+@functools.lru_cache(maxsize=65536)  # keys recur every step
 def is_approximate_plain_key(key: str) -> bool:
     """Return True when a plain per-rank value of this key cannot be merged exactly."""
     return _APPROXIMATE_SEGMENT.match(key.rsplit("/", 1)[-1]) is not None

@@ -134,7 +134,8 @@ class Collection:
                 rank_rows.setdefault(part.rank, []).append(part.idx)
         contributors = np.zeros(n, dtype=np.int32)
         for rows in rank_rows.values():
-            contributors[np.unique(np.concatenate(rows))] += 1
+            # One part's rows are distinct keys; several parts of a rank may share keys.
+            contributors[rows[0] if len(rows) == 1 else np.unique(np.concatenate(rows))] += 1
         return data, contributors, {r: merge_sparse(p) for r, p in sketch_parts.items()}
 
 

@@ -141,8 +141,12 @@ def _check_columns(batch: Batch, k: int) -> None:
             )
 
 
+_VALID_CODE = np.zeros(256, dtype=bool)  # indexed by a kind code's byte
+_VALID_CODE[[code & 0xFF for code in VALID_CODES]] = True
+
+
 def _check_values(batch: Batch) -> None:
-    bad_kind = ~np.isin(batch.kinds, list(VALID_CODES))
+    bad_kind = ~_VALID_CODE[batch.kinds.view(np.uint8)]
     if bad_kind.any():
         i = int(np.flatnonzero(bad_kind)[0])
         raise BatchRejected(f"key {batch.keys[i]!r}: unknown reduce code {int(batch.kinds[i])}")
@@ -166,6 +170,10 @@ def _check_values(batch: Batch) -> None:
 def _check_sketches(batch: Batch) -> None:
     rows, offsets = batch.sketch_rows, batch.sketch_offsets
     n = len(batch.sketch_codes)
+    if n == 0 and isinstance(rows, np.ndarray) and rows.shape == (0,) \
+            and isinstance(offsets, np.ndarray) and offsets.shape == (1,) and offsets[0] == 0 \
+            and batch.sketch_counts.shape == (0,):
+        return  # no sketches: the common case
     ok = (
         isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
         and isinstance(offsets, np.ndarray) and offsets.shape == (len(rows) + 1,)

@@ -24,6 +24,7 @@ import yaml
 
 from metricsvc.aggregator import Aggregator, StepResult
 from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config
+from metricsvc.fastpath import FastPathServer
 from metricsvc.records import Batch
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.sinks.jsonl import read_journal
@@ -67,12 +68,19 @@ class MetricWorkerImpl:
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
         self.restored_steps = self._restore()
+        self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None
         self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir, cfg.sinks.delivery)
         self._changed = asyncio.Condition()
         self._ticker: asyncio.Task[None] | None = None
         self._started = time.time()
         self.calls: Counter[str] = Counter()
         self._closed = False
+        self.fast_path = (
+            FastPathServer(self._submit, host=cfg.fast_path.host, port=cfg.fast_path.port,
+                           max_frame=cfg.limits.max_batch_bytes,
+                           label=f"MetricWorker {cfg.name!r}")
+            if cfg.fast_path.enabled else None
+        )
 
     def _journal_path(self) -> Path | None:
         jsonl = self.config.sinks.jsonl
@@ -98,7 +106,9 @@ class MetricWorkerImpl:
         """Return the last step the journal holds (clients may forget batches up to it)."""
         if self._journal_path() is None:
             return self.aggregator.last_emitted
-        return self.sinks.last_step("jsonl")
+        written = self.sinks.last_step("jsonl")
+        # After a restart the journal already holds the reloaded steps.
+        return self._reloaded_through if written is None else written
 
     def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
         return {"status": status, "epoch": self.epoch, "durable_through": self._durable_through(),
@@ -108,9 +118,19 @@ class MetricWorkerImpl:
     async def submit(self, batch: Batch | bytes) -> dict[str, Any]:
         """Merge one rank's batch (or its wire bytes); return the ack.
 
+        The ack offers the fast path (``ack["fast_path"]``: where and how to send the
+        next batches over TCP instead of a Ray call), unless config turns it off.
+
         Raises:
             BatchRejected: (a ValueError) the batch was refused; nothing was merged.
         """
+        ack = await self._submit(batch)
+        if self.fast_path is not None and not self._closed:
+            ack["fast_path"] = await self.fast_path.start()
+        return ack
+
+    async def _submit(self, batch: Batch | bytes) -> dict[str, Any]:
+        """Merge one batch, from a Ray call or the fast path alike."""
         self.calls["submit"] += 1
         self._ensure_ticker()
         newest = self.aggregator.newest_closed
@@ -246,6 +266,7 @@ class MetricWorkerImpl:
         return {
             "name": self.config.name,
             "epoch": self.epoch,
+            "pid": os.getpid(),
             "restored_steps": self.restored_steps,
             "pending_steps": agg.pending_summary(),
             "last_final_step": agg.last_emitted,
@@ -261,6 +282,7 @@ class MetricWorkerImpl:
             "partial_steps": agg.counts["partial"],
             "failing_sinks": sorted(name for name, h in sinks.items() if h["failing"]),
             "calls": dict(self.calls),
+            "fast_path": None if self.fast_path is None else self.fast_path.health(),
             "sinks": sinks,
             "sink_errors": self.sinks.errors,
             "run_dir": str(self.run_dir),
@@ -279,6 +301,8 @@ class MetricWorkerImpl:
             self._closed = True
             if self._ticker is not None:
                 self._ticker.cancel()
+            if self.fast_path is not None:
+                await self.fast_path.close()
             await asyncio.get_running_loop().run_in_executor(None, self.sinks.close)
         return self.health()
 

@@ -140,7 +140,11 @@ def test_a_client_whose_actor_is_gone_raises_after_its_retry_budget(make_worker)
     c = MetricClient(handle, rank=0, world_size=1, retry_s=1.0)
     c.submit_metric({"x": 1.0})
     c.wait_submit()
+    pid = ray.get(handle.health.remote())["pid"]
     ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # gone, not just going: a dying process can still ack over TCP
     c.submit_metric({"x": 2.0})
     start = time.monotonic()
     with pytest.raises(ServiceUnavailable, match="unreachable for 1.0 s"):
