@@ -2,8 +2,9 @@
 
 W rank actors (num_cpus=0) each record K plain float metrics per step and flush;
 the driver waits for each step's final result. Reported per pattern: steps/s,
-actor calls per step, and the latency from the last rank's flush to the final
-result (p50/p95), with ratios against ours measured in the same run.
+actor calls and fast-path TCP frames per step, and the latency from the last
+rank's flush to the final result (p50/p95), with ratios against ours measured in
+the same run. ``ours_ray`` is ours with the fast path off (every flush a Ray call).
 
     python benchmarks/bench_rpc.py [--worlds 4 8 16 32] [--keys 50 300] [--steps 30]
 """
@@ -46,7 +47,7 @@ class BenchRank:
     def setup(self, pattern: str, worker, world: int, keys: int) -> None:
         self.names = metric_names(keys)
         self.rng = np.random.default_rng(self.rank)
-        if pattern == "ours":
+        if pattern in ("ours", "ours_ray"):
             self.client = MetricClient(worker, rank=self.rank, world_size=world)
         elif pattern == "harness":
             self.client = None
@@ -59,7 +60,7 @@ class BenchRank:
     def step(self) -> float:
         values = dict(zip(self.names, self.rng.normal(size=len(self.names)).tolist()))
         start = time.time()
-        if self.pattern == "ours":
+        if self.pattern in ("ours", "ours_ray"):
             self.client.submit_metric(values)
             self.client.wait_submit()
         elif self.pattern == "harness":
@@ -72,9 +73,10 @@ class BenchRank:
 def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> dict:
     if pattern == "harness":
         worker = None
-    elif pattern == "ours":
+    elif pattern in ("ours", "ours_ray"):  # ours_ray: the fast path off, Ray calls only
         worker = metricsvc.start_metric_worker(
             {"name": f"bench-{index}", "sinks": {"console": None, "jsonl": None},
+             "fast_path": {"enabled": pattern == "ours"},
              "run": {"root": "/tmp/metricsvc-bench", "trial": str(index)}})
     elif pattern == "siirl":
         worker = SiirlStyleWorker.remote()
@@ -89,17 +91,20 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
             flushed = ray.get([r.step.remote() for r in active])
             latencies.append(time.time() - max(flushed))
             continue
-        final = (worker.wait_final_res.remote(step, 120) if pattern == "ours"
+        final = (worker.wait_final_res.remote(step, 120) if pattern.startswith("ours")
                  else worker.wait_final_res.remote(keys))
         flushed = ray.get([r.step.remote() for r in active])
         result = ray.get(final)
         latencies.append(time.time() - max(flushed))
         assert len(result) == keys
     elapsed = time.perf_counter() - t0
+    frames = 0
     if pattern == "harness":
         calls = 0
-    elif pattern == "ours":
-        calls = ray.get(worker.health.remote())["calls"]["submit"]
+    elif pattern.startswith("ours"):
+        health = ray.get(worker.health.remote())
+        frames = (health["fast_path"] or {"frames": 0})["frames"]
+        calls = health["calls"]["submit"] - frames  # the rest came as actor calls
         ray.get(worker.close.remote())
     else:
         calls = ray.get(worker.call_count.remote())
@@ -108,6 +113,7 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
     lat = sorted(latencies)
     return {"pattern": pattern, "world": world, "keys": keys, "steps": steps,
             "steps_per_s": steps / elapsed, "calls_per_step": calls / steps,
+            "frames_per_step": frames / steps,
             "latency_p50_ms": 1e3 * statistics.median(lat),
             "latency_p95_ms": 1e3 * lat[min(len(lat) - 1, int(0.95 * len(lat)))]}
 
@@ -116,7 +122,7 @@ def main() -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--keys", type=int, nargs="+", default=[50, 300])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--per-key-steps", type=int, default=3,
                         help="steps for the one-call-per-key baseline (it is slow)")
     args = parser.parse_args()
@@ -126,20 +132,22 @@ def main() -> list[dict]:
     rows, index = [], 0
     for world in args.worlds:
         for keys in args.keys:
-            for pattern in ("harness", "ours", "siirl", "per_key"):  # harness: the trigger alone
+            # harness: the driver's trigger alone; ours_ray: ours with the fast path off
+            for pattern in ("harness", "ours", "ours_ray", "siirl", "per_key"):
                 steps = args.steps if pattern != "per_key" else args.per_key_steps
                 rows.append(run(pattern, ranks, world, keys, steps, index))
                 index += 1
     print(f"bench_rpc: local Ray on {os.cpu_count()} cores; W rank actors each flush K plain "
           "float metrics per step")
-    print("| W | K | pattern | steps/s | actor calls / step | flush→final p50 ms | p95 ms | "
-          "ours: steps/s × |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("| W | K | pattern | steps/s | actor calls / step | TCP frames / step | "
+          "flush→final p50 ms | p95 ms | ours: steps/s × |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         ours = next(r for r in rows if r["pattern"] == "ours" and r["world"] == row["world"]
                     and r["keys"] == row["keys"])
         print(f"| {row['world']} | {row['keys']} | {row['pattern']} | "
-              f"{row['steps_per_s']:.1f} | {row['calls_per_step']:.0f} | "
+              f"{row['steps_per_s']:.1f} | {row['calls_per_step']:.1f} | "
+              f"{row['frames_per_step']:.1f} | "
               f"{row['latency_p50_ms']:.1f} | {row['latency_p95_ms']:.1f} | "
               f"{ours['steps_per_s'] / row['steps_per_s']:.1f} |")
     RESULTS.mkdir(parents=True, exist_ok=True)

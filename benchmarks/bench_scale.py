@@ -2,9 +2,10 @@
 
 Ranks are multiplexed inside a few host processes (each host stands in for a
 node with W/hosts ranks). Reported: the time from the last rank's flush to the
-final result of the step, flat (every rank calls the MetricWorker) vs per-node
-(every host's ranks call its combiner, which forwards one call per step), and
-how it grows with W. Writes benchmarks/results/scale.json and scale.png.
+final result of the step, flat (every rank sends to the MetricWorker) vs per-node
+(every host's ranks send to its combiner, which forwards one call per step) vs
+flat_ray (flat with the fast path off: one Ray call per rank), and how it grows
+with W. Writes benchmarks/results/scale.json and scale.png.
 
     python benchmarks/bench_scale.py [--worlds 64 256 1024] [--keys 300] [--hosts 8]
 """
@@ -51,8 +52,10 @@ class Host:
 
 
 def run(topology: str, world: int, keys: int, hosts: int, steps: int, index: int) -> dict:
+    """One configuration; ``flat_ray`` is flat with the fast path off (Ray calls only)."""
     name = f"scale-{index}"
     cfg = metricsvc.load_config({"name": name, "topology": "flat",
+                                 "fast_path": {"enabled": topology != "flat_ray"},
                                  "sinks": {"console": None, "jsonl": None},
                                  "limits": {"max_world_size": 4096},
                                  "run": {"root": "/tmp/metricsvc-bench", "trial": name}})
@@ -69,14 +72,16 @@ def run(topology: str, world: int, keys: int, hosts: int, steps: int, index: int
         result = ray.get(final)
         latencies.append(time.time() - last_flush)
         assert len(result) == keys
-    calls = ray.get(worker.health.remote())["calls"]
+    health = ray.get(worker.health.remote())
+    calls, frames = health["calls"], (health["fast_path"] or {"frames": 0})["frames"]
     for actor in [worker, *combiners, *group]:
         ray.kill(actor)
     return {"topology": topology, "world": world, "keys": keys, "hosts": hosts,
             "latency_ms": [1e3 * x for x in latencies],
             "latency_p50_ms": 1e3 * statistics.median(latencies),
-            "singleton_calls_per_step": (calls.get("submit", 0)
-                                         + calls.get("submit_many", 0)) / steps}
+            "singleton_calls_per_step": (calls.get("submit", 0) - frames
+                                         + calls.get("submit_many", 0)) / steps,
+            "singleton_frames_per_step": frames / steps}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -86,7 +91,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for topology, marker in (("flat", "o"), ("per_node", "s")):
+    for topology, marker in (("flat", "o"), ("per_node", "s"), ("flat_ray", "^")):
         pts = [(r["world"], r["latency_p50_ms"]) for r in rows if r["topology"] == topology]
         ax.plot(*zip(*pts), marker=marker, label=topology)
     ax.set_xscale("log", base=2)
@@ -109,19 +114,19 @@ def main() -> list[dict]:
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
     rows, index = [], 0
     for world in args.worlds:
-        for topology in ("flat", "per_node"):
+        for topology in ("flat", "per_node", "flat_ray"):
             rows.append(run(topology, world, args.keys, args.hosts, args.steps, index))
             index += 1
     print(f"bench_scale: W simulated ranks in {args.hosts} host processes, K={args.keys} keys, "
           f"{args.steps} steps, {os.cpu_count()} cores")
-    print("| W | topology | singleton calls / step | last flush → final, median ms | "
-          "per-node vs flat |")
-    print("|---:|---|---:|---:|---:|")
+    print("| W | topology | singleton actor calls / step | singleton TCP frames / step | "
+          "last flush → final, median ms | latency vs flat |")
+    print("|---:|---|---:|---:|---:|---:|")
     for row in rows:
         flat = next(r for r in rows if r["world"] == row["world"] and r["topology"] == "flat")
         print(f"| {row['world']} | {row['topology']} | {row['singleton_calls_per_step']:.0f} | "
-              f"{row['latency_p50_ms']:.0f} | "
-              f"{flat['latency_p50_ms'] / row['latency_p50_ms']:.2f}x |")
+              f"{row['singleton_frames_per_step']:.0f} | {row['latency_p50_ms']:.0f} | "
+              f"{row['latency_p50_ms'] / flat['latency_p50_ms']:.2f}× |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "scale.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot(rows, RESULTS / "scale.png")
