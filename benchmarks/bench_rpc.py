@@ -149,7 +149,7 @@ def main() -> list[dict]:
               f"{row['steps_per_s']:.1f} | {row['calls_per_step']:.1f} | "
               f"{row['frames_per_step']:.1f} | "
               f"{row['latency_p50_ms']:.1f} | {row['latency_p95_ms']:.1f} | "
-              f"{ours['steps_per_s'] / row['steps_per_s']:.1f} |")
+              f"{ours['steps_per_s'] / row['steps_per_s']:.2f} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "rpc.json").write_text(json.dumps(rows, indent=2) + "\n")
     ray.shutdown()
