@@ -126,29 +126,32 @@ class RecordBuffer:
             if sketches is None and entries.keys().isdisjoint(rows):
                 # Keys new in this step (the common case): nothing to merge or to clash with.
                 entries.update((key, _Entry(code, expected, row)) for key, row in rows.items())
-                if self.on_record is not None:
-                    self.on_record()
-                return
-            # Check every key before touching the buffer: a bad call records nothing.
-            for key in rows:
-                entry = entries.get(key)
-                if entry is not None and entry.code != code:
-                    raise ValueError(
-                        f"key {key!r} was recorded as {_kind_name(entry.code)} in "
-                        f"{self.label}; recording it as {_kind_name(code)} would mix reductions"
-                    )
-            for key, row in rows.items():
-                sk = None if sketches is None else sketches[key]
-                entry = entries.get(key)
-                if entry is None:
-                    entries[key] = _Entry(code, expected, row, sk)
-                    continue
-                entry.row = merge_rows(entry.row, row)
-                entry.expected = max(entry.expected, expected)
-                if sk is not None:
-                    entry.sketch = sk if entry.sketch is None else add_dense(entry.sketch, sk)
+            else:
+                self._merge_rows(rows, code, expected, sketches)
         if self.on_record is not None:
             self.on_record()
+
+    def _merge_rows(self, rows: dict[str, Row], code: int, expected: int,
+                    sketches: dict[str, Row] | None) -> None:
+        entries = self._entries
+        # Check every key before touching the buffer: a bad call records nothing.
+        for key in rows:
+            entry = entries.get(key)
+            if entry is not None and entry.code != code:
+                raise ValueError(
+                    f"key {key!r} was recorded as {_kind_name(entry.code)} in "
+                    f"{self.label}; recording it as {_kind_name(code)} would mix reductions"
+                )
+        for key, row in rows.items():
+            sk = None if sketches is None else sketches[key]
+            entry = entries.get(key)
+            if entry is None:
+                entries[key] = _Entry(code, expected, row, sk)
+                continue
+            entry.row = merge_rows(entry.row, row)
+            entry.expected = max(entry.expected, expected)
+            if sk is not None:
+                entry.sketch = sk if entry.sketch is None else add_dense(entry.sketch, sk)
 
     def keys(self) -> list[str]:
         """Return the keys recorded since the last flush."""
