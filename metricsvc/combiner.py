@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
-from metricsvc.fastpath import FastPathServer
+from metricsvc.fastpath import FastPathServer, wanted
 from metricsvc.records import Batch
 from metricsvc.retry import ACTOR_ERRORS, backoff
 from metricsvc.validation import check_batch
@@ -62,7 +62,7 @@ class CombinerImpl:
             FastPathServer(self._submit, host=fast.host, port=0,  # one node, many combiners
                            max_frame=self.config.limits.max_batch_bytes,
                            label=f"combiner {label!r}")
-            if fast.enabled else None
+            if wanted(fast.enabled, f"combiner {label!r}") else None
         )
 
     # -- ranks -------------------------------------------------------------------------

@@ -10,7 +10,8 @@ batches there: one length-prefixed frame out, one JSON ack back, the same
 
 The offer travels in the ack of a submit made over Ray (``ack["fast_path"]``), so
 only callers who can already reach the actor learn the address and its token;
-a connection must present the token before anything is read from it. Whatever
+a connection must present the token before anything is read from it. The link is
+not encrypted: where Ray itself runs with TLS (``RAY_USE_TLS``) it stays off. Whatever
 goes wrong on the link (refused, reset, timed out, actor restarted) the client
 drops it and sends that batch as a Ray call, which waits out restarts; the
 ``(step, rank, seq)`` dedup makes the second copy harmless.
@@ -29,6 +30,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import secrets
 import struct
 from collections import Counter
@@ -48,6 +50,20 @@ ACK, REJECTED, ERROR = 0, 1, 2
 HELLO_TIMEOUT_S = 10.0
 
 Submit = Callable[[bytes], Awaitable[dict[str, Any]]]
+
+
+def ray_tls_enabled() -> bool:
+    """Return True when Ray's own connections use TLS (``RAY_USE_TLS``): then the fast
+    path, plain TCP with a token, stays off and batches go over Ray's encrypted calls."""
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true", "yes")
+
+
+def wanted(enabled: bool, label: str) -> bool:
+    """Return whether to serve the fast path, saying why not when TLS turns it off."""
+    if enabled and ray_tls_enabled():
+        log.info("%s: RAY_USE_TLS is set, so the fast path (plain TCP) is off", label)
+        return False
+    return enabled
 
 
 def node_address() -> str:

@@ -24,7 +24,7 @@ import yaml
 
 from metricsvc.aggregator import Aggregator, StepResult
 from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config
-from metricsvc.fastpath import FastPathServer
+from metricsvc.fastpath import FastPathServer, wanted
 from metricsvc.records import Batch
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.sinks.jsonl import read_journal
@@ -79,7 +79,7 @@ class MetricWorkerImpl:
             FastPathServer(self._submit, host=cfg.fast_path.host, port=cfg.fast_path.port,
                            max_frame=cfg.limits.max_batch_bytes,
                            label=f"MetricWorker {cfg.name!r}")
-            if cfg.fast_path.enabled else None
+            if wanted(cfg.fast_path.enabled, f"MetricWorker {cfg.name!r}") else None
         )
 
     def _journal_path(self) -> Path | None:

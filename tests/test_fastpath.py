@@ -14,7 +14,7 @@ from ray.exceptions import GetTimeoutError
 
 from clients import MetricClient
 from clients.link import FastLink
-from metricsvc.fastpath import ACK, HELLO_OK, LENGTH, MAGIC, REJECTED, REPLY
+from metricsvc.fastpath import ACK, HELLO_OK, LENGTH, MAGIC, REJECTED, REPLY, wanted
 from metricsvc.wire import encode
 
 
@@ -212,3 +212,10 @@ def test_the_ack_reply_format_round_trips(make_worker):
             ack = json.loads(recv_all(sock, length))
         assert ack["status"] == "duplicate" and ack["step"] == 1 and ack["seq"] == 99
     assert ray.get(handle.wait_final_res.remote(1, 10)) == {"x": 2.0}
+
+
+@pytest.mark.parametrize("value, serve", [("1", False), ("true", False), ("0", True), ("", True)])
+def test_where_ray_uses_tls_the_plain_tcp_link_stays_off(monkeypatch, value, serve):
+    monkeypatch.setenv("RAY_USE_TLS", value)
+    assert wanted(True, "MetricWorker 't'") is serve
+    assert wanted(False, "MetricWorker 't'") is False
