@@ -201,7 +201,17 @@ class MetricClient(TrackerAPI):
             if ack is not None:
                 self.rpc_count += 1
                 return ack
-        ack = self._call("submit", blob, timeout_s=timeout_s)
+        # A TCP frame can only reach the incarnation that offered the link; a Ray call
+        # reaches whichever is running, so it names the one this client last heard from.
+        ack = self._call_submit(blob, timeout_s)
+        if ack["status"] == "epoch_changed":  # restarted: older batches first, then this
+            self._epoch = ack["epoch"]
+            self._resend(ack)
+            ack = self._call_submit(blob, timeout_s)
+        return ack
+
+    def _call_submit(self, blob: bytes, timeout_s: float | None) -> dict[str, Any]:
+        ack = self._call("submit", blob, self._epoch, timeout_s=timeout_s)
         offer = ack.pop("fast_path", None)
         if self.link is not None:
             self.link.accept(offer)

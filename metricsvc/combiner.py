@@ -70,11 +70,19 @@ class CombinerImpl:
         """Count ``rank`` among this node's ranks (clients call it when they start)."""
         self.local_ranks.add(int(rank))
 
-    async def submit(self, item: Batch | bytes) -> dict[str, Any]:
+    async def submit(self, item: Batch | bytes, epoch: str | None = None) -> dict[str, Any]:
         """Take a local rank's batch; forward the step once every local rank closed it.
 
-        Like the MetricWorker's, the ack offers this combiner's fast path."""
-        ack = await self._submit(item)
+        Like the MetricWorker's: the ack offers this combiner's fast path, and a client
+        that last heard from another incarnation (``epoch``) is told ``epoch_changed``
+        and nothing is taken, so it resends its older batches first."""
+        if epoch is not None and epoch != self.epoch:
+            self.calls["epoch_changed"] = self.calls.get("epoch_changed", 0) + 1
+            ack = {"status": "epoch_changed", "epoch": self.epoch,
+                   "durable_through": self.durable_through,
+                   "last_final_step": self.last_final_step}
+        else:
+            ack = await self._submit(item)
         if self.fast_path is not None:
             ack["fast_path"] = await self.fast_path.start()
         return ack

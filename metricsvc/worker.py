@@ -115,8 +115,13 @@ class MetricWorkerImpl:
                 "last_final_step": self.aggregator.last_emitted, **extra}
 
     # -- ranks -------------------------------------------------------------------------
-    async def submit(self, batch: Batch | bytes) -> dict[str, Any]:
+    async def submit(self, batch: Batch | bytes, epoch: str | None = None) -> dict[str, Any]:
         """Merge one rank's batch (or its wire bytes); return the ack.
+
+        ``epoch``: the incarnation the client last heard from. If this is another one
+        (the actor restarted), nothing is merged and the ack says ``epoch_changed``: the
+        client first resends what the journal may have lost, then this batch, so a new
+        step cannot finish ahead of an older one it still owes.
 
         The ack offers the fast path (``ack["fast_path"]``: where and how to send the
         next batches over TCP instead of a Ray call), unless config turns it off.
@@ -124,7 +129,11 @@ class MetricWorkerImpl:
         Raises:
             BatchRejected: (a ValueError) the batch was refused; nothing was merged.
         """
-        ack = await self._submit(batch)
+        if epoch is not None and epoch != self.epoch:
+            self.calls["epoch_changed"] += 1
+            ack = self._ack("epoch_changed")
+        else:
+            ack = await self._submit(batch)
         if self.fast_path is not None and not self._closed:
             ack["fast_path"] = await self.fast_path.start()
         return ack

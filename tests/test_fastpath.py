@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -219,3 +220,32 @@ def test_where_ray_uses_tls_the_plain_tcp_link_stays_off(monkeypatch, value, ser
     monkeypatch.setenv("RAY_USE_TLS", value)
     assert wanted(True, "MetricWorker 't'") is serve
     assert wanted(False, "MetricWorker 't'") is False
+
+
+def test_after_a_restart_an_owed_older_step_is_resent_before_the_new_one(make_worker):
+    # One rank, so the new step would finish at once: the older step the journal lost must
+    # reach the new incarnation first, or it could only arrive late.
+    handle, cfg = make_worker(sinks={"console": None, "jsonl": {}})
+    c = client(cfg)
+    for s in range(3):
+        step(c, x=float(s))
+    owed = [b.step for b in c._inflight]  # sent, not yet acked as journaled
+    assert 2 in owed, f"precondition: step 2 not yet acked as durable, got {owed}"
+    epoch = ray.get(handle.health.remote())["epoch"]
+    run_dir = Path(ray.get(handle.health.remote())["run_dir"])
+    assert ray.get(handle.flush.remote())
+    journal = run_dir / "metrics.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(lines[:2]))  # as if the actor died before writing step 2
+    ray.kill(handle, no_restart=False)
+    while True:
+        try:
+            if ray.get(handle.health.remote(), timeout=30)["epoch"] != epoch:
+                break
+        except ray.exceptions.RayActorError:
+            time.sleep(0.1)
+    step(c, x=3.0)
+    assert c.resent == len(owed)  # step 2, and any older one (a duplicate, merged once)
+    assert [ray.get(handle.wait_final_res.remote(s, 30))["x"] for s in (2, 3)] == [2.0, 3.0]
+    health = ray.get(handle.health.remote())
+    assert health["calls"]["epoch_changed"] == 1 and health["late_batches"] == 0
