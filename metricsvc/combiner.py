@@ -116,7 +116,7 @@ class CombinerImpl:
         pauses = backoff(120.0)
         while True:
             try:
-                return await self._upstream().submit_many.remote(batches)
+                return await self._upstream().submit_many.remote(batches, self._upstream_epoch)
             except ACTOR_ERRORS:
                 delay = next(pauses, None)
                 if delay is None:
@@ -128,12 +128,14 @@ class CombinerImpl:
             self._lock = asyncio.Lock()
         async with self._lock:  # one forward at a time keeps steps in order upstream
             ack = await self._call_upstream(batches)
+            while ack["status"] == "epoch_changed":
+                # A new incarnation: first resend what its journal may lack, oldest first,
+                # so this step cannot finish ahead of one it still needs.
+                self._upstream_epoch = ack["epoch"]
+                ack = await self._resend_owed(ack.get("durable_through")) \
+                    or await self._call_upstream(batches)
             self.calls["forward"] += 1
             self._note_rejections(ack)
-            if self._upstream_epoch is not None and ack["epoch"] != self._upstream_epoch:
-                for _, old in list(self._inflight):  # a new incarnation: resend what it lost
-                    self._note_rejections(await self._call_upstream(old))
-                    self.calls["resent"] += 1
             self._upstream_epoch = ack["epoch"]
             self._inflight.append((step, batches))
             self.durable_through = ack.get("durable_through")
@@ -142,6 +144,18 @@ class CombinerImpl:
                 self._inflight = [(s, b) for s, b in self._inflight if s > self.durable_through]
             if self._forwarded_through is None or step > self._forwarded_through:
                 self._forwarded_through = step
+
+    async def _resend_owed(self, durable_through: int | None) -> dict[str, Any] | None:
+        """Resend forwarded steps past ``durable_through``; return an ``epoch_changed``
+        ack if the MetricWorker restarted again meanwhile, else None."""
+        for old_step, old in list(self._inflight):
+            if durable_through is None or old_step > durable_through:
+                ack = await self._call_upstream(old)
+                if ack["status"] == "epoch_changed":
+                    return ack
+                self._note_rejections(ack)
+                self.calls["resent"] += 1
+        return None
 
     def _note_rejections(self, ack: dict[str, Any]) -> None:
         for status in ack.get("statuses", ()):

@@ -165,12 +165,17 @@ class MetricWorkerImpl:
             await self._notify()  # wait_final_res(step=None) watches newest_closed
         return self._ack(outcome.status, step=batch.step, seq=batch.seq)
 
-    async def submit_many(self, batches: list[Batch | bytes]) -> dict[str, Any]:
+    async def submit_many(self, batches: list[Batch | bytes],
+                          epoch: str | None = None) -> dict[str, Any]:
         """Merge batches forwarded by a combiner, each exactly as if sent directly.
 
         Returns the ack with one status per batch (``rejected: <why>`` for a refused one:
-        a refusal does not stop the others).
+        a refusal does not stop the others). ``epoch`` as for ``submit``: another
+        incarnation's answers ``epoch_changed`` and merges nothing.
         """
+        if epoch is not None and epoch != self.epoch:
+            self.calls["epoch_changed"] += 1
+            return self._ack("epoch_changed")
         self.calls["submit_many"] += 1
         self._ensure_ticker()
         statuses, finished = [], []

@@ -61,3 +61,37 @@ def test_per_node_start_places_one_combiner_on_each_node(make_worker):
     assert c.worker._actor_id == combiner._actor_id  # found by node id, without being told
     assert ray.get(handle.wait_final_res.remote(0, 30)) == {"x": 2.0}
     ray.kill(combiner)
+
+
+def test_a_lone_combiner_resends_an_owed_step_before_the_new_one_after_a_restart(make_worker):
+    import time
+    from pathlib import Path
+
+    from clients import MetricClient
+
+    handle, cfg = make_worker(topology="per_node", sinks={"console": None, "jsonl": {}})
+    combiner = metricsvc.start_combiner(cfg, "solo")
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name, via="solo")
+    for s in range(3):
+        c.submit_metric({"x": float(s)})
+        c.wait_submit()
+    ray.get(handle.wait_final.remote(2, 30))
+    assert ray.get(combiner.health.remote())["inflight"] >= 1, "precondition: step 2 owed"
+    health = ray.get(handle.health.remote())
+    assert ray.get(handle.flush.remote())
+    journal = Path(health["run_dir"]) / "metrics.jsonl"
+    journal.write_text("".join(journal.read_text().splitlines(keepends=True)[:2]))
+    ray.kill(handle, no_restart=False)  # as if it died before journaling step 2
+    while True:
+        try:
+            if ray.get(handle.health.remote(), timeout=30)["epoch"] != health["epoch"]:
+                break
+        except ray.exceptions.RayActorError:
+            time.sleep(0.1)
+    c.submit_metric({"x": 3.0})
+    c.wait_submit()
+    assert [ray.get(handle.wait_final_res.remote(s, 30))["x"] for s in (2, 3)] == [2.0, 3.0]
+    after = ray.get(handle.health.remote())
+    assert after["calls"]["epoch_changed"] == 1 and after["late_batches"] == 0
+    assert ray.get(combiner.health.remote())["calls"]["resent"] >= 1
+    ray.kill(combiner)
