@@ -204,7 +204,7 @@ class MetricClient(TrackerAPI):
         # A TCP frame can only reach the incarnation that offered the link; a Ray call
         # reaches whichever is running, so it names the one this client last heard from.
         ack = self._call_submit(blob, timeout_s)
-        if ack["status"] == "epoch_changed":  # restarted: older batches first, then this
+        while ack["status"] == "epoch_changed":  # restarted: older batches first, then this
             self._epoch = ack["epoch"]
             self._resend(ack)
             ack = self._call_submit(blob, timeout_s)
@@ -218,9 +218,7 @@ class MetricClient(TrackerAPI):
         return ack
 
     def _after_ack(self, ack: dict[str, Any], batch: Batch) -> None:
-        if self._epoch is not None and ack["epoch"] != self._epoch:
-            self._resend(ack)  # a new incarnation: it has only what its journal held
-        self._epoch = ack["epoch"]
+        self._epoch = ack["epoch"]  # a new incarnation was already caught up in _submit
         self._inflight.append(batch)
         self._forget_durable(ack.get("durable_through"))
         if len(self._inflight) > self.max_inflight:
