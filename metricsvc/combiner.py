@@ -78,9 +78,7 @@ class CombinerImpl:
         and nothing is taken, so it resends its older batches first."""
         if epoch is not None and epoch != self.epoch:
             self.calls["epoch_changed"] = self.calls.get("epoch_changed", 0) + 1
-            ack = {"status": "epoch_changed", "epoch": self.epoch,
-                   "durable_through": self.durable_through,
-                   "last_final_step": self.last_final_step}
+            ack = self._ack("epoch_changed")
         else:
             ack = await self._submit(item)
         if self.fast_path is not None:
@@ -104,9 +102,11 @@ class CombinerImpl:
                 g.closed.add(batch.rank)
             if self.local_ranks <= g.closed:
                 await self._forward(step, self._gathering.pop(step).batches)
-        return {"status": "accepted", "epoch": self.epoch, "step": step, "seq": batch.seq,
-                "durable_through": self.durable_through,
-                "last_final_step": self.last_final_step}
+        return self._ack("accepted", step=step, seq=batch.seq)
+
+    def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
+        return {"status": status, "epoch": self.epoch, "durable_through": self.durable_through,
+                "last_final_step": self.last_final_step, **extra}
 
     # -- upstream ----------------------------------------------------------------------
     def _upstream(self) -> Any:

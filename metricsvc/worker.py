@@ -67,6 +67,9 @@ class MetricWorkerImpl:
         _write_atomic(self.run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump()))
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
+        jsonl = cfg.sinks.jsonl
+        self.journal_path = (None if jsonl is None or not jsonl.enabled
+                             else self.run_dir / jsonl.filename)
         self.restored_steps = self._restore()
         self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None
         self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir, cfg.sinks.delivery)
@@ -82,13 +85,9 @@ class MetricWorkerImpl:
             if wanted(cfg.fast_path.enabled, f"MetricWorker {cfg.name!r}") else None
         )
 
-    def _journal_path(self) -> Path | None:
-        jsonl = self.config.sinks.jsonl
-        return None if jsonl is None or not jsonl.enabled else self.run_dir / jsonl.filename
-
     def _restore(self) -> int:
         """After a restart, continue from the journal: finished steps, cumulative totals."""
-        path = self._journal_path()
+        path = self.journal_path
         if path is None or not path.exists():
             return 0
         finished = read_journal(path)
@@ -104,11 +103,18 @@ class MetricWorkerImpl:
 
     def _durable_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""
-        if self._journal_path() is None:
+        if self.journal_path is None:  # every ack asks: no path building on the hot path
             return self.aggregator.last_emitted
         written = self.sinks.last_step("jsonl")
         # After a restart the journal already holds the reloaded steps.
         return self._reloaded_through if written is None else written
+
+    def _stale(self, epoch: str | None) -> bool:
+        """Return True (and count it) if a caller last heard from another incarnation."""
+        if epoch is None or epoch == self.epoch:
+            return False
+        self.calls["epoch_changed"] += 1
+        return True
 
     def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
         return {"status": status, "epoch": self.epoch, "durable_through": self._durable_through(),
@@ -129,8 +135,7 @@ class MetricWorkerImpl:
         Raises:
             BatchRejected: (a ValueError) the batch was refused; nothing was merged.
         """
-        if epoch is not None and epoch != self.epoch:
-            self.calls["epoch_changed"] += 1
+        if self._stale(epoch):
             ack = self._ack("epoch_changed")
         else:
             ack = await self._submit(batch)
@@ -173,8 +178,7 @@ class MetricWorkerImpl:
         a refusal does not stop the others). ``epoch`` as for ``submit``: another
         incarnation's answers ``epoch_changed`` and merges nothing.
         """
-        if epoch is not None and epoch != self.epoch:
-            self.calls["epoch_changed"] += 1
+        if self._stale(epoch):
             return self._ack("epoch_changed")
         self.calls["submit_many"] += 1
         self._ensure_ticker()
