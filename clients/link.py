@@ -102,11 +102,6 @@ class FastLink:
             raise BatchRejected(body["error"])
         raise RuntimeError(f"{self.label} failed on this batch: {body['error']}")
 
-    def close(self) -> None:
-        """Drop the connection (the next submit reconnects)."""
-        with self._lock:
-            self._close()
-
     # -- internals -----------------------------------------------------------------------
     def _connect(self, offer: dict[str, Any]) -> socket.socket:
         sock = socket.create_connection((offer["host"], offer["port"]),

@@ -73,10 +73,6 @@ def node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-def _plain(value: Any) -> Any:
-    return value.item() if hasattr(value, "item") else str(value)  # numpy scalars
-
-
 class FastPathServer:
     """Serve ``submit(wire_bytes) -> ack`` on a TCP port, inside the running event loop.
 
@@ -188,5 +184,5 @@ class FastPathServer:
             self.counts["errors"] += 1
             log.exception("%s: fast path submit failed", self.label)
             status, body = ERROR, {"error": f"{type(err).__name__}: {err}"}
-        data = json.dumps(body, default=_plain).encode()
+        data = json.dumps(body).encode()
         return REPLY.pack(status, len(data)) + data
