@@ -170,14 +170,11 @@ def _check_values(batch: Batch) -> None:
 def _check_sketches(batch: Batch) -> None:
     rows, offsets = batch.sketch_rows, batch.sketch_offsets
     n = len(batch.sketch_codes)
-    if n == 0 and isinstance(rows, np.ndarray) and rows.shape == (0,) \
-            and isinstance(offsets, np.ndarray) and offsets.shape == (1,) and offsets[0] == 0 \
-            and batch.sketch_counts.shape == (0,):
-        return  # no sketches: the common case
     ok = (
         isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
         and isinstance(offsets, np.ndarray) and offsets.shape == (len(rows) + 1,)
-        and offsets[0] == 0 and offsets[-1] == n and bool(np.all(np.diff(offsets) >= 0))
+        and offsets[0] == 0 and offsets[-1] == n
+        and (rows.size == 0 or bool(np.all(np.diff(offsets) >= 0)))  # one offset: sorted
         and batch.sketch_counts.shape == (n,) and batch.sketch_codes.dtype == np.int32
     )
     if not ok:
