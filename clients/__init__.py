@@ -1,6 +1,6 @@
 """Worker-side API: summarise on the device, merge micro-batches, one RPC per step."""
 
-from clients.client import MetricClient
+from clients.client import LateBatch, MetricClient, ServiceNotice
 from clients.rpc import ServiceUnavailable
 from clients.stream import StreamRecorder
 from clients.summarize import summarize
@@ -8,8 +8,10 @@ from clients.tracker import Tracker
 from metricsvc.reduce import ReduceType
 
 __all__ = [
+    "LateBatch",
     "MetricClient",
     "ReduceType",
+    "ServiceNotice",
     "ServiceUnavailable",
     "StreamRecorder",
     "Tracker",

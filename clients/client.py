@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,19 @@ from metricsvc.validation import check_rank
 from metricsvc.wire import encode
 
 log = logging.getLogger(__name__)
+
+
+class LateBatch(UserWarning):
+    """A closed step reached the service after the step was published (partial) without it.
+
+    Its data is journaled as late and never merged. ``warnings.simplefilter("error",
+    LateBatch)`` turns it into an exception.
+    """
+
+
+class ServiceNotice(UserWarning):
+    """The service dropped an earlier batch of this rank (e.g. a world-size disagreement)."""
+
 
 class MetricClient(TrackerAPI):
     """A rank's handle on the MetricWorker: record metrics for the open step, then flush.
@@ -218,6 +232,12 @@ class MetricClient(TrackerAPI):
         return ack
 
     def _after_ack(self, ack: dict[str, Any], batch: Batch) -> None:
+        if ack["status"] == "late":
+            warnings.warn(LateBatch(
+                f"rank {self.rank}: step {batch.step} was published without it (straggler "
+                f"timeout); this batch is journaled as late and not merged"), stacklevel=3)
+        if ack.get("notice"):
+            warnings.warn(ServiceNotice(f"rank {self.rank}: {ack['notice']}"), stacklevel=3)
         self._epoch = ack["epoch"]  # a new incarnation was already caught up in _submit
         self._inflight.append(batch)
         self._forget_durable(ack.get("durable_through"))

@@ -11,8 +11,10 @@ merged apart and folded into the step the driver names at export.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,11 +32,14 @@ from metricsvc.reduce import (
     finalize,
     is_approximate_plain_key,
 )
-from metricsvc.step import PendingStep, Window
+from metricsvc.step import Part, PendingStep, Window
 from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
-from metricsvc.wire import as_batch
+from metricsvc.wire import as_batch, encode
+
+log = logging.getLogger(__name__)
 
 Status = Literal["merged", "duplicate", "late"]
+DIGEST_STEPS = 64  # emitted steps whose batch digests are kept to tell resends from conflicts
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class Outcome:
 
     status: Status
     finished: list[StepResult] = field(default_factory=list)
+    notice: str | None = None  # something the sender must hear about an earlier batch
 
 
 class Aggregator:
@@ -62,6 +68,8 @@ class Aggregator:
         *,
         straggler_timeout_s: float | None = None,
         max_pending_steps: int = 64,
+        max_steps_ahead: int = 32,
+        world_size: int | None = None,
         limits: Limits | None = None,
         reduce_rules: Mapping[str, ReduceType | str] | None = None,
         renames: Mapping[str, str] | None = None,
@@ -71,6 +79,13 @@ class Aggregator:
     ) -> None:
         self.straggler_timeout_s = straggler_timeout_s
         self.max_pending_steps = max_pending_steps
+        self.max_steps_ahead = max_steps_ahead
+        # The run's world size: from config, else agreed by a majority of the size ranks
+        # claim (no step can finish before), else from the journal after a restart.
+        self.world_size = world_size
+        self.world_source = "config" if world_size is not None else None
+        self._claims: dict[int, int] = {}  # rank -> the world size it claims, until agreed
+        self._notices: dict[int, str] = {}  # rank -> why an accepted batch of it was dropped
         self.limits = limits or Limits()
         self.output = output or OutputRules()
         self._resolver = KindResolver(reduce_rules)
@@ -81,33 +96,49 @@ class Aggregator:
         self._pending: dict[int, PendingStep] = {}
         self._windows: dict[str, Window] = {}
         self._exports = 0
-        # Ranks that closed each emitted step: a resent batch of theirs is a duplicate.
-        self._emitted: OrderedDict[int, frozenset[int]] = OrderedDict()
+        # Ranks that closed each emitted step, and (for the newest) the digests of their
+        # batches: a byte-identical resend is a duplicate, other content a conflict.
+        self._emitted: OrderedDict[int, tuple[frozenset[int], dict | None]] = OrderedDict()
         self._remember_steps = remember_steps
         self.last_emitted: int | None = None
         self.newest_closed: int | None = None
         self.rank_last_seen: dict[int, int] = {}
+        self.late_by_rank: Counter[int] = Counter()
         self.counts = {"batches": 0, "duplicate": 0, "late": 0, "rejected": 0, "partial": 0,
-                       "stream_batches": 0}
+                       "stream_batches": 0, "conflict": 0, "dropped": 0}
 
     # -- input -------------------------------------------------------------------------
     def submit(self, batch: Batch) -> Outcome:
         """Merge one batch; return its status and any steps that became final.
 
         Raises:
-            BatchRejected: the batch is malformed or contradicts its step; nothing
-                of it was merged and no state changed.
+            BatchRejected: the batch is malformed, contradicts its step or the run (world
+                size, a conflicting resend, too far ahead); nothing of it was merged and no
+                state changed.
         """
         try:
-            return self._submit(self._checked(batch))
+            batch = self._checked(batch)
         except BatchRejected:
             self.counts["rejected"] += 1
             raise
+        notice = self._notices.pop(batch.rank, None)
+        try:
+            self._check_world_size(batch)
+            digest = hashlib.blake2b(encode(batch), digest_size=16).digest()
+            outcome = self._submit(batch, digest)
+        except BatchRejected as err:
+            self.counts["rejected"] += 1
+            if notice is not None:
+                raise BatchRejected(f"{err}; earlier: {notice}") from None
+            raise
+        if notice is not None:
+            return Outcome(outcome.status, outcome.finished, notice)
+        return outcome
 
     def decode(self, item: Batch | bytes) -> Batch:
         """Return the Batch that ``item`` is or encodes; malformed bytes count as rejected."""
         try:
-            return as_batch(item)
+            return as_batch(item, self.limits)
         except BatchRejected:
             self.counts["rejected"] += 1
             raise
@@ -122,28 +153,153 @@ class Aggregator:
             )
         return batch
 
-    def _submit(self, batch: Batch) -> Outcome:
+    # -- the run's world size ------------------------------------------------------------
+    def _check_world_size(self, batch: Batch) -> None:
+        if self.world_size is not None:
+            if batch.world_size != self.world_size:
+                raise BatchRejected(
+                    f"step {batch.step}: rank {batch.rank} sent world_size {batch.world_size}, "
+                    f"but the run's world size is {self.world_size} ({self.world_source})"
+                )
+            return
+        claimed = self._claims.get(batch.rank, batch.world_size)
+        if claimed != batch.world_size:
+            raise BatchRejected(
+                f"step {batch.step}: rank {batch.rank} sent world_size {batch.world_size}, but "
+                f"claimed {claimed} before (the run's world size is not agreed yet)"
+            )
+
+    def _claim(self, batch: Batch) -> None:
+        """Count a rank's claim; fix the world size once a majority of a claimed size agree."""
+        self._claims[batch.rank] = batch.world_size
+        agree = sorted(r for r, w in self._claims.items() if w == batch.world_size)
+        if len(agree) >= batch.world_size // 2 + 1:
+            self._fix_world_size(batch.world_size, f"agreed by ranks {agree}")
+
+    def _fix_world_size(self, world_size: int, source: str) -> None:
+        """Fix the run's world size; drop what ranks claiming another size sent so far."""
+        self.world_size, self.world_source = world_size, source
+        log.warning("the run's world size is %d (%s)", world_size, source)
+        for step, pending in list(self._pending.items()):
+            sources, pending.sources = pending.sources, None
+            if sources is None or all(w in (None, world_size) for w, _, _ in sources):
+                pending.world_size = world_size if pending.ranks else pending.world_size
+                continue
+            fresh = PendingStep(step, world_size, pending.opened_at)
+            fresh.stream_only = pending.stream_only
+            for claim, rank, apply in sources:
+                if claim in (None, world_size):
+                    apply(fresh)
+                else:
+                    self._drop(rank, f"your batch for step {step} was dropped: rank {rank} "
+                                     f"claimed world_size {claim}, but the run's world size "
+                                     f"is {world_size} ({source})")
+            if fresh.parts:
+                self._pending[step] = fresh
+            else:
+                del self._pending[step]
+        self._claims.clear()
+        self._refresh_newest_closed()
+
+    def _refresh_newest_closed(self) -> None:
+        closed = [s for s, p in self._pending.items() if p.closed]
+        newest = max(closed) if closed else None
+        if self.last_emitted is not None and (newest is None or newest < self.last_emitted):
+            newest = max(self.last_emitted, self.newest_closed or self.last_emitted)
+        self.newest_closed = newest
+
+    def _drop(self, rank: int, why: str) -> None:
+        """Drop an accepted batch of ``rank``; the rank hears why at its next call."""
+        self.counts["dropped"] += 1
+        self._notices[rank] = why
+        log.warning("rank %d: %s", rank, why)
+
+    def _conflict(self, batch: Batch, what: str) -> BatchRejected:
+        self.counts["conflict"] += 1
+        return BatchRejected(
+            f"step {batch.step}: conflict: rank {batch.rank} seq {batch.seq} {what} "
+            f"(two clients with rank {batch.rank}? only a byte-identical resend is a duplicate)"
+        )
+
+    # -- steps -----------------------------------------------------------------------------
+    def _submit(self, batch: Batch, digest: bytes) -> Outcome:
         step = batch.step
         pending = self._pending.get(step)
         if pending is None:
             if self.last_emitted is not None and step <= self.last_emitted:
-                closed = self._emitted.get(step, frozenset())
-                status: Status = "duplicate" if batch.rank in closed else "late"
-                self.counts[status] += 1
-                return Outcome(status)
+                return self._after_emitted(batch, digest)
+            self._check_ahead(step, f"rank {batch.rank}")
             self._check_room(step)
-        elif (batch.rank, batch.seq) in pending.seqs:
-            self.counts["duplicate"] += 1
-            return Outcome("duplicate")
-        target = pending or PendingStep(step, batch.world_size, self._clock())
+        else:
+            known = pending.digests.get((batch.rank, batch.seq))
+            if known == digest:
+                self.counts["duplicate"] += 1
+                return Outcome("duplicate")
+            if known is not None:
+                raise self._conflict(batch, "was already received with other content")
+            if batch.rank in pending.closed:
+                raise self._conflict(batch, "comes after the rank already closed this step")
+        target = pending or PendingStep(step, self.world_size, self._clock())
         idx = target.check(batch)
         self._pending[step] = target
-        target.add_batch(batch, idx)
+        target.add_batch(batch, idx, digest)
+        if self.world_size is None:  # kept apart until the world size is agreed
+            target.keep_source(batch.world_size, batch.rank,
+                               lambda p, b=batch, d=digest: p.add_batch(b, p.check(b), d))
         self.counts["batches"] += 1
         self.rank_last_seen[batch.rank] = max(step, self.rank_last_seen.get(batch.rank, step))
         if batch.final and (self.newest_closed is None or step > self.newest_closed):
             self.newest_closed = step
+        if pending is None:
+            self._drop_far_ahead()
+        if self.world_size is None:
+            self._claim(batch)
         return Outcome("merged", self._emit_ready())
+
+    def _after_emitted(self, batch: Batch, digest: bytes) -> Outcome:
+        closed, digests = self._emitted.get(batch.step, (frozenset(), None))
+        if batch.rank not in closed:
+            self.counts["late"] += 1
+            self.late_by_rank[batch.rank] += 1
+            return Outcome("late")
+        known = None if digests is None else digests.get((batch.rank, batch.seq))
+        if digests is None or known == digest:  # too old (or reloaded) to compare: a resend
+            self.counts["duplicate"] += 1
+            return Outcome("duplicate")
+        what = ("was already received with other content" if known is not None
+                else "comes after the rank already closed this step")
+        raise self._conflict(batch, what)
+
+    def _anchor(self) -> int | None:
+        """Return the oldest step still open (None before the first batch of a run)."""
+        nxt = None if self.last_emitted is None else self.last_emitted + 1
+        oldest = min(self._pending) if self._pending else None
+        return min(s for s in (nxt, oldest) if s is not None) if (nxt, oldest) != (None, None) \
+            else None
+
+    def _check_ahead(self, step: int, who: str) -> None:
+        anchor = self._anchor()
+        if anchor is not None and step > anchor + self.max_steps_ahead:
+            raise BatchRejected(
+                f"step {step} from {who} is {step - anchor} steps ahead of the oldest open "
+                f"step {anchor} (limit max_steps_ahead={self.max_steps_ahead}); "
+                f"is its start_step right?"
+            )
+
+    def _drop_far_ahead(self) -> None:
+        """Drop steps a runaway opened before the run's first step did (nothing emitted yet)."""
+        if self.last_emitted is not None:
+            return
+        limit = min(self._pending) + self.max_steps_ahead
+        for step in [s for s in self._pending if s > limit]:
+            far = self._pending.pop(step)
+            for rank in far.ranks:
+                self._drop(rank, f"your batch for step {step} was dropped: it is "
+                                 f"{step - limit + self.max_steps_ahead} steps ahead of the "
+                                 f"oldest open step {limit - self.max_steps_ahead} (limit "
+                                 f"max_steps_ahead={self.max_steps_ahead}); is its start_step "
+                                 f"right?")
+        self._refresh_newest_closed()
 
     def _check_room(self, step: int) -> None:
         if len(self._pending) >= self.max_pending_steps:
@@ -189,14 +345,22 @@ class Aggregator:
             )
         target = self._pending.get(step)
         if target is None:
+            self._check_ahead(step, f"stream {name!r}")
             self._check_room(step)
-            target = PendingStep(step, None, self._clock())
+            target = PendingStep(step, self.world_size, self._clock())
         self._exports += 1
         part, keys, codes, sketches = window.as_part((1, name, self._exports))
-        part.idx = target.locate(keys, codes, f"stream {name!r}")
+
+        def fold(into: PendingStep) -> None:
+            located = Part(part.order, None, into.locate(keys, codes, f"stream {name!r}"),
+                           part.rows)
+            into.add(located, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
+            into.streams.append(name)
+
+        fold(target)
         self._pending[step] = target
-        target.add(part, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
-        target.streams.append(name)
+        if self.world_size is None:
+            target.keep_source(None, None, fold)
         target.stream_only = target.stream_only or close
         self._windows[name] = Window()
         kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(keys, codes)]
@@ -212,6 +376,15 @@ class Aggregator:
         for pending in self._pending.values():
             if now - pending.opened_at >= self.straggler_timeout_s:
                 pending.timed_out = True
+        if self.world_size is None and self._claims and any(
+                p.timed_out for p in self._pending.values()):
+            # No majority came in time: the size most ranks claim (the larger on a tie).
+            sizes = Counter(self._claims.values())
+            size = max(sizes, key=lambda w: (sizes[w], w))
+            voters = sorted(r for r, w in self._claims.items() if w == size)
+            self._fix_world_size(size, f"claimed by ranks {voters} at the straggler timeout")
+            for pending in self._pending.values():
+                pending.timed_out = now - pending.opened_at >= self.straggler_timeout_s
         return self._emit_ready()
 
     # -- restart -----------------------------------------------------------------------
@@ -219,11 +392,15 @@ class Aggregator:
         """Resume after a restart from journaled steps ``{"step", "metrics", "meta"}``."""
         for record in sorted(finished, key=lambda r: r["step"]):
             step = int(record["step"])
+            meta = record.get("meta", {})
             self.last_emitted = step
-            self._emitted[step] = frozenset(record.get("meta", {}).get("ranks", ()))
+            self._emitted[step] = (frozenset(meta.get("ranks", ())), None)
             if self.newest_closed is None or step > self.newest_closed:
                 self.newest_closed = step
-            cumulative = record.get("meta", {}).get("cumulative")
+            if self.world_size is None and meta.get("world_size"):
+                self.world_size = int(meta["world_size"])
+                self.world_source = "from the journal"
+            cumulative = meta.get("cumulative")
             if cumulative:
                 self.deriver.restore(cumulative)
         while len(self._emitted) > self._remember_steps:
@@ -237,10 +414,13 @@ class Aggregator:
             pending = self._pending[step]
             if not pending.ready:
                 break
+            out.append(self._finish(pending))  # before forgetting it: a raise loses nothing
             del self._pending[step]
-            out.append(self._finish(pending))
             self.last_emitted = step
-            self._emitted[step] = frozenset(pending.closed)
+            self._emitted[step] = (frozenset(pending.closed), pending.digests)
+            old = step - DIGEST_STEPS
+            if old in self._emitted:
+                self._emitted[old] = (self._emitted[old][0], None)
             while len(self._emitted) > self._remember_steps:
                 self._emitted.popitem(last=False)
         return out

@@ -87,7 +87,8 @@ class CombinerImpl:
 
     async def _submit(self, item: Batch | bytes) -> dict[str, Any]:
         self.calls["submit"] += 1
-        batch = check_batch(as_batch(item), self.config.limits.to_limits())
+        limits = self.config.limits.to_limits()
+        batch = check_batch(as_batch(item, limits), limits)
         blob = item if isinstance(item, bytes) else encode(batch)
         self._ensure_ticker()
         self.local_ranks.add(batch.rank)

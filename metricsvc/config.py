@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from metricsvc.reduce import OutputRules, ReduceType
 from metricsvc.sketch import SketchSpec
@@ -167,6 +174,9 @@ class LimitsConfig(_Strict):
     """Bounds that keep the actor's memory finite; past them a batch is rejected."""
 
     max_pending_steps: int = Field(64, ge=1)
+    max_steps_ahead: int = Field(
+        32, ge=0, description="a batch this many steps past the oldest open step is refused"
+    )
     max_keys_per_batch: int = Field(100_000, ge=1)
     max_key_length: int = Field(512, ge=8)
     max_batch_bytes: int = Field(64 * 2**20, ge=1024)
@@ -228,6 +238,10 @@ class ServiceConfig(_Strict):
     namespace: str | None = None
     num_cpus: float = Field(0, ge=0)
     max_restarts: int = Field(3, ge=-1)
+    world_size: int | None = Field(
+        None, ge=1,
+        description="the run's ranks; default: agreed by a majority of the size ranks claim",
+    )
     straggler_timeout_s: float | None = Field(
         600.0, gt=0, description="finish a step as partial this long after its first batch"
     )
@@ -255,6 +269,19 @@ class ServiceConfig(_Strict):
             if not pattern:
                 raise ValueError("reduce_rules: empty glob pattern")
         return rules
+
+    @model_validator(mode="after")
+    def _room_ahead(self) -> ServiceConfig:
+        if self.limits.max_steps_ahead >= self.limits.max_pending_steps:
+            raise ValueError(
+                f"limits.max_steps_ahead ({self.limits.max_steps_ahead}) must be below "
+                f"limits.max_pending_steps ({self.limits.max_pending_steps}): a runaway rank "
+                f"must never fill the pending steps the others need"
+            )
+        if self.world_size is not None and self.world_size > self.limits.max_world_size:
+            raise ValueError(f"world_size {self.world_size} exceeds limits.max_world_size "
+                             f"{self.limits.max_world_size}")
+        return self
 
     @property
     def max_concurrency(self) -> int:

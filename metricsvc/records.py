@@ -70,6 +70,8 @@ def scalar_row(value: float, weight: float = 1.0) -> np.ndarray:
     if not np.isfinite(value):
         row[NONFINITE] = 1.0
         return row
+    if weight == 0:  # counted zero times: nothing recorded, not a min or max either
+        return row
     row[SUM] = value * weight
     row[COUNT] = weight
     row[MIN] = value

@@ -8,7 +8,7 @@ the batches arrived in, across retries and actor restarts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,52 +153,65 @@ class PendingStep(Collection):
         self.world_size = world_size  # None until a rank's batch arrives (stream-only so far)
         self.opened_at = now
         self.closed: set[int] = set()
-        self.seqs: set[tuple[int, int]] = set()
+        self.digests: dict[tuple[int, int], bytes] = {}  # (rank, seq) -> content digest
         self.batches = 0
         self.streams: list[str] = []
         self.timed_out = False
         self.stream_only = False
+        # Until the run's world size is agreed: how to rebuild this step without the
+        # contributions of ranks that claimed another size (claim, rank, apply).
+        self.sources: list[tuple[int | None, int | None, Callable[[PendingStep], None]]] | None \
+            = None
+
+    def keep_source(self, claim: int | None, rank: int | None,
+                    apply: Callable[[PendingStep], None]) -> None:
+        """Remember a contribution made before the world size was agreed."""
+        if self.sources is None:
+            self.sources = []
+        self.sources.append((claim, rank, apply))
 
     def check(self, batch: Batch) -> np.ndarray:
-        """Return the row of each batch key (-1 if new); raise if the batch cannot merge."""
-        if self.world_size is not None and batch.world_size != self.world_size:
-            raise BatchRejected(
-                f"step {self.step}: rank {batch.rank} sent world_size {batch.world_size}, "
-                f"but the step was opened with world_size {self.world_size}"
-            )
-        if batch.rank in self.closed:
-            raise BatchRejected(
-                f"step {self.step}: rank {batch.rank} already closed this step "
-                f"(new seq {batch.seq})"
-            )
+        """Return the row of each batch key (-1 if new); raise if a key changes its kind."""
         return self.locate(batch.keys, batch.kinds, f"rank {batch.rank} in step {self.step}")
 
-    def add_batch(self, batch: Batch, idx: np.ndarray) -> None:
+    def add_batch(self, batch: Batch, idx: np.ndarray, digest: bytes) -> None:
         """Keep a checked batch as a part; a final batch closes the step for its rank."""
-        self.world_size = batch.world_size
         part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data)
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch))
-        self.seqs.add((batch.rank, batch.seq))
+        self.digests[(batch.rank, batch.seq)] = digest
         self.batches += 1
         if batch.final:
             self.closed.add(batch.rank)
 
     @property
+    def ranks(self) -> list[int]:
+        """Return every rank that sent a part of this step."""
+        return sorted({rank for rank, _ in self.digests})
+
+    @property
     def complete(self) -> bool:
-        if self.world_size is None:
+        if not self.digests:  # no rank has sent anything: streams only
             return self.stream_only
-        return len(self.closed) >= self.world_size
+        return self.world_size is not None and len(self.closed) >= self.world_size
 
     @property
     def ready(self) -> bool:
-        return self.complete or self.timed_out
+        # A step with ranks in it waits for the run's world size even past its timeout.
+        return self.complete or (self.timed_out and (self.world_size is not None
+                                                     or not self.digests))
+
+    @property
+    def size(self) -> int:
+        """Return the world size this step waits for (before agreement: the largest claim)."""
+        if self.world_size is not None:
+            return self.world_size
+        return max((claim or 0 for claim, _, _ in self.sources or ()), default=0)
 
     def missing(self) -> list[int]:
-        return sorted(set(range(self.world_size or 0)) - self.closed)
+        return sorted(set(range(self.size)) - self.closed)
 
     def summary(self) -> dict[str, Any]:
-        return {"closed": sorted(self.closed), "world_size": self.world_size,
-                "keys": len(self.keys)}
+        return {"closed": sorted(self.closed), "world_size": self.size, "keys": len(self.keys)}
 
 
 class Window(Collection):

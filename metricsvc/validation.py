@@ -9,8 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metricsvc.records import COUNT, MAX, MIN, NFIELDS, NONFINITE, Batch
+from metricsvc.records import COUNT, MAX, MIN, NFIELDS, NONFINITE, SUM, SUMSQ, Batch
 from metricsvc.reduce import VALID_CODES, ReduceType
+
+# Counts up to 2**53 are exact in float64; merged over any world size they stay finite,
+# so turning them into ints when a step finishes cannot overflow.
+MAX_COUNT = float(2**53)
 
 
 class BatchRejected(ValueError):
@@ -85,8 +89,10 @@ def check_batch(batch: object, limits: Limits = Limits(), cache: KeyCache | None
         raise BatchRejected(
             f"world_size {batch.world_size} exceeds the limit {limits.max_world_size}"
         )
-    if batch.step < 0:
-        raise BatchRejected(f"step must be >= 0, got {batch.step}")
+    if not 0 <= batch.step <= MAX_COUNT:
+        raise BatchRejected(f"step must be in [0, 2**53], got {batch.step}")
+    if batch.seq < 0:
+        raise BatchRejected(f"step {batch.step}: seq must be >= 0, got {batch.seq}")
     k = len(batch.keys)
     if k > limits.max_keys_per_batch:
         raise BatchRejected(
@@ -157,14 +163,42 @@ def _check_values(batch: Batch) -> None:
             f"key {batch.keys[i]!r}: expected contributors must be in [0, {batch.world_size}], "
             f"got {int(batch.expected[i])}"
         )
-    # Sums may overflow (finite values past 1e308 add up to inf, or to NaN through
-    # inf - inf): that is float64 arithmetic, not corruption. Counts and extrema cannot.
-    counts = batch.data[:, COUNT]
-    exact = batch.data[:, [COUNT, MIN, MAX, NONFINITE]]
-    bad = np.isnan(exact).any(axis=1) | (counts < 0) | (batch.data[:, NONFINITE] < 0)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise BatchRejected(f"key {batch.keys[i]!r}: corrupt record {batch.data[i].tolist()}")
+    _check_records(batch)
+
+
+def _check_records(batch: Batch) -> None:
+    """Refuse any row that could not be merged and finalised without raising.
+
+    Sums may overflow (finite values past 1e308 add up to inf, or to NaN through
+    inf - inf): that is float64 arithmetic, not corruption, and is flagged at the
+    merge. Counts, extrema and squares cannot: a count is finite, >= 0 and at most
+    2**53 (integral except for AVG, whose counts are ``weighted_mean`` weights), the
+    non-finite count is such an integer too, a populated row has finite ``min <= max``,
+    and an empty row is the identity record.
+    """
+    d = batch.data
+    count, nonfinite = d[:, COUNT], d[:, NONFINITE]
+    with np.errstate(invalid="ignore"):
+        weighted = batch.kinds == int(ReduceType.AVG)
+        rules = (
+            ("count must be finite, in [0, 2**53]", ~((count >= 0) & (count <= MAX_COUNT))),
+            ("count must be a whole number", ~weighted & (np.floor(count) != count)),
+            ("nonfinite must be a whole number in [0, 2**53]",
+             ~((nonfinite >= 0) & (nonfinite <= MAX_COUNT) & (np.floor(nonfinite) == nonfinite))),
+            ("a populated record needs finite min <= max",
+             (count > 0) & ~(np.isfinite(d[:, MIN]) & np.isfinite(d[:, MAX])
+                             & (d[:, MIN] <= d[:, MAX]))),
+            ("sumsq must be >= 0", ~(d[:, SUMSQ] >= 0)),
+            ("an empty record (count 0) must be the identity (sum 0, min +inf, max -inf)",
+             (count == 0) & ~((d[:, SUM] == 0) & (d[:, SUMSQ] == 0) & (d[:, MIN] == np.inf)
+                              & (d[:, MAX] == -np.inf))),
+        )
+    for rule, bad in rules:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise BatchRejected(
+                f"key {batch.keys[i]!r}: corrupt record {batch.data[i].tolist()} ({rule})"
+            )
 
 
 def _check_sketches(batch: Batch) -> None:
@@ -188,5 +222,16 @@ def _check_sketches(batch: Batch) -> None:
         key = batch.keys[int(rows[np.flatnonzero(not_q)[0]])]
         raise BatchRejected(f"key {key!r}: a quantile sketch was sent for a non-QUANTILES key")
     counts = batch.sketch_counts
-    if not np.all(np.isfinite(counts)) or (counts < 0).any():
-        raise BatchRejected("batch sketch counts must be finite and >= 0")
+    if not np.all((counts >= 0) & (counts <= MAX_COUNT) & (np.floor(counts) == counts)):
+        raise BatchRejected("batch sketch counts must be whole numbers in [0, 2**53]")
+    totals = np.zeros(len(rows))
+    filled = np.diff(offsets) > 0  # reduceat needs the empty ranges left out
+    if filled.any():
+        totals[filled] = np.add.reduceat(counts, offsets[:-1][filled])
+    off = totals != batch.data[rows, COUNT]
+    if off.any():
+        j = int(np.flatnonzero(off)[0])
+        raise BatchRejected(
+            f"key {batch.keys[int(rows[j])]!r}: its quantile sketch holds {totals[j]:g} values "
+            f"but its record counts {batch.data[int(rows[j]), COUNT]:g}"
+        )

@@ -19,7 +19,7 @@ import struct
 import numpy as np
 
 from metricsvc.records import NFIELDS, Batch
-from metricsvc.validation import BatchRejected
+from metricsvc.validation import BatchRejected, Limits
 
 _HEADER = struct.Struct("<qiiq?dIIII")
 _COLUMNS = (  # name, dtype, length as a function of (K, S, N)
@@ -44,14 +44,31 @@ def encode(batch: Batch) -> bytes:
     return b"".join([head, keys, *columns])
 
 
-def decode(blob: bytes) -> Batch:
-    """Return the Batch a ``blob`` encodes.
+def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, limits: Limits) -> None:
+    """Refuse a batch by its header alone, before any per-key work or allocation."""
+    if len(blob) > limits.max_batch_bytes:
+        raise BatchRejected(f"batch is {len(blob)} bytes; the limit is {limits.max_batch_bytes}")
+    if k > limits.max_keys_per_batch:
+        raise BatchRejected(f"batch has {k} keys; the limit is {limits.max_keys_per_batch}")
+    size = _HEADER.size + key_len + sum(
+        length(k, s, n) * np.dtype(dtype).itemsize for _, dtype, length in _COLUMNS)
+    if size != len(blob):
+        raise BatchRejected(
+            f"malformed wire batch: its header describes {size} bytes, {len(blob)} came"
+        )
+    if k and key_len < 2 * k - 1 or key_len > k * 4 * limits.max_key_length + k:
+        raise BatchRejected(f"malformed wire batch: {key_len} bytes cannot hold {k} keys")
+
+
+def decode(blob: bytes, limits: Limits | None = None) -> Batch:
+    """Return the Batch a ``blob`` encodes; sizes are checked against ``limits`` first.
 
     Raises:
-        BatchRejected: the bytes are not a well-formed encoded batch.
+        BatchRejected: the bytes are not a well-formed encoded batch, or exceed a limit.
     """
     try:
         step, rank, world, seq, final, alpha, k, s, n, key_len = _HEADER.unpack_from(blob)
+        _check_header(blob, k, s, n, key_len, limits or Limits())
         pos = _HEADER.size
         text = bytes(blob[pos : pos + key_len]).decode("utf-8")
         keys = tuple(text.split("\x00")) if k else ()
@@ -61,6 +78,8 @@ def decode(blob: bytes) -> Batch:
             count = length(k, s, n)
             columns[name] = np.frombuffer(blob, dtype=dtype, count=count, offset=pos)
             pos += count * np.dtype(dtype).itemsize
+    except BatchRejected:
+        raise
     except (struct.error, ValueError, UnicodeDecodeError) as err:
         raise BatchRejected(f"malformed wire batch: {err}") from None
     if len(keys) != k or pos != len(blob):
@@ -74,6 +93,8 @@ def decode(blob: bytes) -> Batch:
                  sketch_alpha=alpha)
 
 
-def as_batch(item: Batch | bytes) -> Batch:
+def as_batch(item: Batch | bytes, limits: Limits | None = None) -> Batch:
     """Accept a Batch or its encoded bytes (what clients send)."""
-    return decode(item) if isinstance(item, (bytes, bytearray, memoryview)) else item
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return decode(item, limits)
+    return item

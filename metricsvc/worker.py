@@ -57,6 +57,8 @@ class MetricWorkerImpl:
         self.aggregator = Aggregator(
             straggler_timeout_s=cfg.straggler_timeout_s,
             max_pending_steps=cfg.limits.max_pending_steps,
+            max_steps_ahead=cfg.limits.max_steps_ahead,
+            world_size=cfg.world_size,
             limits=cfg.limits.to_limits(),
             reduce_rules=cfg.parsed_rules(),
             renames=cfg.renames,
@@ -77,6 +79,7 @@ class MetricWorkerImpl:
         self._ticker: asyncio.Task[None] | None = None
         self._started = time.time()
         self.calls: Counter[str] = Counter()
+        self.timer_errors = 0
         self._closed = False
         self.fast_path = (
             FastPathServer(self._submit, host=cfg.fast_path.host, port=cfg.fast_path.port,
@@ -155,6 +158,8 @@ class MetricWorkerImpl:
             log.warning("rejected batch: %s", err)
             raise
         if outcome.status == "late":
+            log.warning("late batch: step %d from rank %d arrived after the step was published",
+                        batch.step, batch.rank)
             self.sinks.event(
                 {
                     "type": "late_batch",
@@ -168,7 +173,10 @@ class MetricWorkerImpl:
             await self._publish(outcome.finished)
         elif self.aggregator.newest_closed != newest:
             await self._notify()  # wait_final_res(step=None) watches newest_closed
-        return self._ack(outcome.status, step=batch.step, seq=batch.seq)
+        ack = self._ack(outcome.status, step=batch.step, seq=batch.seq)
+        if outcome.notice is not None:
+            ack["notice"] = outcome.notice
+        return ack
 
     async def submit_many(self, batches: list[Batch | bytes],
                           epoch: str | None = None) -> dict[str, Any]:
@@ -189,7 +197,8 @@ class MetricWorkerImpl:
             except BatchRejected as err:
                 statuses.append(f"rejected: {err}")
                 continue
-            statuses.append(outcome.status)
+            statuses.append(outcome.status if outcome.notice is None
+                            else f"{outcome.status}; earlier: {outcome.notice}")
             finished.extend(outcome.finished)
         if finished:
             await self._publish(finished)
@@ -297,6 +306,12 @@ class MetricWorkerImpl:
             "rejected_batches": agg.counts["rejected"],
             "duplicate_batches": agg.counts["duplicate"],
             "late_batches": agg.counts["late"],
+            "late_by_rank": dict(sorted(agg.late_by_rank.items())),
+            "conflicting_batches": agg.counts["conflict"],
+            "dropped_batches": agg.counts["dropped"],
+            "world_size": agg.world_size,
+            "world_size_source": agg.world_source,
+            "timer_errors": self.timer_errors,
             "partial_steps": agg.counts["partial"],
             "failing_sinks": sorted(name for name, h in sinks.items() if h["failing"]),
             "calls": dict(self.calls),
@@ -352,13 +367,17 @@ class MetricWorkerImpl:
         period = min(1.0, self.config.straggler_timeout_s / 4)  # type: ignore[operator]
         while True:
             await asyncio.sleep(period)
-            finished = self.aggregator.expire()
-            if finished:
-                for r in finished:
-                    if r.meta["partial"]:
-                        log.warning("step %d finished partial: missing ranks %s",
-                                    r.step, r.meta["missing_ranks"])
-                await self._publish(finished)
+            try:
+                finished = self.aggregator.expire()
+                if finished:
+                    for r in finished:
+                        if r.meta["partial"]:
+                            log.warning("step %d finished partial: missing ranks %s",
+                                        r.step, r.meta["missing_ranks"])
+                    await self._publish(finished)
+            except Exception:  # the straggler timer must outlive any one bad step
+                self.timer_errors += 1
+                log.exception("straggler timer: finishing timed-out steps failed")
 
 
 _DEFAULTS = ServiceConfig()
@@ -376,17 +395,19 @@ def start_metric_worker(
     *,
     name: str | None = None,
     namespace: str | None = None,
+    world_size: int | None = None,
     runtime_env: dict[str, Any] | None = None,
 ) -> Any:
     """Create (or return the existing) named MetricWorker singleton and wait until it serves.
 
-    ``config`` is a YAML path, a dict, a ServiceConfig or None; ``name`` and
-    ``namespace`` override the config's; ``runtime_env`` is passed to Ray. Never put
+    ``config`` is a YAML path, a dict, a ServiceConfig or None; ``name``, ``namespace``
+    and ``world_size`` (the run's number of ranks: set it, and no confused rank can
+    claim another) override the config's; ``runtime_env`` is passed to Ray. Never put
     API keys in ``runtime_env``: Ray writes runtime environments to its logs. Export
     them where the driver (or ``ray start``) runs instead. Calling it twice returns
     the same actor.
     """
-    cfg = load_config(config, name=name, namespace=namespace)
+    cfg = load_config(config, name=name, namespace=namespace, world_size=world_size)
     if cfg.run.trial is None:
         # Fixed here, not in the actor: a restarted actor must find the same run folder.
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(

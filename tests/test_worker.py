@@ -193,7 +193,7 @@ def test_retried_batch_with_same_step_rank_seq_is_merged_once(make_worker):
 
 
 def test_bad_input_raises_in_the_caller_sends_nothing_and_actor_stays_healthy(make_worker):
-    handle, cfg = make_worker()
+    handle, cfg = make_worker(world_size=2)
     c, other = clients_for(cfg, 2)
     c.stat(ok=torch.ones(3))
     with pytest.raises(ValueError, match=r"expected mask of shape \(4, 9\) for key 'adv'"):
@@ -213,7 +213,7 @@ def test_bad_input_raises_in_the_caller_sends_nothing_and_actor_stays_healthy(ma
     # a rank that disagrees on world_size is refused by the actor, in the caller
     stranger = MetricClient(None, rank=1, world_size=3, name=cfg.name)
     stranger.submit_metric({"ok2": 1.0})
-    with pytest.raises(ValueError, match="world_size 3, but the step was opened with world_size 2"):
+    with pytest.raises(ValueError, match="world_size 3, but the run's world size is 2"):
         stranger.wait_submit()
     other.stat(ok=torch.full((3,), 3.0))
     other.wait_submit()
