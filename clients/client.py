@@ -12,7 +12,7 @@ import ray
 from clients import metrics
 from clients.buffer import RecordBuffer, TrackerAPI
 from clients.link import FastLink
-from clients.rpc import call
+from clients.rpc import ServiceUnavailable, call
 from clients.stream import StreamRecorder
 from metricsvc.combiner import combiner_name
 from metricsvc.config import DEFAULT_NAME
@@ -107,7 +107,13 @@ class MetricClient(TrackerAPI):
             if self._via is not None:
                 raise ValueError(f"no combiner {self._via!r} for service {self._name!r}; "
                                  f"start it with metricsvc.start_combiner") from None
-            return ray.get_actor(self._name, namespace=self._namespace)
+            try:
+                return ray.get_actor(self._name, namespace=self._namespace)
+            except ValueError:  # not a bad batch (nothing to drop): no service to send to
+                raise ServiceUnavailable(
+                    f"no MetricWorker named {self._name!r} in namespace {self._namespace!r}: "
+                    f"start it with metricsvc.start_metric_worker (or it was stopped)"
+                ) from None
         ray.get(combiner.register.remote(self.rank))
         return combiner
 

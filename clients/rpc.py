@@ -1,4 +1,4 @@
-"""Calling the MetricWorker: bounded waiting while the actor is down, never forever."""
+"""Calling the MetricWorker: bounded waiting while the actor restarts, never for a dead one."""
 
 from __future__ import annotations
 
@@ -13,28 +13,56 @@ from metricsvc.retry import ACTOR_ERRORS, backoff
 
 log = logging.getLogger(__name__)
 
+
 class ServiceUnavailable(RuntimeError):
-    """The MetricWorker stayed unreachable for longer than the client's ``retry_s``."""
+    """The MetricWorker is gone for good, or stayed unreachable for the whole budget."""
+
+
+def gone_for_good(handle: Any) -> str | None:
+    """Return why the actor behind ``handle`` cannot come back, or None if it may."""
+    try:
+        from ray._private.state import actors  # what Ray's own runtime context asks
+
+        info = actors(actor_id=handle._actor_id.hex())
+    except Exception:  # no answer from the control store: assume it may come back
+        return None
+    if not info or info.get("State") != "DEAD":
+        return None
+    cause = info.get("DeathCause") or {}
+    detail = next((v.get("errorMessage") for v in cause.values() if isinstance(v, dict)
+                   and v.get("errorMessage")), None) if isinstance(cause, dict) else None
+    return f"it is dead for good ({(detail or 'no restarts left').splitlines()[0]})"
 
 
 def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
          timeout_s: float | None = None, label: str = "MetricWorker") -> Any:
     """Call ``worker().method(*args)`` and wait for it, retrying with backoff while the
-    actor is unreachable, for at most ``retry_s`` seconds.
+    actor restarts. ``timeout_s`` bounds the whole call, retries included; ``retry_s``
+    bounds the waiting for a restart.
 
     Raises:
-        ServiceUnavailable: the actor stayed unreachable for ``retry_s`` seconds.
-        GetTimeoutError: the call itself ran past ``timeout_s``.
+        ServiceUnavailable: at once if the actor is dead for good (stopped, killed without
+            restart, out of restarts); else after ``retry_s`` of trying.
+        GetTimeoutError: the call ran past ``timeout_s``.
         Whatever the actor method raised (a rejection is a ``ValueError``).
     """
-    pauses = backoff(retry_s)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pauses = backoff(retry_s if timeout_s is None else min(retry_s, timeout_s))
     while True:
+        handle = worker()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return ray.get(getattr(worker(), method).remote(*args), timeout=timeout_s)
+            return ray.get(getattr(handle, method).remote(*args), timeout=left)
         except ACTOR_ERRORS as err:
+            why = gone_for_good(handle)
+            if why is not None:
+                raise ServiceUnavailable(f"{label} ({method}): {why}") from err
             delay = next(pauses, None)
             if delay is None:
                 raise ServiceUnavailable(
                     f"{label} unreachable for {retry_s} s ({method}): {err}") from err
+            if deadline is not None and time.monotonic() + delay >= deadline:
+                raise ray.exceptions.GetTimeoutError(
+                    f"{label} ({method}): no answer within {timeout_s} s") from err
             log.warning("%s unreachable (%s), retrying in %.2f s", label, method, delay)
             time.sleep(delay)

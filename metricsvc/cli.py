@@ -10,7 +10,6 @@ import fnmatch
 import json
 import math
 import os
-import re
 import socket
 import sys
 from collections.abc import Sequence
@@ -20,9 +19,8 @@ from typing import Any
 import yaml
 
 from metricsvc.config import DEFAULT_NAME, load_config
+from metricsvc.redaction import Redactor
 from metricsvc.sinks.jsonl import read_journal
-
-_SECRET = re.compile(r"(key|token|secret|password)", re.IGNORECASE)
 
 
 class CliError(Exception):
@@ -44,7 +42,14 @@ def journal_path(target: str) -> Path:
 
 
 def load_steps(target: str) -> list[dict[str, Any]]:
-    steps = read_journal(journal_path(target))
+    """Return the journal's steps (one per step); say on stderr what was read and skipped."""
+    path = journal_path(target)
+    stats: dict[str, Any] = {}
+    steps = read_journal(path, stats)
+    notes = [f"{stats['duplicates']} duplicate step records dropped"] * bool(stats["duplicates"])
+    notes += [f"{stats['skipped']} unreadable lines skipped"] * bool(stats["skipped"])
+    print(f"# {path}: {len(steps)} steps" + (f" ({'; '.join(notes)})" if notes else ""),
+          file=sys.stderr)
     if not steps:
         raise CliError(f"{target}: the journal holds no finished step")
     return steps
@@ -156,18 +161,10 @@ def cmd_health(args: argparse.Namespace) -> None:
     print(json.dumps(ray.get(worker.health.remote(), timeout=30), indent=2, default=str))
 
 
-def redact(value: Any, key: str = "") -> Any:
-    """Return ``value`` with anything under a secret-looking key replaced by ``***``."""
-    if isinstance(value, dict):
-        return {k: redact(v, str(k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact(v, key) for v in value]
-    return "***" if _SECRET.search(key) and value not in (None, "") else value
-
-
 def cmd_validate_config(args: argparse.Namespace) -> None:
     cfg = load_config(args.file)
-    print(yaml.safe_dump(redact(json.loads(cfg.model_dump_json())), sort_keys=False), end="")
+    data = json.loads(cfg.model_dump_json())
+    print(yaml.safe_dump(Redactor(data).value(data), sort_keys=False), end="")
     print(f"# {args.file}: valid", file=sys.stderr)
 
 

@@ -122,6 +122,9 @@ class DeliveryConfig(_Strict):
     max_backoff_s: float = Field(5.0, ge=0)
     queue_size: int = Field(10_000, ge=1, description="steps waiting per sink")
     dead_letter: str = "dead_letter.jsonl"
+    close_timeout_s: float = Field(
+        30.0, gt=0, description="at close, steps a sink has not taken by then are dead-lettered"
+    )
 
     _dead_letter = field_validator("dead_letter")(
         classmethod(lambda cls, v: _plain(v, "dead_letter"))
@@ -155,7 +158,11 @@ class RunConfig(_Strict):
 
     root: str = "runs"
     experiment: str = "default"
-    trial: str | None = Field(None, description="default: the actor's start time")
+    trial: str | None = Field(None, description="default: the start time and a random suffix")
+    resume: bool = Field(
+        False, description="continue the run already in the folder (else such a folder is an "
+                           "error: a new run is never taken for a restart)"
+    )
 
     @field_validator("experiment", "trial")
     @classmethod
@@ -165,9 +172,15 @@ class RunConfig(_Strict):
         return v
 
     def run_dir(self, trial: str | None = None) -> Path:
-        """Return the run folder, naming the trial by the current time if unset."""
-        name = trial or self.trial or time.strftime("%Y%m%d-%H%M%S")
+        """Return the run folder, naming a new trial if unset (see ``new_trial``)."""
+        name = trial or self.trial or new_trial()
         return Path(self.root).expanduser() / self.experiment / name
+
+
+def new_trial() -> str:
+    """Return a fresh trial name: the start time, then a random suffix (launches in the
+    same second never share a folder)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
 
 
 class LimitsConfig(_Strict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import logging
 import os
 import tempfile
@@ -23,9 +24,16 @@ import ray
 import yaml
 
 from metricsvc.aggregator import Aggregator, StepResult
-from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config
+from metricsvc.config import (
+    DEFAULT_NAME,
+    ConfigSource,
+    ServiceConfig,
+    load_config,
+    new_trial,
+)
 from metricsvc.fastpath import FastPathServer, wanted
 from metricsvc.records import Batch
+from metricsvc.redaction import Redactor
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.sinks.jsonl import read_journal
 from metricsvc.validation import BatchRejected
@@ -39,6 +47,50 @@ class StepNotFinal(TimeoutError):
 
 class StepUnavailable(LookupError):
     """The asked-for step has no result here (never submitted, or evicted from memory)."""
+
+
+RUN_MARKER = "run.json"  # written by a run's first incarnation: the folder is taken
+
+
+def run_dir_in_use(run_dir: Path, journal: Path | None) -> str | None:
+    """Return what shows that ``run_dir`` already holds a run, or None for a fresh folder."""
+    marker = run_dir / RUN_MARKER
+    if marker.exists():
+        try:
+            started = json.loads(marker.read_text()).get("started", "?")
+        except (OSError, ValueError, AttributeError):
+            started = "?"
+        return f"a run started {started}"
+    if journal is not None and journal.exists() and journal.stat().st_size:
+        return f"a journal ({journal.name})"
+    return None
+
+
+def check_run_dir(cfg: ServiceConfig) -> None:
+    """Refuse to start a new run in a folder that holds another one (unless it resumes).
+
+    Raises:
+        ValueError: naming the folder, and the two ways out.
+    """
+    if cfg.run.resume or cfg.run.trial is None:
+        return
+    run_dir = cfg.run.run_dir().resolve()
+    jsonl = cfg.sinks.jsonl
+    found = run_dir_in_use(run_dir, None if jsonl is None or not jsonl.enabled
+                           else run_dir / jsonl.filename)
+    if found is not None:
+        raise ValueError(
+            f"run folder {run_dir} already holds a run ({found}); a new run needs its own "
+            f"folder: choose another run.trial (or leave it unset for a fresh one), or set "
+            f"run.resume: true to continue that run"
+        )
+
+
+def _restarted_by_ray() -> bool:
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not inside an actor (the impl built directly)
+        return False
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -66,15 +118,25 @@ class MetricWorkerImpl:
         )
         self.run_dir = cfg.run.run_dir().resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump()))
-        self._results: OrderedDict[int, StepResult] = OrderedDict()
-        self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
         jsonl = cfg.sinks.jsonl
         self.journal_path = (None if jsonl is None or not jsonl.enabled
                              else self.run_dir / jsonl.filename)
-        self.restored_steps = self._restore()
+        # Only a restart of this run (by Ray, or an explicit resume) reloads the folder.
+        continuing = _restarted_by_ray() or cfg.run.resume
+        if not continuing:
+            check_run_dir(cfg)
+            _write_atomic(self.run_dir / RUN_MARKER, json.dumps(
+                {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "service": cfg.name}))
+        self.redactor = Redactor(cfg.model_dump())
+        _write_atomic(self.run_dir / "config.yaml",
+                      yaml.safe_dump(self.redactor.value(cfg.model_dump())))
+        self._results: OrderedDict[int, StepResult] = OrderedDict()
+        self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
+        self.journal_stats: dict[str, Any] = {"skipped": 0, "duplicates": 0}
+        self.restored_steps = self._restore() if continuing else 0
         self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None
-        self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir, cfg.sinks.delivery)
+        self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir, cfg.sinks.delivery,
+                                    self.redactor)
         self._changed = asyncio.Condition()
         self._ticker: asyncio.Task[None] | None = None
         self._started = time.time()
@@ -93,7 +155,7 @@ class MetricWorkerImpl:
         path = self.journal_path
         if path is None or not path.exists():
             return 0
-        finished = read_journal(path)
+        finished = read_journal(path, self.journal_stats)
         self.aggregator.restore(finished)
         keep = self.config.limits.keep_results
         for record in finished[-keep:]:
@@ -295,6 +357,8 @@ class MetricWorkerImpl:
             "epoch": self.epoch,
             "pid": os.getpid(),
             "restored_steps": self.restored_steps,
+            "journal_skipped_lines": self.journal_stats["skipped"],
+            "journal_duplicate_steps": self.journal_stats["duplicates"],
             "pending_steps": agg.pending_summary(),
             "last_final_step": agg.last_emitted,
             "newest_closed_step": agg.newest_closed,
@@ -408,10 +472,13 @@ def start_metric_worker(
     the same actor.
     """
     cfg = load_config(config, name=name, namespace=namespace, world_size=world_size)
+    try:
+        ray.get_actor(cfg.name, namespace=cfg.namespace)
+    except ValueError:  # none runs yet: a new run, whose folder must be its own
+        check_run_dir(cfg)
     if cfg.run.trial is None:
         # Fixed here, not in the actor: a restarted actor must find the same run folder.
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(
-            update={"trial": time.strftime("%Y%m%d-%H%M%S")})})
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"trial": new_trial()})})
     handle = MetricWorker.options(  # type: ignore[attr-defined]
         name=cfg.name,
         namespace=cfg.namespace,
@@ -435,11 +502,16 @@ def start_metric_worker(
 
 
 def stop_metric_worker(handle: Any = None, *, name: str | None = None,
-                       namespace: str | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
+                       namespace: str | None = None,
+                       timeout_s: float = 120.0) -> dict[str, Any]:
     """Close every sink (wandb finishes its run), then end the actor; return its last health.
 
-    Call this (or ``worker.close.remote()``) before ``ray.shutdown()``: Ray ends an
-    actor's child processes first, and wandb's writer is one of them.
+    The sinks get ``sinks.delivery.close_timeout_s``; a step a sink has not taken by then
+    is dead-lettered, and the returned health says so per sink (``dead_lettered``,
+    ``in_flight_at_close``, ``lost``). ``timeout_s`` only guards an actor that does not
+    answer: keep it above ``close_timeout_s``. Call this (or ``worker.close.remote()``) before
+    ``ray.shutdown()``: Ray ends an actor's child processes first, and wandb's writer is
+    one of them.
     """
     handle = handle or get_metric_worker(name, namespace)
     health = ray.get(handle.close.remote(), timeout=timeout_s)

@@ -42,9 +42,10 @@ def make_worker(ray_cluster, tmp_path):
     handles = []
 
     def make(**overrides):
+        n = next(_names)
         cfg = {
-            "name": f"mw-{os.getpid()}-{next(_names)}",
-            "run": {"root": str(tmp_path / "runs"), "experiment": "t", "trial": "0"},
+            "name": f"mw-{os.getpid()}-{n}",
+            "run": {"root": str(tmp_path / "runs"), "experiment": "t", "trial": str(n)},
             "sinks": {"console": {"enabled": False}},
         }
         for key, value in overrides.items():

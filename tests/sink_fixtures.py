@@ -38,3 +38,30 @@ class RecordingSink:
 
     def close(self) -> None:
         pass
+
+
+class SlowSink:
+    """A backend that takes ``seconds`` per write; appends what happens to ``trace``."""
+
+    name = "slow"
+
+    def __init__(self, options: dict) -> None:
+        self.seconds = float(options.get("seconds", 1.0))
+        self.trace = options["trace"]
+
+    def _note(self, event: str) -> None:
+        with open(self.trace, "a", encoding="utf-8") as fh:
+            fh.write(event + "\n")
+
+    def open(self, run_dir) -> None:
+        pass
+
+    def write(self, step, metrics, meta) -> None:
+        import time
+
+        self._note("write-start")
+        time.sleep(self.seconds)
+        self._note("write-end")
+
+    def close(self) -> None:
+        self._note("close")

@@ -40,7 +40,7 @@ def test_journal_lines_read_back_with_nonfinite_values_kept_readable(tmp_path):
     assert all(json.loads(line) for line in lines)
     steps = read_journal(tmp_path / "metrics.jsonl")
     assert [s["step"] for s in steps] == [0, 1]
-    assert steps[0]["metrics"] == {"a": 1.5, "b": "inf"}
+    assert steps[0]["metrics"] == {"a": 1.5, "b": float("inf")}  # back as the float it was
     assert steps[1]["meta"]["missing_ranks"] == [3]
 
 

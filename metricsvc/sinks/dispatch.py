@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from metricsvc.config import DeliveryConfig
+from metricsvc.redaction import Redactor
 from metricsvc.sinks.base import Sink
+from metricsvc.sinks.jsonl import LineFile
 from metricsvc.sinks.names import public_metrics
 
 log = logging.getLogger(__name__)
@@ -30,24 +32,41 @@ _STOP = object()
 
 
 class DeadLetter:
-    """Append-only JSONL of steps a sink could not take; shared by every sink worker."""
+    """Append-only JSONL of steps a sink could not take; shared by every sink worker.
+
+    A line is written whole or not at all (``LineFile``): a disk error leaves no torn line.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._file: LineFile | None = None
 
     def write(self, sink: str, step: int | None, payload: dict[str, Any], error: str) -> None:
         line = {"sink": sink, "step": step, **payload, "error": error, "time": time.time()}
         text = json.dumps(line, default=str) + "\n"
-        with self._lock, self.path.open("a", encoding="utf-8") as fh:
-            fh.write(text)
+        with self._lock:
+            if self._file is None:
+                self._file = LineFile(self.path)
+            self._file.append(text.encode("utf-8"))
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class _SinkWorker:
-    """One sink, its queue, its thread, its delivery record."""
+    """One sink, its queue, its thread, its delivery record.
 
-    def __init__(self, sink: Sink, run_dir: Path, delivery: DeliveryConfig, dead: DeadLetter):
+    Only the thread touches the sink, ``close`` included, so a sink is never closed
+    while one of its writes runs. A close that gives up (the sink still busy at the
+    deadline) dead-letters every step the sink has not taken, the one in flight too.
+    """
+
+    def __init__(self, sink: Sink, run_dir: Path, delivery: DeliveryConfig, dead: DeadLetter,
+                 redactor: Redactor):
         self.sink = sink
+        self.redact = redactor.text  # errors may quote a URI with its password
         self.name = sink.name
         self.run_dir = run_dir
         self.delivery = delivery
@@ -57,8 +76,11 @@ class _SinkWorker:
         self.opened = False
         self.closed = False
         self.closing = threading.Event()
-        self.stats = {"written": 0, "failures": 0, "dead_lettered": 0, "last_step": None,
-                      "last_error": None}
+        self._lock = threading.Lock()  # the hand-over between the thread and a closer
+        self._current: tuple | None = None
+        self._abandoned = False
+        self.stats = {"written": 0, "failures": 0, "dead_lettered": 0, "lost": 0,
+                      "in_flight_at_close": 0, "last_step": None, "last_error": None}
         self.thread = threading.Thread(target=self._serve, name=f"metricsvc-sink-{self.name}",
                                        daemon=True)
         self.thread.start()
@@ -76,7 +98,11 @@ class _SinkWorker:
         while True:
             item = self.queue.get()
             if item is _STOP:
-                return
+                break
+            with self._lock:
+                if self._abandoned:
+                    break
+                self._current = item
             kind = item[0]
             if kind == "flush":
                 item[1].set()
@@ -84,6 +110,14 @@ class _SinkWorker:
                 self._deliver_step(item)
             elif kind == "event" and hasattr(self.sink, "write_event"):
                 self._attempt(functools.partial(self.sink.write_event, item[1]))
+            with self._lock:
+                self._current = None
+                if self._abandoned:
+                    break
+        if self.opened:
+            error = self._attempt(self.sink.close)
+            if error is not None:
+                log.error("sink %s failed to close: %s", self.name, error)
 
     def _deliver_step(self, item: tuple) -> None:
         _, step, metrics, meta = item
@@ -92,10 +126,13 @@ class _SinkWorker:
             return  # each step once, in increasing order, whatever the producer did
         visible = public_metrics(metrics, self.allow_nan)
         error = self._attempt(lambda: self.sink.write(step, visible, meta), retry=True)
-        if error is None:
-            self.stats["written"] += 1
-            self.stats["last_step"] = step
-        else:
+        with self._lock:
+            if self._abandoned:  # a closer gave up meanwhile and dead-lettered this step
+                return
+            if error is None:
+                self.stats["written"] += 1
+                self.stats["last_step"] = step
+        if error is not None:
             self._dead_letter(item, error, visible)
 
     def _attempt(self, call: Any, retry: bool = False) -> str | None:
@@ -113,7 +150,7 @@ class _SinkWorker:
                 call()
                 return None
             except Exception as err:  # a sink must never take the service down
-                error = f"{type(err).__name__}: {err}"
+                error = self.redact(f"{type(err).__name__}: {err}")
                 self.stats["failures"] += 1
                 self.stats["last_error"] = error
                 log.warning("sink %s failed (attempt %d/%d): %s", self.name, attempt + 1,
@@ -130,39 +167,73 @@ class _SinkWorker:
         _, step, metrics, meta = item
         if visible is None:
             visible = public_metrics(metrics, self.allow_nan)
-        self.stats["dead_lettered"] += 1
         try:
             self.dead.write(self.name, step, {"metrics": visible, "meta": meta}, error)
+            self.stats["dead_lettered"] += 1
         except OSError as err:
-            log.error("dead-letter write failed for sink %s step %s: %s", self.name, step, err)
+            self.stats["lost"] += 1
+            log.error("sink %s lost step %s: its dead-letter write failed too: %s",
+                      self.name, step, self.redact(str(err)))
 
     def close(self, timeout_s: float | None) -> None:
+        """Close within ``timeout_s``: see ``begin_close`` and ``finish_close``."""
+        self.begin_close()
+        self.finish_close(None if timeout_s is None else time.monotonic() + timeout_s)
+
+    def begin_close(self) -> None:
+        """Stop taking steps: the thread finishes what is queued, then closes the sink."""
         if self.closed:
             return
         self.closed = True
-        self.closing.set()
+        self.closing.set()  # cuts retry backoffs short: a failing sink dead-letters at once
         try:
-            self.queue.put(_STOP, timeout=timeout_s)
+            self.queue.put_nowait(_STOP)
         except queue.Full:
-            log.error("sink %s did not drain its queue before close", self.name)
-        self.thread.join(timeout_s)
-        if self.opened:
-            error = self._attempt(self.sink.close)
-            if error is not None:
-                log.error("sink %s failed to close: %s", self.name, error)
+            pass  # finish_close makes room
+
+    def finish_close(self, deadline: float | None) -> None:
+        """Wait until ``deadline``; then dead-letter whatever the sink has not taken."""
+        self.thread.join(_left(deadline))
+        if not self.thread.is_alive():
+            return
+        with self._lock:
+            self._abandoned = True
+            current = self._current
+        waiting = []
+        while True:
+            try:
+                waiting.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        why = f"the sink was still busy when close gave up ({self.delivery.close_timeout_s} s)"
+        if current is not None and current[0] == "write":
+            self.stats["in_flight_at_close"] += 1
+            self._dead_letter(current, f"{why}, writing this step: it may also have reached "
+                                       f"the sink")
+        for item in waiting:
+            if item is not _STOP and item[0] == "write":
+                self._dead_letter(item, f"not written: {why}")
+            elif item is not _STOP and item[0] == "flush":
+                item[1].set()
+        self.queue.put_nowait(_STOP)  # the thread closes the sink once its write returns
+        log.error("sink %s: close gave up after %s s; %d steps dead-lettered", self.name,
+                  self.delivery.close_timeout_s, len(waiting) + (current is not None))
 
 
 class SinkDispatcher:
     """Queue finished steps for every sink; each sink is served by its own thread."""
 
     def __init__(
-        self, sinks: Sequence[Sink], run_dir: Path, delivery: DeliveryConfig | None = None
+        self, sinks: Sequence[Sink], run_dir: Path, delivery: DeliveryConfig | None = None,
+        redactor: Redactor | None = None,
     ) -> None:
         self.run_dir = run_dir
-        delivery = delivery or DeliveryConfig()
+        delivery = self.delivery = delivery or DeliveryConfig()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.dead_letter = DeadLetter(run_dir / delivery.dead_letter)
-        self._workers = [_SinkWorker(s, run_dir, delivery, self.dead_letter) for s in sinks]
+        redactor = redactor or Redactor()
+        self._workers = [_SinkWorker(s, run_dir, delivery, self.dead_letter, redactor)
+                         for s in sinks]
         self._closed = False
 
     @property
@@ -196,13 +267,19 @@ class SinkDispatcher:
             for e in events
         )
 
-    def close(self, timeout_s: float | None = 30.0) -> None:
-        """Drain every queue and close every sink; a second call is harmless."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain every queue and close every sink, all within one ``timeout_s`` (default:
+        ``delivery.close_timeout_s``); what a sink has not taken by then is dead-lettered.
+        A second call is harmless."""
         if self._closed:
             return
         self._closed = True
+        timeout_s = self.delivery.close_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         for worker in self._workers:
-            worker.close(timeout_s)
+            worker.begin_close()
+        for worker in self._workers:
+            worker.finish_close(deadline)
 
     def last_step(self, name: str) -> int | None:
         """Return the last step sink ``name`` has written (None if none, or no such sink)."""

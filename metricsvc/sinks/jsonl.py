@@ -1,21 +1,64 @@
-"""The JSONL journal: one line per finished step, appended and flushed as it comes."""
+"""The JSONL journal: one line per finished step, appended as it comes, read back strictly.
+
+Every line is written whole or not at all (``LineFile``): a write that fails part-way is
+cut back to where it started, so a retried write never leaves a torn or doubled line.
+The reader keeps one record per step, restores non-finite values as floats, and skips
+(with one warning naming file and line) anything it cannot use.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from metricsvc.config import JsonlSinkConfig
 
+log = logging.getLogger(__name__)
+
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
 
 def _json_number(value: float) -> float | str:
-    # JSON has no NaN/inf; keep such a value readable instead of writing invalid JSON.
+    # JSON has no NaN/inf: such a value is written as "inf", "-inf" or "nan" and read back
+    # as the float it was.
     return value if math.isfinite(value) else str(value)
+
+
+class LineFile:
+    """An append-only file of whole lines: a failed append is cut back to where it began."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        if end and os.pread(self._fd, 1, end - 1) != b"\n":
+            self.append(b"\n")  # a crash cut the last line short: ours start on their own
+
+    def append(self, data: bytes, fsync: bool = False) -> None:
+        """Append ``data`` whole, or raise with the file as it was."""
+        if self._fd is None:
+            raise RuntimeError(f"{self.path} is closed")
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            if fsync:
+                os.fsync(self._fd)
+        except BaseException:
+            os.ftruncate(self._fd, start)
+            raise
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class JsonlSink:
@@ -27,14 +70,11 @@ class JsonlSink:
     def __init__(self, config: JsonlSinkConfig | None = None) -> None:
         self.config = config or JsonlSinkConfig()
         self.path: Path | None = None
-        self._fh: IO[str] | None = None
+        self._file: LineFile | None = None
 
     def open(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / self.config.filename
-        torn = self.path.exists() and self.path.stat().st_size and not _ends_with_newline(self.path)
-        self._fh = self.path.open("a", encoding="utf-8")
-        if torn:  # a crash cut the last line short: start ours on a line of its own
-            self._fh.write("\n")
+        self._file = LineFile(self.path)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
         record = {
@@ -50,37 +90,69 @@ class JsonlSink:
         self._append({"event": dict(event), "time": time.time()})
 
     def _append(self, record: Mapping[str, Any]) -> None:
-        if self._fh is None:
+        if self._file is None:
             raise RuntimeError("JsonlSink.write called before open or after close")
-        self._fh.write(json.dumps(record, allow_nan=False, sort_keys=False) + "\n")
-        self._fh.flush()
-        if self.config.fsync:
-            os.fsync(self._fh.fileno())
+        line = json.dumps(record, allow_nan=False, sort_keys=False) + "\n"
+        self._file.append(line.encode("utf-8"), fsync=self.config.fsync)
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
-def _ends_with_newline(path: Path) -> bool:
-    with path.open("rb") as fh:
-        fh.seek(-1, os.SEEK_END)
-        return fh.read(1) == b"\n"
+def _step_record(line: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Return ``(record, None)`` for a finished step, ``(None, why)`` for an unusable line,
+    and ``(None, None)`` for a line that is fine but not a step (an event, a blank)."""
+    if not line.strip():
+        return None, None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        return None, f"not JSON ({err.msg})"
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object"
+    if "event" in record and "step" not in record:
+        return None, None
+    step, metrics, meta = record.get("step"), record.get("metrics"), record.get("meta")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None, f"'step' must be an int >= 0, got {step!r}"
+    if not isinstance(metrics, dict) or not isinstance(meta, dict):
+        return None, "a step record needs 'metrics' and 'meta' objects"
+    values = {}
+    for key, value in metrics.items():
+        if isinstance(value, str):
+            value = _NONFINITE.get(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None, f"metric {key!r} is not a number: {metrics[key]!r}"
+        values[key] = float(value)
+    return {**record, "metrics": values}, None
 
 
-def read_journal(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Return the finished-step records of a journal, in file order.
+def read_journal(path: str | os.PathLike[str],
+                 stats: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Return the finished-step records of a journal, one per step, in file order.
 
-    Events are skipped, and so is a line a crash cut short.
+    Events and blank lines are passed over; a line that is not a usable step record (a
+    torn line, missing fields, a non-numeric value) is skipped with one warning naming
+    file and line; of several records of one step the first is kept and the rest counted.
+    ``stats`` (if given) receives ``skipped`` and ``duplicates``.
     """
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                record = json.loads(line) if line.strip() else None
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and "step" in record:
+    out, seen, duplicates, skipped = [], set(), [], 0
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            record, why = _step_record(line)
+            if why is not None:
+                skipped += 1
+                log.warning("%s line %d: skipped: %s", path, number, why)
+            elif record is not None and record["step"] in seen:
+                duplicates.append(record["step"])
+            elif record is not None:
+                seen.add(record["step"])
                 out.append(record)
+    if duplicates:
+        log.warning("%s: %d duplicate step records (steps %s) skipped; the first of each kept",
+                    path, len(duplicates), sorted(set(duplicates)))
+    if stats is not None:
+        stats.update(skipped=skipped, duplicates=len(duplicates))
     return out

@@ -1,0 +1,267 @@
+"""The run folder is the truth: no swallowed runs, no crash loops, no duplicates, no lost
+tail, no leaked secret. Real faults on real files and a real local Ray cluster."""
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+import metricsvc
+from clients import MetricClient, ServiceUnavailable
+from metricsvc.cli import main as cli_main
+from metricsvc.sinks.jsonl import JsonlSink, read_journal
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config(tmp_path, name, **extra):
+    cfg = {"name": name, "run": {"root": str(tmp_path), "experiment": "e", "trial": "fixed"},
+           "sinks": {"console": None}}
+    for key, value in extra.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(cfg.get(key), dict) else value
+    return cfg
+
+
+def one_step(name, value, world_size=1):
+    client = MetricClient(None, rank=0, world_size=world_size, name=name)
+    client.submit_metric({"x": value})
+    client.wait_submit()
+    return client
+
+
+# -- a new run is never mistaken for a restart ---------------------------------------------
+def test_a_new_run_on_a_used_folder_is_refused_naming_it_and_resume_continues_it(
+        ray_cluster, tmp_path):
+    first = metricsvc.start_metric_worker(config(tmp_path, "run-a"))
+    one_step("run-a", 1.0)
+    assert ray.get(first.wait_final_res.remote(0, 10)) == {"x": 1.0}
+    metricsvc.stop_metric_worker(first)
+    folder = tmp_path / "e" / "fixed"
+    with pytest.raises(ValueError, match=f"run folder {folder} already holds a run") as err:
+        metricsvc.start_metric_worker(config(tmp_path, "run-b"))
+    assert "run.resume" in str(err.value)
+    resumed = metricsvc.start_metric_worker(config(tmp_path, "run-c", run={"resume": True}))
+    assert ray.get(resumed.wait_final_res.remote(0, 10)) == {"x": 1.0}
+    client = MetricClient(None, rank=0, world_size=1, name="run-c", start_step=1)
+    client.submit_metric({"x": 2.0})
+    assert client.wait_submit()["status"] == "merged"
+    assert ray.get(resumed.wait_final_res.remote(1, 10)) == {"x": 2.0}
+    metricsvc.stop_metric_worker(resumed)
+    assert [r["step"] for r in read_journal(folder / "metrics.jsonl")] == [0, 1]
+
+
+def test_two_launches_in_the_same_second_get_their_own_trial_folders(ray_cluster, tmp_path):
+    from metricsvc.config import new_trial
+
+    assert len({new_trial() for _ in range(1000)}) == 1000  # all within a second or two
+    handles = []
+    for name in ("same-second-a", "same-second-b"):
+        cfg = {"name": name, "run": {"root": str(tmp_path)}, "sinks": {"console": None}}
+        handles.append(metricsvc.start_metric_worker(cfg))
+    dirs = {ray.get(h.health.remote())["run_dir"] for h in handles}
+    assert len(dirs) == 2
+    for handle in handles:
+        metricsvc.stop_metric_worker(handle)
+
+
+# -- the journal survives what disks and people do to it ----------------------------------
+def test_unreadable_journal_lines_are_skipped_with_one_warning_each_and_counted(
+        ray_cluster, tmp_path, caplog):
+    folder = tmp_path / "e" / "fixed"
+    folder.mkdir(parents=True)
+    good = {"step": 0, "metrics": {"x": 1.0, "y": "inf"}, "meta": {"ranks": [0],
+                                                                   "world_size": 1}}
+    lines = [json.dumps(good), '{"step": 7}', '{"step": "one", "metrics": {}, "meta": {}}',
+             '{"step": 1, "metrics": [], "meta": {}}', "[1, 2]", '{"event": {"type": "x"}}',
+             json.dumps({**good, "step": 1}), '{"step": 2, "metr']
+    (folder / "metrics.jsonl").write_text("\n".join(lines))
+    with caplog.at_level(logging.WARNING, logger="metricsvc.sinks.jsonl"):
+        steps = read_journal(folder / "metrics.jsonl")
+    assert [r["step"] for r in steps] == [0, 1]
+    assert steps[0]["metrics"]["y"] == math.inf  # non-finite values come back as floats
+    skipped = [r.getMessage() for r in caplog.records]
+    assert len(skipped) == 5 and all(str(folder / "metrics.jsonl") in m for m in skipped)
+    assert [m.split(":")[-2].rsplit(" ", 1)[-1] for m in skipped][:1] == ["line 2"] or \
+        "line 2" in skipped[0]
+    handle = metricsvc.start_metric_worker(config(tmp_path, "reload-odd", run={"resume": True}))
+    health = ray.get(handle.health.remote())
+    assert health["restored_steps"] == 2 and health["journal_skipped_lines"] == 5
+    assert ray.get(handle.wait_final_res.remote(1, 10)) == {"x": 1.0, "y": math.inf}
+    metricsvc.stop_metric_worker(handle)
+
+
+def test_nonfinite_results_round_trip_with_their_type(tmp_path):
+    sink = JsonlSink()
+    sink.open(tmp_path)
+    sink.write(0, {"a": math.inf, "b": -math.inf, "c": math.nan, "d": 1.5}, {})
+    sink.close()
+    (record,) = read_journal(tmp_path / "metrics.jsonl")
+    values = record["metrics"]
+    assert values["a"] == math.inf and values["b"] == -math.inf and math.isnan(values["c"])
+    assert all(isinstance(v, float) for v in values.values())
+
+
+def test_readers_keep_one_record_per_step_and_say_so(tmp_path, caplog, capsys):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "metrics": {"x": float(s)}, "meta": {}} for s in (0, 1, 1, 2, 2, 2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.WARNING, logger="metricsvc.sinks.jsonl"):
+        steps = read_journal(path)
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert any("3 duplicate" in r.getMessage() for r in caplog.records)
+    assert cli_main(["report", str(path)]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines()[0].split() == ["step", "0", "1", "2"]
+    assert "3 duplicate" in out.err
+
+
+def test_a_transient_write_failure_never_duplicates_a_line_or_tears_the_dead_letter(tmp_path):
+    """A real file-size limit (RLIMIT_FSIZE) in a child process, hit and then lifted."""
+    script = textwrap.dedent(f"""
+        import json, resource, signal, time
+        from pathlib import Path
+        from metricsvc.config import DeliveryConfig
+        from metricsvc.sinks.dispatch import SinkDispatcher
+        from metricsvc.sinks.jsonl import JsonlSink
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail (EFBIG)
+        run = Path({str(tmp_path)!r})
+        d = SinkDispatcher([JsonlSink()], run, DeliveryConfig(retries=2, backoff_s=0.05))
+        big = {{f"k{{i}}": float(i) for i in range(200)}}
+        def publish(step):
+            d.publish(step, dict(big, step=float(step)), {{"ranks": [0]}})
+        for step in range(3):
+            publish(step)
+        assert d.flush(10)
+        size = (run / "metrics.jsonl").stat().st_size
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 3000, resource.RLIM_INFINITY))
+        publish(3)  # fails every try: dead-lettered (whose file hits the limit too)
+        publish(4)
+        assert d.flush(10)
+        health = d.health()["jsonl"]
+        print("FAILED", health["failures"], health["dead_lettered"])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+        for step in range(5, 8):
+            publish(step)
+        d.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    failed = next(line for line in out.stdout.splitlines() if line.startswith("FAILED"))
+    assert int(failed.split()[1]) > 0  # the fault really happened
+    journal = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in journal]
+    assert len(steps) == len(set(steps)) and steps == sorted(steps)
+    dead = tmp_path / "dead_letter.jsonl"
+    dead_steps = []
+    if dead.exists():
+        text = dead.read_text()
+        assert text == "" or text.endswith("\n")
+        dead_steps = [json.loads(line)["step"] for line in text.splitlines()]
+    # every step is in exactly one place, or (if even the dead letter could not take it)
+    # was reported as lost by the health the sink kept
+    assert not set(steps) & set(dead_steps)
+    assert set(range(8)) - set(steps) - set(dead_steps) <= {3, 4}
+    assert {0, 1, 2, 5, 6, 7} <= set(steps)
+
+
+# -- shutdown loses nothing without a trace ------------------------------------------------
+def test_stop_with_a_slow_sink_writes_or_dead_letters_every_step_and_never_closes_mid_write(
+        ray_cluster, tmp_path):
+    trace = tmp_path / "slow-trace.txt"
+    cfg = config(tmp_path, "slow-stop", sinks={
+        "console": None, "jsonl": {},
+        "custom": [{"target": "tests.sink_fixtures:SlowSink",
+                    "options": {"seconds": 0.6, "trace": str(trace)}}],
+        "delivery": {"close_timeout_s": 1.5}})
+    handle = metricsvc.start_metric_worker(cfg)
+    client = MetricClient(None, rank=0, world_size=1, name="slow-stop")
+    for step in range(6):
+        client.submit_metric({"x": float(step)})
+        client.wait_submit()
+    ray.get(handle.wait_final_res.remote(5, 10))
+    health = metricsvc.stop_metric_worker(handle)
+    slow = health["sinks"]["slow"]
+    assert slow["written"] + slow["dead_lettered"] == 6 and slow["dead_lettered"] > 0
+    assert health["sinks"]["jsonl"]["written"] == 6
+    folder = Path(health["run_dir"])
+    dead = [json.loads(line) for line in (folder / "dead_letter.jsonl").read_text().splitlines()]
+    assert sorted(d["step"] for d in dead if d["sink"] == "slow") == \
+        list(range(slow["written"], 6))
+    # The sink is closed by its own thread once its last write returns (or not at all if
+    # the actor is ended first): never while a write runs.
+    events = trace.read_text().split()
+    if "close" in events:
+        assert events[-1] == "close" and events[-2] == "write-end"
+    writes = [e for e in events if e != "close"]
+    assert all(writes[i:i + 2] in (["write-start", "write-end"], ["write-start"])
+               for i in range(0, len(writes), 2))
+
+
+def test_a_client_of_an_actor_stopped_for_good_fails_at_once(ray_cluster, tmp_path, caplog):
+    handle = metricsvc.start_metric_worker(config(tmp_path, "gone-for-good"))
+    client = one_step("gone-for-good", 1.0)
+    metricsvc.stop_metric_worker(handle)
+    client.submit_metric({"x": 2.0})
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING), pytest.raises(ServiceUnavailable,
+                                                         match="gone-for-good.*dead"):
+        client.wait_submit(timeout_s=5)
+    assert time.monotonic() - start < 5  # bounded by timeout_s, retries included
+    assert len([r for r in caplog.records if "retrying" in r.getMessage()]) <= 1
+
+
+# -- secrets -------------------------------------------------------------------------------
+def test_one_redaction_rule_hides_every_planted_secret_and_no_number(tmp_path):
+    secret = "S3CRETpw-71c2"
+    script = textwrap.dedent(f"""
+        import json, subprocess, sys, ray, metricsvc
+        from clients import MetricClient
+        ray.init(num_cpus=1, include_dashboard=False)
+        cfg = {{"name": "secret-places", "run": {{"root": {str(tmp_path)!r}, "trial": "t"}},
+               "sinks": {{"console": {{"every": 1}},
+                         "mlflow": {{"tracking_uri": "http://user:{secret}@127.0.0.1:9/x"}},
+                         "custom": [{{"target": "tests.sink_fixtures:ExplodingSink",
+                                     "options": {{"api_key": "{secret}",
+                                                 "message": "auth failed for "
+                                                 "https://bot:{secret}@host/api"}}}}],
+                         "delivery": {{"retries": 0}}}}}}
+        handle = metricsvc.start_metric_worker(cfg)
+        c = MetricClient(None, rank=0, world_size=1, name="secret-places")
+        c.submit_metric({{"loss": 1.0}})
+        c.wait_submit()
+        ray.get(handle.flush.remote(30))
+        health = ray.get(handle.close.remote())
+        print("HEALTH", json.dumps(health, default=str))
+        print("SESSION", ray._private.worker._global_node.get_session_dir_path())
+    """)
+    env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",  # nobody listens on port 9
+           "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    health = json.loads(next(line.split(" ", 1)[1] for line in out.stdout.splitlines()
+                             if line.startswith("HEALTH ")))
+    assert health["sink_errors"]  # the exploding sink really failed, with its message
+    session = next(line.split(" ", 1)[1] for line in out.stdout.splitlines()
+                   if line.startswith("SESSION "))
+    cfg_file = next(Path(tmp_path).rglob("config.yaml"))
+    validate = subprocess.run([sys.executable, "-m", "metricsvc.cli", "validate-config",
+                               str(cfg_file)], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60)
+    files = [p for p in Path(tmp_path).rglob("*") if p.is_file()]
+    assert any(p.name == "dead_letter.jsonl" for p in files)
+    logs = [p for p in Path(session, "logs").rglob("*") if p.is_file()]
+    leaked = [str(p) for p in files + logs if secret.encode() in p.read_bytes()]
+    assert leaked == []
+    assert secret not in out.stdout + out.stderr + validate.stdout + validate.stderr
+    assert "max_keys_per_batch: 100000" in validate.stdout  # numbers are never hidden
+    assert "user:***@127.0.0.1" in validate.stdout
