@@ -1,6 +1,12 @@
 """Worker-side API: summarise on the device, merge micro-batches, one RPC per step."""
 
-from clients.client import LateBatch, MetricClient, ServiceNotice
+from clients.client import (
+    LateBatch,
+    MetricClient,
+    ServiceNotice,
+    StepAlreadyFinal,
+    StepMismatch,
+)
 from clients.rpc import ServiceUnavailable
 from clients.stream import StreamRecorder
 from clients.summarize import summarize
@@ -13,6 +19,8 @@ __all__ = [
     "ReduceType",
     "ServiceNotice",
     "ServiceUnavailable",
+    "StepAlreadyFinal",
+    "StepMismatch",
     "StreamRecorder",
     "Tracker",
     "summarize",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ from clients.summarize import (
     to_host,
 )
 from clients.tracker import Tracker
+from metricsvc.derive import DERIVATIONS, split_internal
 from metricsvc.records import Batch, scalar_row, scalar_rows
 from metricsvc.reduce import AUTO, ReduceType
+from metricsvc.sinks.names import safe_tag
 from metricsvc.sketch import SketchSpec, dense_to_sparse
 from metricsvc.validation import check_key
 
@@ -31,6 +34,36 @@ _PLAIN_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.float16
 
 def _kind_name(code: int) -> str:
     return "AUTO (from the key name)" if code == AUTO else ReduceType(code).name
+
+
+@functools.lru_cache(maxsize=65536)  # keys recur every step
+def _exported(key: str, code: int) -> tuple[str, ...]:
+    """Return every name ``key`` may export under ``code``, as written and as a sink tag.
+
+    Both mean suffixes count (the service's is configured there); quantile names depend
+    on the service's list, so the service checks those (meta ``collisions``).
+    """
+    if code == int(ReduceType.AVG_MIN_MAX):
+        names: tuple[str, ...] = (f"{key}/mean", f"{key}/avg", f"{key}/min", f"{key}/max")
+    elif code == int(ReduceType.STD):
+        names = (f"{key}/std",)
+    elif code == int(ReduceType.QUANTILES):
+        names = ()
+    else:
+        names = (key,)
+    return tuple(dict.fromkeys(names + tuple(safe_tag(n) for n in names)))
+
+
+def check_reserved(key: str) -> str:
+    """Refuse a key with a ``__`` path segment that names no derivation the service knows."""
+    if "__" in key:
+        parsed = split_internal(key)
+        if parsed is not None and parsed[1] not in DERIVATIONS:
+            raise ValueError(
+                f"key {key!r}: a path segment starting with '__' is reserved for derived "
+                f"metrics ({', '.join(sorted(DERIVATIONS))}); rename it"
+            )
+    return key
 
 
 @dataclass(slots=True)
@@ -51,6 +84,7 @@ class RecordBuffer:
         self.compile = compile
         self.lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
+        self._names: dict[str, str] = {}  # exported name (or sink tag) -> the key exporting it
         self._good_keys: set[str] = set()  # names already checked (they recur every step)
         self._trackers: dict[str, Tracker] = {}
         self.tracker = Tracker(self, prefix=prefix)
@@ -89,7 +123,7 @@ class RecordBuffer:
 
     def _checked(self, key: str) -> str:
         if key not in self._good_keys:
-            check_key(key)
+            check_reserved(check_key(key))
             if len(self._good_keys) < 100_000:
                 self._good_keys.add(key)
         return key
@@ -124,12 +158,30 @@ class RecordBuffer:
         with self.lock:
             entries = self._entries
             if sketches is None and entries.keys().isdisjoint(rows):
-                # Keys new in this step (the common case): nothing to merge or to clash with.
+                # Keys new in this step (the common case): nothing to merge with.
+                self._claim_names(rows, code)
                 entries.update((key, _Entry(code, expected, row)) for key, row in rows.items())
             else:
                 self._merge_rows(rows, code, expected, sketches)
         if self.on_record is not None:
             self.on_record()
+
+    def _claim_names(self, rows: Mapping[str, Any], code: int) -> None:
+        """Own the names new keys export; refuse one that another key of the step exports."""
+        names = self._names
+        new = [key for key in rows if key not in self._entries]
+        claimed = {}
+        for key in new:
+            for name in _exported(key, code):
+                owner = names.get(name, claimed.get(name, key))
+                if owner != key:
+                    raise ValueError(
+                        f"key {key!r} ({_kind_name(code)}) would export {name!r}, which key "
+                        f"{owner!r} already exports in {self.label}: one exported name, one "
+                        f"source (rename one of them)"
+                    )
+                claimed[name] = key
+        names.update(claimed)
 
     def _merge_rows(self, rows: dict[str, Row], code: int, expected: int,
                     sketches: dict[str, Row] | None) -> None:
@@ -142,6 +194,7 @@ class RecordBuffer:
                     f"key {key!r} was recorded as {_kind_name(entry.code)} in "
                     f"{self.label}; recording it as {_kind_name(code)} would mix reductions"
                 )
+        self._claim_names(rows, code)
         for key, row in rows.items():
             sk = None if sketches is None else sketches[key]
             entry = entries.get(key)
@@ -180,10 +233,21 @@ class RecordBuffer:
                 expected=[e.expected for e in entries], sketches=sketches,
                 sketch_alpha=self.sketch_spec.alpha,
             )
-            self._entries = {}
-            for tracker in (self.tracker, *self._trackers.values()):
-                tracker._reset()
+            self._reset()
             return batch
+
+    def discard(self) -> int:
+        """Drop everything recorded since the last flush; return how many keys were dropped."""
+        with self.lock:
+            dropped = len(self._entries)
+            self._reset()
+            return dropped
+
+    def _reset(self) -> None:
+        self._entries = {}
+        self._names = {}
+        for tracker in (self.tracker, *self._trackers.values()):
+            tracker._reset()
 
 
 class TrackerAPI:

@@ -32,6 +32,15 @@ class LateBatch(UserWarning):
     """
 
 
+class StepMismatch(ValueError):
+    """The step a caller names is not the step this client holds records for."""
+
+
+class StepAlreadyFinal(ValueError):
+    """A client's first flush named a step the service had already published (a late
+    joiner); the client has moved to the open step."""
+
+
 class ServiceNotice(UserWarning):
     """The service dropped an earlier batch of this rank (e.g. a world-size disagreement)."""
 
@@ -80,6 +89,8 @@ class MetricClient(TrackerAPI):
         self.retry_s = retry_s
         self.max_inflight = max_inflight
         self._seq = 0
+        self._flushes = 0
+        self._step_known = True  # False after discard(): records go to the step named next
         self._unacked: Batch | None = None
         self._inflight: list[Batch] = []  # sent, but not yet in the service's journal
         self._epoch: str | None = None
@@ -186,8 +197,16 @@ class MetricClient(TrackerAPI):
                     timeout_s=timeout_s, label=f"MetricWorker {self._name!r}")
 
     # -- flushing ------------------------------------------------------------------------
-    def wait_submit(self, timeout_s: float | None = None) -> dict[str, Any]:
+    def wait_submit(self, timeout_s: float | None = None, *,
+                    step: int | None = None) -> dict[str, Any]:
         """Close this rank's step: one host copy, one actor call, return after the ack.
+
+        ``step`` names the step the caller means (e.g. the trainer's global step). The
+        client moves to it if nothing recorded since its last flush is pending (a first
+        flush, a step after ``discard()``, a rank that skipped steps). Records left from a
+        step that was never closed are never merged into a later one: that raises
+        ``StepMismatch`` (``discard()`` them after a failed step); so does a step at or
+        below the last one closed.
 
         While the actor restarts the call waits (up to ``retry_s``). On a timeout
         the batch is kept and calling again resends it; the service merges it
@@ -195,6 +214,8 @@ class MetricClient(TrackerAPI):
         open and the error (a ``ValueError``) is raised.
         """
         with self.buffer.lock:
+            if step is not None:
+                self._name_step(step)
             if self._unacked is None:
                 self._seq += 1
                 self._unacked = self.buffer.take_batch(
@@ -209,9 +230,66 @@ class MetricClient(TrackerAPI):
         self._unacked = None
         self._after_ack(ack, batch)
         self.last_closed = batch.step
-        self.step = batch.step + 1
-        self.buffer.label = f"step {self.step}"
+        self._step_known = True
+        self._open(batch.step + 1)
+        if self._joined_late(ack, batch):
+            self._catch_up(ack, batch)
         return ack
+
+    def _joined_late(self, ack: dict[str, Any], batch: Batch) -> bool:
+        """A first flush for a step the service has already moved past (not just the step
+        that timed out without this rank): the client started at the wrong step."""
+        last_final = ack.get("last_final_step")
+        return (ack["status"] == "late" and self._flushes == 1 and last_final is not None
+                and batch.step < last_final)
+
+    def _name_step(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"step must be an int >= 0, got {step!r}")
+        if step == self.step:
+            return
+        backwards = self.last_closed is not None and step <= self.last_closed
+        # Records belong to the client's open step; after a discard, to the step named next.
+        pending = self._step_known and (self._unacked is not None or len(self.buffer) > 0)
+        if backwards or pending:
+            origin = ("its start_step" if self.last_closed is None
+                      else f"the step after {self.last_closed}")
+            what = (f"already closed step {self.last_closed}: steps only go forward" if backwards
+                    else f"holds records of step {self.step} ({origin}), which was never closed "
+                         f"(an exception between recording and wait_submit? call discard() "
+                         f"after a failed step; or start the client with start_step={step})")
+            raise StepMismatch(f"rank {self.rank}: wait_submit(step={step}), but this client "
+                               f"{what}; nothing was sent")
+        self._open(step)
+
+    def _open(self, step: int) -> None:
+        self.step = step
+        self.buffer.label = f"step {step}"
+
+    def _catch_up(self, ack: dict[str, Any], batch: Batch) -> None:
+        """A first flush for a step already final: the client joined late. Say so, loudly."""
+        open_step = (ack.get("last_final_step") or batch.step) + 1
+        self._open(max(self.step, open_step))
+        raise StepAlreadyFinal(
+            f"rank {self.rank}: step {batch.step} is already final (the service has published "
+            f"up to step {open_step - 1}); this batch was journaled as late, not merged. The "
+            f"open step is {open_step}: this client now records for it (start clients with "
+            f"start_step=..., or name steps with wait_submit(step=...))"
+        )
+
+    def discard(self) -> int:
+        """Drop what was recorded (and not yet sent) for the open step; return how many keys.
+
+        The step stays open: after a failed training step, the service publishes it
+        without this rank (partial) unless the rank records and closes it again.
+        """
+        with self.buffer.lock:
+            dropped = self.buffer.discard()
+            if self._unacked is not None:
+                dropped += len(self._unacked.keys)
+                self._unacked = None
+            self._step_known = False  # what comes next is for the step the caller names
+            return dropped
 
     def _submit(self, blob: bytes, timeout_s: float | None = None) -> dict[str, Any]:
         """Send one batch: over the fast path when the service offered one, else (and
@@ -238,7 +316,8 @@ class MetricClient(TrackerAPI):
         return ack
 
     def _after_ack(self, ack: dict[str, Any], batch: Batch) -> None:
-        if ack["status"] == "late":
+        self._flushes += 1
+        if ack["status"] == "late" and not self._joined_late(ack, batch):
             warnings.warn(LateBatch(
                 f"rank {self.rank}: step {batch.step} was published without it (straggler "
                 f"timeout); this batch is journaled as late and not merged"), stacklevel=3)

@@ -156,9 +156,12 @@ def summarize_many(
             if _use_compiled(x, compile):
                 out[key] = _run_compiled(x, flat_mask)
             else:
-                pack = packs.get((x.dtype, x.device))
+                # Values of one call may differ in shape (without a mask) and in dtype:
+                # a pack is shared only by values it fits.
+                where = (x.dtype, x.device, x.numel())
+                pack = packs.get(where)
                 if pack is None:
-                    pack = packs[(x.dtype, x.device)] = _MaskPack(flat_mask, x)
+                    pack = packs[where] = _MaskPack(flat_mask, x)
                 out[key] = _eager_row(x, pack)
     return out
 

@@ -52,6 +52,12 @@ class Tracker:
         """Return ``key`` under this tracker's prefix and the current scopes."""
         return self.prefix + "/".join((*self._scope.get(), key))
 
+    def _key(self, key: str) -> str:
+        """Return the checked full key (name rules, reserved ``__`` segments)."""
+        from clients.buffer import check_reserved  # buffer imports this module
+
+        return check_reserved(check_key(self.full_key(key)))
+
     @contextlib.contextmanager
     def scope(self, name: str) -> Iterator[None]:
         """Nest keys under ``name/`` (a context manager, and a decorator)."""
@@ -70,6 +76,9 @@ class Tracker:
         Raises:
             TypeError: a mask that is not bool (the denominator is named).
         """
+        if not masks:
+            raise TypeError("denominator() got no masks: pass them as keywords, "
+                            "e.g. denominator(n_tokens=mask)")
         named = {}
         for name, mask in masks.items():
             dtype = mask.dtype if (is_tensor(mask) or isinstance(mask, np.ndarray)) else None
@@ -77,7 +86,7 @@ class Tracker:
             if not is_bool:
                 got = dtype if dtype is not None else type(mask).__name__
                 raise TypeError(f"denominator {name!r} must be a bool tensor or array, got {got}")
-            named[check_key(self.full_key(name))] = mask
+            named[self._key(name)] = mask
         self._client._record(named, None, ReduceType.SUM)
         self._denominators.update(named)
 
@@ -114,8 +123,14 @@ class Tracker:
             )
         if mask is not None and denominator is not None:
             raise ValueError("give either mask= or denominator=, not both")
+        if not values:
+            raise TypeError(
+                "stat() got no values to record: pass them as keywords, e.g. "
+                "stat(mask=m, loss=t)" + ("; a tensor passed positionally is taken as the "
+                                          "mask" if mask is not None else "")
+            )
         kind = ReduceType.parse(reduce_type if reduce_type is not None else reduce)
-        full = {check_key(self.full_key(k)): v for k, v in values.items()}
+        full = {self._key(k): v for k, v in values.items()}
         if isinstance(denominator, str):
             mask = self._lookup(denominator, next(iter(full), "<none>"))
         elif denominator is not None:
@@ -128,6 +143,8 @@ class Tracker:
         Raises:
             ValueError: a tensor or array with more than one element (the key is named).
         """
+        if not values:
+            raise TypeError("scalar() got no values: pass them as keywords, e.g. scalar(lr=1e-5)")
         for key, value in values.items():
             size = value.numel() if is_tensor(value) else np.size(value)
             if size != 1:
@@ -135,17 +152,17 @@ class Tracker:
                     f"scalar {key!r} must be a single number, got {size} elements; "
                     f"use stat() for tensors"
                 )
-        full = {check_key(self.full_key(k)): v for k, v in values.items()}
+        full = {self._key(k): v for k, v in values.items()}
         self._client._record(full, None, ReduceType.SCALAR)
 
     def record_counts(self, keys: list[str], counts: Any, kind: ReduceType) -> None:
         """Record element ``i`` of a 1-D tensor/array as one value of ``keys[i]``."""
-        full = [check_key(self.full_key(k)) for k in keys]
+        full = [self._key(k) for k in keys]
         self._client._record_elements(full, counts, kind)
 
     def weighted_mean(self, key: str, value: float, weight: float) -> None:
         """Record ``value`` counted ``weight`` times into the mean of ``key``."""
-        self._client._record_weighted(check_key(self.full_key(key)), value, weight)
+        self._client._record_weighted(self._key(key), value, weight)
 
     @contextlib.contextmanager
     def record_timing(self, name: str) -> Iterator[None]:

@@ -32,6 +32,7 @@ from metricsvc.reduce import (
     finalize,
     is_approximate_plain_key,
 )
+from metricsvc.sinks.names import safe_tag
 from metricsvc.step import Part, PendingStep, Window
 from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
 from metricsvc.wire import as_batch, encode
@@ -105,7 +106,7 @@ class Aggregator:
         self.rank_last_seen: dict[int, int] = {}
         self.late_by_rank: Counter[int] = Counter()
         self.counts = {"batches": 0, "duplicate": 0, "late": 0, "rejected": 0, "partial": 0,
-                       "stream_batches": 0, "conflict": 0, "dropped": 0}
+                       "stream_batches": 0, "conflict": 0, "dropped": 0, "collisions": 0}
 
     # -- input -------------------------------------------------------------------------
     def submit(self, batch: Batch) -> Outcome:
@@ -426,10 +427,16 @@ class Aggregator:
         return out
 
     def _metrics(self, merged: tuple, keys: list[str], kinds: list[ReduceType],
-                 internal: list[int], derive: bool = True) -> dict[str, float]:
-        """Finalise the public keys; derive metrics from the ``internal`` ones (their rows)."""
+                 internal: list[int], derive: bool = True,
+                 collisions: dict[str, list[str]] | None = None) -> dict[str, float]:
+        """Finalise the public keys; derive metrics from the ``internal`` ones (their rows).
+
+        A name exported twice (two keys, a rename, a derived metric, or two names one sink
+        tag) keeps its first source and is listed in ``collisions``.
+        """
         data, _, sketches = merged
         public = np.setdiff1d(np.arange(len(keys)), internal)
+        collisions = {} if collisions is None else collisions
         metrics = finalize(
             [keys[i] for i in public],
             [kinds[i] for i in public],
@@ -437,18 +444,30 @@ class Aggregator:
             sketches={j: sketches[i] for j, i in enumerate(public) if i in sketches},
             rules=self.output,
             rename=self._rename,
+            collisions=collisions,
         )
         if derive:
             derived = self.deriver.derive({keys[i]: (kinds[i], data[i]) for i in internal},
                                           self.output)
-            metrics.update({self._rename(k): v for k, v in derived.items()})
+            for key, value in derived.items():
+                name = self._rename(key)
+                if name in metrics:
+                    collisions.setdefault(name, [name]).append(f"derived {key}")
+                else:
+                    metrics[name] = value
+        tags: dict[str, str] = {}
+        for name in metrics:  # what sinks that sanitise names would merge
+            first = tags.setdefault(safe_tag(name), name)
+            if first != name:
+                collisions.setdefault(safe_tag(name), [first]).append(name)
         return metrics
 
     def _finish(self, p: PendingStep) -> StepResult:
         kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(p.keys, p.codes)]
         merged = p.merged()
         internal = _internal_rows(p.keys)
-        metrics = self._metrics(merged, p.keys, kinds, internal)
+        collisions: dict[str, list[str]] = {}
+        metrics = self._metrics(merged, p.keys, kinds, internal, collisions=collisions)
         partial = not p.complete
         if partial:
             self.counts["partial"] += 1
@@ -466,6 +485,9 @@ class Aggregator:
         if self.deriver.cumulative:
             meta["cumulative"] = self.deriver.state()
         meta.update(_anomalies(p, kinds, merged))
+        if collisions:  # never overwritten: the first source kept, every source named
+            meta["collisions"] = collisions
+            self.counts["collisions"] += 1
         ignored = [p.keys[i] for i in internal if not self.deriver.handles(p.keys[i])]
         if ignored:
             meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so

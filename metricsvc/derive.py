@@ -30,6 +30,7 @@ from metricsvc.records import COUNT, SUM, SUMSQ
 from metricsvc.reduce import OutputRules, ReduceType, finalize_row
 
 Merged = tuple[ReduceType, np.ndarray]  # a key's kind and merged record
+DERIVATIONS = frozenset({"ratio", "explained_var", "moe", "cumulative"})  # handler names
 
 
 def split_internal(key: str) -> tuple[str, str, str] | None:

@@ -191,15 +191,27 @@ def finalize(
     sketches: Mapping[int, Sketch] | None = None,
     rules: OutputRules = OutputRules(),
     rename: Renamer | None = None,
+    collisions: dict[str, list[str]] | None = None,
 ) -> dict[str, float]:
-    """Return ``{output name: value}`` for merged records; empty populations are omitted."""
+    """Return ``{output name: value}`` for merged records; empty populations are omitted.
+
+    Two keys exporting one name never overwrite each other: the first keeps it, and
+    ``collisions`` (if given) receives ``{name: [keys exporting it]}``.
+    """
     rename = rename or Renamer()
     sketches = sketches or {}
     out: dict[str, float] = {}
+    source: dict[str, str] = {}
     for i, (key, kind, row) in enumerate(zip(keys, kinds, data)):
         values = finalize_row(row, kind, sketches.get(i), rules)
         if values is None:
             continue
         for name, value in zip(output_names(key, kind, rules), values):
-            out[rename(name)] = value
+            name = rename(name)
+            if name in source:
+                if collisions is not None:
+                    collisions.setdefault(name, [source[name]]).append(key)
+                continue
+            out[name] = value
+            source[name] = key
     return out

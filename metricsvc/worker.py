@@ -373,6 +373,7 @@ class MetricWorkerImpl:
             "late_by_rank": dict(sorted(agg.late_by_rank.items())),
             "conflicting_batches": agg.counts["conflict"],
             "dropped_batches": agg.counts["dropped"],
+            "steps_with_collisions": agg.counts["collisions"],
             "world_size": agg.world_size,
             "world_size_source": agg.world_source,
             "timer_errors": self.timer_errors,

@@ -31,8 +31,7 @@ def run_steps(cfg, steps=4, world=2):
         for c in clients:
             c.stat(mask=rng.random(6) < 0.8, **{"critic/advantages": rng.normal(size=6)})
             c.submit_metric({"actor/lr": 1e-5, "tokens/total": int(rng.integers(10, 20)),
-                             WEIRD: float(rng.random()), "__internal": 1.0,
-                             "rollout/reward__count": 3.0})
+                             WEIRD: float(rng.random()), "rollout/reward__count": 3.0})
             c.wait_submit()
 
 
@@ -41,9 +40,7 @@ def journal_values(run_dir):
 
 
 def assert_same(got, journal, rename=lambda k: k, rel=1e-12):
-    public = {step: {rename(k): v for k, v in m.items()
-                     if not (k.startswith("__") or k.endswith("__count"))}
-              for step, m in journal.items()}
+    public = {step: {rename(k): v for k, v in m.items()} for step, m in journal.items()}
     assert sorted(got) == sorted(public)
     for step, metrics in public.items():
         assert set(got[step]) == set(metrics), step
@@ -59,7 +56,7 @@ def test_every_sink_of_all_yaml_gets_the_same_numbers_as_the_journal(make_worker
     run_dir = Path(health["run_dir"])
     journal = journal_values(run_dir)
     assert len(journal) == 4 and WEIRD in journal[0]
-    assert "__internal" not in journal[0] and "rollout/reward__count" not in journal[0]
+    assert "rollout/reward__count" in journal[0]  # a user's key: it reaches every sink
     assert not health["sink_errors"], health["sink_errors"]
     assert {name: h["written"] for name, h in health["sinks"].items()} == {
         n: 4 for n in ("jsonl", "tensorboard", "wandb", "swanlab", "mlflow")}
@@ -100,9 +97,10 @@ def test_nonfinite_values_reach_only_sinks_that_support_them(tmp_path):
                                 + [recording], tmp_path)
     dispatcher.publish(0, {"a": 1.0, "b": math.nan, "__hidden": 2.0, "c__count": 4.0}, {})
     dispatcher.close()
-    assert recording.steps[0][1] == {"a": 1.0}
+    assert recording.steps[0][1] == {"a": 1.0, "c__count": 4.0}
     journaled = read_journal(tmp_path / "metrics.jsonl")[0]["metrics"]
-    assert journaled["a"] == 1.0 and math.isnan(journaled["b"]) and set(journaled) == {"a", "b"}
+    assert journaled["a"] == 1.0 and math.isnan(journaled["b"])
+    assert set(journaled) == {"a", "b", "c__count"}
 
 
 def test_steps_reach_a_sink_once_and_in_increasing_order(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from metricsvc.config import MlflowSinkConfig
-from metricsvc.sinks.names import safe_tag
+from metricsvc.sinks.names import tagged
 
 
 class MlflowSink:
@@ -44,7 +44,7 @@ class MlflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(safe_tag(k, 250), float(v), now, step) for k, v in metrics.items()]
+        batch = [Metric(tag, float(v), now, step) for tag, v in tagged(metrics, 250).items()]
         for i in range(0, len(batch), 1000):  # MLflow caps a batch at 1000 metrics
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 

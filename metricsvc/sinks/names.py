@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
+
+from metricsvc.derive import split_internal
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_./\-]")
 
 
 def is_internal(key: str) -> bool:
-    """Return True for bookkeeping keys that never reach a sink (``__x``, ``x__count``)."""
-    return key.startswith("__") or key.endswith("__count")
+    """Return True for derivation inputs, which never reach a sink: the same rule the
+    service uses (a path segment ``__<name>``), so nothing a user can see vanishes."""
+    return "__" in key and split_internal(key) is not None
 
 
 def public_metrics(metrics: Mapping[str, float], allow_nan: bool) -> dict[str, float]:
@@ -23,8 +27,18 @@ def public_metrics(metrics: Mapping[str, float], allow_nan: bool) -> dict[str, f
     }
 
 
+@functools.lru_cache(maxsize=65536)  # names recur every step
 def safe_tag(key: str, max_length: int = 255) -> str:
     """Return ``key`` as a tag every backend accepts: ``[A-Za-z0-9_./-]``, no empty parts."""
     tag = _UNSAFE.sub("_", key)
     tag = "/".join(part if part not in ("", ".", "..") else "_" for part in tag.split("/"))
     return tag[:max_length]
+
+
+def tagged(metrics: Mapping[str, float], max_length: int = 255) -> dict[str, float]:
+    """Return ``{safe_tag: value}``; of names sharing a tag the first keeps it (the service
+    lists such names in the step's ``meta["collisions"]``), never a silent overwrite."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        out.setdefault(safe_tag(key, max_length), value)
+    return out

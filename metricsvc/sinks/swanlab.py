@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from metricsvc.config import SwanlabSinkConfig
-from metricsvc.sinks.names import safe_tag
+from metricsvc.sinks.names import tagged
 
 _MODES = {"cloud": "online", "local": "local", "offline": "offline", "disabled": "disabled"}
 
@@ -47,7 +47,7 @@ class SwanlabSink:
         )
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        self.run.log({safe_tag(k): v for k, v in metrics.items()}, step=step)
+        self.run.log(tagged(metrics), step=step)
 
     def close(self) -> None:
         if self.run is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from metricsvc.config import TensorboardSinkConfig
-from metricsvc.sinks.names import safe_tag
+from metricsvc.sinks.names import tagged
 
 
 class TensorboardSink:
@@ -28,8 +28,8 @@ class TensorboardSink:
         self._writer = SummaryWriter(logdir=str(self.logdir), flush_secs=self.config.flush_secs)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        for key, value in metrics.items():
-            self._writer.add_scalar(safe_tag(key), value, global_step=step)
+        for tag, value in tagged(metrics).items():
+            self._writer.add_scalar(tag, value, global_step=step)
         if self.config.flush_every_step:
             self._writer.flush()
 
