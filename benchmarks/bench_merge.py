@@ -30,6 +30,7 @@ def make_batches(world: int, keys: int, step: int, rng: np.random.Generator) -> 
         data[:, 1] = rng.integers(1, 100, size=keys)  # counts
         data[:, 2] = -abs(data[:, 2])  # min <= max
         data[:, 3] = abs(data[:, 3])
+        data[:, 4] = abs(data[:, 4])  # sumsq >= 0: the service refuses impossible records
         data[:, 5] = 0
         out.append(Batch.build(step=step, rank=rank, world_size=world, seq=step + 1,
                                final=True, keys=names, data=data,

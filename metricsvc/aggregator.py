@@ -59,6 +59,7 @@ class Outcome:
     status: Status
     finished: list[StepResult] = field(default_factory=list)
     notice: str | None = None  # something the sender must hear about an earlier batch
+    batch: Batch | None = None  # the batch as decoded
 
 
 class Aggregator:
@@ -109,8 +110,9 @@ class Aggregator:
                        "stream_batches": 0, "conflict": 0, "dropped": 0, "collisions": 0}
 
     # -- input -------------------------------------------------------------------------
-    def submit(self, batch: Batch) -> Outcome:
-        """Merge one batch; return its status and any steps that became final.
+    def submit(self, item: Batch | bytes) -> Outcome:
+        """Merge one batch (or its wire bytes); return its status and any steps that became
+        final.
 
         Raises:
             BatchRejected: the batch is malformed, contradicts its step or the run (world
@@ -118,23 +120,23 @@ class Aggregator:
                 state changed.
         """
         try:
-            batch = self._checked(batch)
+            batch = self._checked(as_batch(item, self.limits))
         except BatchRejected:
             self.counts["rejected"] += 1
             raise
         notice = self._notices.pop(batch.rank, None)
         try:
             self._check_world_size(batch)
-            digest = hashlib.blake2b(encode(batch), digest_size=16).digest()
-            outcome = self._submit(batch, digest)
+            # What tells a resend (a duplicate) from other content under the same identity
+            # (a conflict): the wire bytes' digest, never compared on the merge path.
+            wire = item if isinstance(item, (bytes, bytearray, memoryview)) else encode(batch)
+            outcome = self._submit(batch, hashlib.sha1(wire).digest())
         except BatchRejected as err:
             self.counts["rejected"] += 1
             if notice is not None:
                 raise BatchRejected(f"{err}; earlier: {notice}") from None
             raise
-        if notice is not None:
-            return Outcome(outcome.status, outcome.finished, notice)
-        return outcome
+        return Outcome(outcome.status, outcome.finished, notice, batch)
 
     def decode(self, item: Batch | bytes) -> Batch:
         """Return the Batch that ``item`` is or encodes; malformed bytes count as rejected."""

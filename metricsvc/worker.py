@@ -214,8 +214,8 @@ class MetricWorkerImpl:
         self._ensure_ticker()
         newest = self.aggregator.newest_closed
         try:
-            batch = self.aggregator.decode(batch)
             outcome = self.aggregator.submit(batch)
+            batch = outcome.batch
         except BatchRejected as err:
             log.warning("rejected batch: %s", err)
             raise
@@ -255,7 +255,7 @@ class MetricWorkerImpl:
         statuses, finished = [], []
         for batch in batches:
             try:
-                outcome = self.aggregator.submit(self.aggregator.decode(batch))
+                outcome = self.aggregator.submit(batch)
             except BatchRejected as err:
                 statuses.append(f"rejected: {err}")
                 continue
