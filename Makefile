@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 CONFIG ?= configs/default.yaml
 
 run: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) examples/ray_driver.py --config $(CONFIG)
+	$(PY) examples/ray_driver.py --config $(CONFIG)
 
 test: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(PY) -m ruff check metricsvc clients tests examples
@@ -28,7 +28,7 @@ clean:
 	rm -rf $(VENV) runs .pytest_cache
 
 bench: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.bench_summarize
-	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.bench_merge
-	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.bench_rpc
-	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.bench_scale
+	$(PY) -m benchmarks.bench_summarize
+	$(PY) -m benchmarks.bench_merge
+	$(PY) -m benchmarks.bench_rpc
+	$(PY) -m benchmarks.bench_scale

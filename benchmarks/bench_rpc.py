@@ -18,15 +18,13 @@ import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import numpy as np
+import ray
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-import metricsvc  # noqa: E402
-from benchmarks.baselines.per_key import PerKeyClient, PerKeyWorker  # noqa: E402
-from benchmarks.baselines.siirl_style import SiirlStyleClient, SiirlStyleWorker  # noqa: E402
-from clients import MetricClient  # noqa: E402
+import metricsvc
+from benchmarks.baselines.per_key import PerKeyClient, PerKeyWorker
+from benchmarks.baselines.siirl_style import SiirlStyleClient, SiirlStyleWorker
+from clients import MetricClient
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -20,13 +20,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import numpy as np
+import ray
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-import metricsvc  # noqa: E402
-from clients import MetricClient  # noqa: E402
+import metricsvc
+from clients import MetricClient
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

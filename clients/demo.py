@@ -72,7 +72,6 @@ def _progress(done: int, total: int, note: str) -> None:
 
 def run_demo(config: Any = None, *, workers: int = 4, steps: int = 20) -> dict[str, Any]:
     """Start local Ray, the service and ``workers`` DAG workers; run ``steps`` steps."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cfg = metricsvc.load_config(config if config is not None else DEMO_CONFIG)
     if workers < 1 or steps < 1:
         raise ValueError(f"--workers and --steps must be >= 1, got {workers} and {steps}")

@@ -11,10 +11,7 @@ and configure `custom: [{target: csv}]`.
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
-
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 class CsvSink:

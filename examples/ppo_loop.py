@@ -8,17 +8,14 @@ with no step barrier; the driver exports the stream into each step.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import numpy as np
+import ray
+import torch
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
-
-import metricsvc  # noqa: E402
-from clients import MetricClient  # noqa: E402
+import metricsvc
+from clients import MetricClient
 
 SERVICE = "ppo_loop"
 WORLD = 2

@@ -10,13 +10,11 @@ import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local demo cluster needs no token
+import numpy as np
+import ray
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-import metricsvc  # noqa: E402
-from clients import MetricClient  # noqa: E402
+import metricsvc
+from clients import MetricClient
 
 try:
     import torch

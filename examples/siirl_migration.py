@@ -21,16 +21,13 @@ No .item(): a 0-d tensor stays on its device until the one copy per step.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import ray
+import torch
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-
-import metricsvc  # noqa: E402
-from clients import MetricClient  # noqa: E402
+import metricsvc
+from clients import MetricClient
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2

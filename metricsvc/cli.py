@@ -9,7 +9,6 @@ import argparse
 import fnmatch
 import json
 import math
-import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -139,7 +138,6 @@ def _plot_series(keys: list[str]) -> list[tuple[str, str, tuple[str, str] | None
 
 
 def cmd_health(args: argparse.Namespace) -> None:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     if args.address != "auto":  # ray.init would retry an unreachable address for minutes

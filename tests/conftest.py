@@ -6,18 +6,15 @@ import itertools
 import os
 
 import pytest
+import ray
 from hypothesis import settings
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test cluster, no token needed
+import metricsvc
 
 # CI replays the same examples each run (a landing must not hinge on a lucky draw);
 # local runs draw new ones, so fuzzing keeps finding what CI would not.
 settings.register_profile("ci", derandomize=True, database=None)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
-
-import ray  # noqa: E402
-
-import metricsvc  # noqa: E402
 
 _names = itertools.count()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+ENV = dict(os.environ)
 
 
 def cli(*args, timeout=240):

@@ -245,7 +245,9 @@ def test_after_a_restart_an_owed_older_step_is_resent_before_the_new_one(make_wo
         except ray.exceptions.RayActorError:
             time.sleep(0.1)
     step(c, x=3.0)
-    assert c.resent == len(owed)  # step 2, and any older one (a duplicate, merged once)
+    # The new incarnation reloaded steps 0 and 1: only what its journal lacks is resent
+    # (how many steps were owed before depends on how far the journal writer had got).
+    assert c.resent == len([s for s in owed if s > 1])
     assert [ray.get(handle.wait_final_res.remote(s, 30))["x"] for s in (2, 3)] == [2.0, 3.0]
     health = ray.get(handle.health.remote())
     assert health["calls"]["epoch_changed"] == 1 and health["late_batches"] == 0

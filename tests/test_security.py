@@ -50,7 +50,7 @@ def test_a_planted_api_key_appears_in_no_log_journal_health_or_config(tmp_path):
         print("HEALTH", json.dumps(health, default=str))
         print("SESSION", ray._private.worker._global_node.get_session_dir_path())
     """)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "WANDB_API_KEY": secret,
+    env = {**os.environ, "WANDB_API_KEY": secret,
            "SWANLAB_API_KEY": secret}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          cwd=ROOT, env=env, timeout=240)

@@ -186,7 +186,6 @@ def wandb_record_kinds(root):
 def test_a_driver_that_exits_without_close_still_finishes_the_wandb_run(tmp_path):
     script = textwrap.dedent(f"""
         import os
-        os.environ["RAY_AUTH_MODE"] = "disabled"
         import ray, metricsvc
         from clients import MetricClient
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
