@@ -19,7 +19,7 @@ import numpy as np
 from metricsvc.aggregator import Aggregator
 from metricsvc.records import NFIELDS, Batch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 
 
 def make_batches(world: int, keys: int, step: int, rng: np.random.Generator) -> list[Batch]:

@@ -26,7 +26,7 @@ from benchmarks.baselines.per_key import PerKeyClient, PerKeyWorker
 from benchmarks.baselines.siirl_style import SiirlStyleClient, SiirlStyleWorker
 from clients import MetricClient
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 
 
 def metric_names(k: int) -> list[str]:

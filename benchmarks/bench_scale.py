@@ -5,7 +5,7 @@ node with W/hosts ranks). Reported: the time from the last rank's flush to the
 final result of the step, flat (every rank sends to the MetricWorker) vs per-node
 (every host's ranks send to its combiner, which forwards one call per step) vs
 flat_ray (flat with the fast path off: one Ray call per rank), and how it grows
-with W. Writes benchmarks/results/scale.json and scale.png.
+with W. Writes runs/bench/scale.json and scale.png.
 
     python benchmarks/bench_scale.py [--worlds 64 256 1024] [--keys 300] [--hosts 8]
 """
@@ -26,7 +26,7 @@ import ray
 import metricsvc
 from clients import MetricClient
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 
 
 @ray.remote(num_cpus=0)

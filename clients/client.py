@@ -50,7 +50,7 @@ class MetricClient(TrackerAPI):
 
     Recording never syncs a device: tensors are summarised on their device and
     merged there; ``wait_submit`` copies every row of the step to the host once
-    and sends one batch in one actor call. The recording API is AReaL's
+    and sends one batch in one message. The recording API is AReaL's
     ``stats_tracker`` (``stat``, ``denominator``, ``scalar``, ``scope``,
     ``record_timing``, ``get``) plus siiRL's ``submit_metric``.
 
@@ -199,7 +199,7 @@ class MetricClient(TrackerAPI):
     # -- flushing ------------------------------------------------------------------------
     def wait_submit(self, timeout_s: float | None = None, *,
                     step: int | None = None) -> dict[str, Any]:
-        """Close this rank's step: one host copy, one actor call, return after the ack.
+        """Close this rank's step: one host copy, one message, return after the ack.
 
         ``step`` names the step the caller means (e.g. the trainer's global step). The
         client moves to it if nothing recorded since its last flush is pending (a first
@@ -345,13 +345,19 @@ class MetricClient(TrackerAPI):
             self._inflight = [b for b in self._inflight if b.step > durable_through]
 
     # -- reading -------------------------------------------------------------------------
-    def wait_final_res(self, step: int | None = None, timeout: float | None = None) -> dict:
+    def wait_final_res(self, step: int | None = None, timeout_s: float | None = None, *,
+                       timeout: float | None = None) -> dict:
         """Return the merged metrics of ``step`` (default: the last step this rank closed).
 
-        Raises ``StepNotFinal`` (a TimeoutError) after ``timeout`` seconds.
+        Raises ``StepNotFinal`` (a TimeoutError) after ``timeout_s`` seconds (``timeout=``,
+        siiRL's spelling, is accepted too).
         """
+        if timeout is not None:
+            if timeout_s is not None:
+                raise TypeError("give timeout_s or timeout, not both")
+            timeout_s = timeout
         if step is None:
             step = self.last_closed
-        # The actor enforces ``timeout``; the margin here only guards a lost actor.
-        return self._call("wait_final_res", step, timeout,
-                          timeout_s=None if timeout is None else timeout + 30)
+        # The actor enforces ``timeout_s``; the margin here only guards a lost actor.
+        return self._call("wait_final_res", step, timeout_s,
+                          timeout_s=None if timeout_s is None else timeout_s + 30)

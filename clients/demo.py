@@ -27,7 +27,7 @@ class DemoWorker:
 
     def __init__(self, rank: int, world_size: int, service: str) -> None:
         self.rank = rank
-        self.metrics = MetricClient(None, rank=rank, world_size=world_size, name=service)
+        self.metrics = MetricClient(rank=rank, world_size=world_size, name=service)
         self.rng = np.random.default_rng(rank)
 
     def train_step(self) -> int:
@@ -58,11 +58,12 @@ class DemoWorker:
                   "step": time.perf_counter() - start + 0.05}
         self.metrics.compute_local_timing_metrics(batch, timing)
         self.metrics.compute_local_throughput_metrics(batch, timing, n_gpus=8)
-        self.metrics.wait_submit()  # one host copy, one actor call
+        self.metrics.wait_submit()  # one host copy, one message
         return self.metrics.step
 
 
-def _progress(done: int, total: int, note: str) -> None:
+def progress(done: int, total: int, note: str) -> None:
+    """Draw a one-line progress bar on stderr (the demo's and ``make run``'s)."""
     bar = "#" * (20 * done // total)
     sys.stderr.write(f"\r[{bar:<20}] {done}/{total} {note}")
     if done == total:
@@ -84,7 +85,7 @@ def run_demo(config: Any = None, *, workers: int = 4, steps: int = 20) -> dict[s
             ray.get([rank.train_step.remote() for rank in ranks])
             result = ray.get(worker.wait_final_res.remote(step, 60))
             note = f"critic/score/mean={result.get('critic/score/mean', float('nan')):.3f}"
-            _progress(step + 1, steps, note)
+            progress(step + 1, steps, note)
         health = metricsvc.stop_metric_worker(worker)
     finally:
         ray.shutdown()

@@ -39,7 +39,7 @@ WORLD = 2
 @ray.remote(num_cpus=0)
 class TrainEngine:
     def __init__(self, rank: int) -> None:
-        self.stats_tracker = MetricClient(None, rank=rank, world_size=WORLD,
+        self.stats_tracker = MetricClient(rank=rank, world_size=WORLD,
                                           name="areal_migration")
         self.rank = rank
 

@@ -39,7 +39,7 @@ def fake_batch(rng: np.random.Generator, rows: int) -> dict:
 @ray.remote(num_cpus=0)
 class Trainer:
     def __init__(self, rank: int) -> None:
-        self.m = MetricClient(None, rank=rank, world_size=WORLD, name=SERVICE)
+        self.m = MetricClient(rank=rank, world_size=WORLD, name=SERVICE)
         self.rng = np.random.default_rng(rank)
         self.rank = rank
 
@@ -65,7 +65,7 @@ class Trainer:
 @ray.remote(num_cpus=0)
 class RolloutWorker:
     def __init__(self, seed: int) -> None:
-        self.client = MetricClient(None, rank=0, world_size=1, name=SERVICE)
+        self.client = MetricClient(rank=0, world_size=1, name=SERVICE)
         self.rng = np.random.default_rng(seed)
 
     def episodes(self, n: int) -> int:

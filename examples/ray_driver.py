@@ -15,6 +15,7 @@ import ray
 
 import metricsvc
 from clients import MetricClient
+from clients.demo import progress
 
 try:
     import torch
@@ -30,7 +31,7 @@ class DAGWorker:
 
     def __init__(self, rank: int, world_size: int, worker_name: str) -> None:
         self.rank = rank
-        self.metrics = MetricClient(None, rank=rank, world_size=world_size, name=worker_name)
+        self.metrics = MetricClient(rank=rank, world_size=world_size, name=worker_name)
         self.rng = np.random.default_rng(rank)
 
     def _tensor(self, array: np.ndarray):
@@ -52,7 +53,7 @@ class DAGWorker:
         )
         if self.rank == 0:  # like siiRL: some keys come from rank 0 only
             self.metrics.submit_metric({"timing_s/step": time.perf_counter() - t0}, world_size=1)
-        self.metrics.wait_submit()  # one host copy, one actor call
+        self.metrics.wait_submit()  # one host copy, one message
         return self.metrics.step
 
 
@@ -77,6 +78,7 @@ def main() -> None:
             if k in result
         )
         print(f"step {step:3d} final: {len(result)} metrics | {shown}", flush=True)
+        progress(step + 1, args.steps, f"step {step} final")
 
     health = ray.get(worker.close.remote())
     print(f"journal: {Path(health['run_dir']) / cfg.sinks.jsonl.filename}")

@@ -36,7 +36,7 @@ WORLD = 2
 @ray.remote(num_cpus=0)
 class DAGWorker:
     def __init__(self, rank: int) -> None:
-        self.metric_client = MetricClient(None, rank=rank, world_size=WORLD,
+        self.metric_client = MetricClient(rank=rank, world_size=WORLD,
                                           name="siirl_migration")  # + rank, world size
         self.rank = rank
 

@@ -31,10 +31,10 @@ def journal_path(target: str) -> Path:
     """Return the journal of a run folder, or the journal file itself."""
     path = Path(target)
     if path.is_dir():
-        found = sorted(path.rglob("metrics.jsonl"))
+        found = list(path.rglob("metrics.jsonl"))
         if not found:
             raise CliError(f"no metrics.jsonl under {path}")
-        return found[-1]
+        return max(found, key=lambda p: p.stat().st_mtime)  # the newest run, not the last name
     if not path.is_file():
         raise CliError(f"no such run folder or journal: {path}")
     return path
@@ -98,27 +98,42 @@ def cmd_plot(args: argparse.Namespace) -> None:
     except ImportError:
         raise CliError("plot needs matplotlib: pip install 'metricsvc[plot]'") from None
     series = _plot_series(keys)
-    fig, axes = plt.subplots(len(series), 1, figsize=(7, 2.6 * len(series)), squeeze=False)
+    cols = min(4, len(series))
+    rows = -(-len(series) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.6 * rows + 0.6),
+                             squeeze=False, sharex=True)
     xs = [s["step"] for s in steps]
     partial = [s["step"] for s in steps if s["meta"].get("partial")]
-    for ax, (label, mean_key, band) in zip(axes[:, 0], series):
+    for ax, (label, mean_key, band) in zip(axes.flat, series):
         ys = [_num(s["metrics"].get(mean_key)) for s in steps]
-        ax.plot(xs, ys, marker=".", label=label)
+        ax.plot(xs, ys, marker=".", color="tab:blue")
         if band:
             lo = [_num(s["metrics"].get(band[0])) for s in steps]
             hi = [_num(s["metrics"].get(band[1])) for s in steps]
-            ax.fill_between(xs, lo, hi, alpha=0.2, label="min-max")
+            ax.fill_between(xs, lo, hi, alpha=0.2, color="tab:blue")
         for step in partial:
             ax.axvline(step, color="tab:red", alpha=0.3, linestyle="--")
-        ax.set_title(label, fontsize=9)
+        ax.set_title(label, fontsize=8)
+        ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.3)
-    axes[-1, 0].set_xlabel("step" + ("  (dashed: partial steps)" if partial else ""))
-    fig.tight_layout()
+    for ax in list(axes.flat)[len(series):]:
+        ax.set_visible(False)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    legend = [Line2D([], [], color="tab:blue", marker=".", label="mean (or the value)"),
+              Patch(color="tab:blue", alpha=0.2, label="min to max over every rank's values")]
+    if partial:
+        legend.append(Line2D([], [], color="tab:red", linestyle="--", label="partial step"))
+    fig.legend(handles=legend, loc="upper center", ncol=len(legend), fontsize=8,
+               frameon=False)
+    fig.supxlabel("step", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (2.6 * rows + 0.6)))
     out = Path(args.output)
     if not out.parent.exists():
         raise CliError(f"cannot write {out}: no folder {out.parent}")
     fig.savefig(out, dpi=110)
-    print(f"wrote {out} ({len(series)} plots, {len(xs)} steps)")
+    print(f"wrote {out} ({len(series)} plots in a {rows}x{cols} grid, {len(xs)} steps)")
 
 
 def _num(value: Any) -> float:
@@ -154,13 +169,43 @@ def cmd_health(args: argparse.Namespace) -> None:
     try:
         worker = ray.get_actor(args.name, namespace=args.namespace)
     except ValueError:
+        found = sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["name"] == args.name})
+        hint = (f"; it runs in namespace {', '.join(found)}: pass --namespace" if found
+                else "; is it started, and under this --name?")
         raise CliError(f"no MetricWorker named {args.name!r} in namespace "
-                       f"{args.namespace!r}") from None
-    print(json.dumps(ray.get(worker.health.remote(), timeout=30), indent=2, default=str))
+                       f"{args.namespace!r}{hint}") from None
+    health = ray.get(worker.health.remote(), timeout=30)
+    print(json.dumps(health, indent=2, default=str) if args.json else health_summary(health))
+
+
+def health_summary(h: dict[str, Any]) -> str:
+    """Return the few lines a person needs from ``health()``."""
+    lines = [f"MetricWorker {h['name']!r} pid {h['pid']}, up {h['uptime_s']:.0f} s; "
+             f"run folder {h['run_dir']}",
+             f"world size {h.get('world_size') or 'not agreed yet'}"
+             f"{' (' + h['world_size_source'] + ')' if h.get('world_size_source') else ''}; "
+             f"last final step {h['last_final_step']}"]
+    for step, p in h["pending_steps"].items():
+        missing = sorted(set(range(p["world_size"])) - set(p["closed"]))
+        lines.append(f"  step {step} waits for ranks {missing} ({len(p['closed'])} of "
+                     f"{p['world_size']} closed)")
+    lines.append(f"batches {h['batches']}, rejected {h['rejected_batches']}, late "
+                 f"{h['late_batches']}{' ' + str(h['late_by_rank']) if h['late_by_rank'] else ''}"
+                 f", conflicting {h['conflicting_batches']}, partial steps {h['partial_steps']}")
+    for name, sink in h["sinks"].items():
+        state = "FAILING" if sink["failing"] else "ok"
+        extra = f"; last error: {sink['last_error']}" if sink["failing"] else ""
+        lines.append(f"  sink {name}: {state}, written {sink['written']}, dead-lettered "
+                     f"{sink['dead_lettered']}{extra}")
+    return "\n".join(lines)
 
 
 def cmd_validate_config(args: argparse.Namespace) -> None:
     cfg = load_config(args.file)
+    from metricsvc.sinks.base import build_sinks
+
+    build_sinks(cfg.sinks)  # a custom target or entry point that cannot load fails here
     data = json.loads(cfg.model_dump_json())
     print(yaml.safe_dump(Redactor(data).value(data), sort_keys=False), end="")
     print(f"# {args.file}: valid", file=sys.stderr)
@@ -192,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--name", default=DEFAULT_NAME)
     health.add_argument("--namespace", default=None)
     health.add_argument("--address", default="auto")
+    health.add_argument("--json", action="store_true", help="the full health() as JSON")
     validate = sub.add_parser("validate-config", help="validate a YAML config, print it resolved")
     validate.add_argument("file")
     return parser

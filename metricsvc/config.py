@@ -48,6 +48,9 @@ class ConsoleSinkConfig(_Strict):
     enabled: bool = True
     every: int = Field(1, ge=1, description="print every N-th finished step")
     max_rows: int = Field(200, ge=1, description="rows shown per step before eliding")
+    total_steps: int | None = Field(
+        None, ge=1, description="the run's last step + 1: the header shows an ETA"
+    )
 
 
 class JsonlSinkConfig(_Strict):
@@ -330,7 +333,13 @@ def load_config(source: ConfigSource = None, **overrides: Any) -> ServiceConfig:
         origin = str(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:  # one line: where, and what the parser expected
+            mark = getattr(err, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"{where}: YAML syntax error: {problem}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping at the top level")
         data = loaded

@@ -451,7 +451,8 @@ MetricWorker = ray.remote(
     num_cpus=0,
     max_restarts=_DEFAULTS.max_restarts,
     max_concurrency=_DEFAULTS.max_concurrency,
-)(MetricWorkerImpl)
+)(type("MetricWorker", (MetricWorkerImpl,), {"__doc__": MetricWorkerImpl.__doc__}))
+# (Named MetricWorker so that Ray's log lines read "(MetricWorker pid=...)".)
 """The Ray actor class. ``start_metric_worker`` creates the named singleton from a config."""
 
 

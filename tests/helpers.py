@@ -61,3 +61,18 @@ def random_rank_data(seed: int, ranks: int, width: int = 7) -> list[dict[str, np
             }
         )
     return out
+
+
+def wait_for_new_incarnation(handle: Any, epoch: str, deadline_s: float = 60.0) -> dict:
+    """Wait (at most ``deadline_s``) until Ray has restarted the actor; return its health."""
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            health = ray.get(handle.health.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            if health["epoch"] != epoch:
+                return health
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.1)
+    raise TimeoutError(f"the actor did not come back within {deadline_s} s")

@@ -50,12 +50,13 @@ def test_plot_writes_a_png_with_bands_and_partial_marks(journal, tmp_path):
     out = cli("plot", journal / "metrics.jsonl", "--keys", "critic/*", "actor/lr", "-o", png)
     assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-    assert "2 plots, 6 steps" in out.stdout  # critic/score as one banded series, and actor/lr
+    # critic/score as one banded series, and actor/lr
+    assert "2 plots in a 1x2 grid, 6 steps" in out.stdout
 
 
 def test_validate_config_prints_the_resolved_config_with_secrets_redacted(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("sinks:\n  custom:\n    - target: pkg.mod:Sink\n"
+    cfg.write_text("sinks:\n  custom:\n    - target: tests.sink_fixtures:RecordingSink\n"
                    "      options: {api_key: sk-live-123, path: x}\n")
     out = cli("validate-config", cfg)
     assert out.returncode == 0, out.stderr
@@ -89,6 +90,7 @@ def test_bad_keys_and_bad_yaml_are_clear(journal, tmp_path):
     assert "sinks.jsonl.filenme: Extra inputs are not permitted" in out.stderr
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_with_progress_and_report(tmp_path):
     cfg = tmp_path / "demo.yaml"
     cfg.write_text(f"name: cli_demo\nrun:\n  root: {tmp_path}\n  experiment: demo\n"
@@ -103,6 +105,7 @@ def test_demo_runs_end_to_end_with_progress_and_report(tmp_path):
     assert f"journal: {journal}" in out.stdout
 
 
+@pytest.mark.slow
 def test_health_connects_to_a_running_cluster(tmp_path):
     script = f"""
 import os, subprocess, sys, ray, metricsvc
@@ -110,12 +113,69 @@ ray.init(num_cpus=1, include_dashboard=False, namespace="hns")
 metricsvc.start_metric_worker({{"name": "hw", "run": {{"root": {str(tmp_path)!r}}},
                                "sinks": {{"console": None}}}})
 address = ray.get_runtime_context().gcs_address  # other clusters may run beside this one
-out = subprocess.run([sys.executable, "-m", "metricsvc.cli", "health", "--name", "hw",
-                      "--namespace", "hns", "--address", address], capture_output=True,
-                     text=True)
-print(out.returncode, out.stdout, out.stderr)
+def health(*more):
+    out = subprocess.run([sys.executable, "-m", "metricsvc.cli", "health", "--name", "hw",
+                          "--address", address, *more], capture_output=True, text=True)
+    print("RC", out.returncode)
+    print(out.stdout, out.stderr)
+health("--namespace", "hns", "--json")
+health("--namespace", "hns")
+health()
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          cwd=ROOT, env=ENV, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("0 ") and '"name": "hw"' in out.stdout
+    as_json, summary, elsewhere = out.stdout.split("RC ")[1:]
+    assert as_json.startswith("0") and '"name": "hw"' in as_json
+    assert summary.startswith("0") and "MetricWorker 'hw' pid" in summary
+    assert "last final step None" in summary and "{" not in summary
+    assert elsewhere.startswith("2") and "it runs in namespace hns: pass --namespace" in elsewhere
+
+
+def test_validate_config_errors_are_one_line_with_exit_2(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("sinks:\n  jsonl: {enabled: true\n  x: [\n")
+    out = cli("validate-config", broken)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert f"{broken}:3:4: YAML syntax error" in out.stderr
+    missing = tmp_path / "missing.yaml"
+    missing.write_text("sinks:\n  custom:\n    - target: nosuch.mod:Sink\n")
+    out = cli("validate-config", missing)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "cannot load sink target 'nosuch.mod:Sink'" in out.stderr
+
+
+def test_report_reads_the_newest_journal_by_time_and_says_which(tmp_path):
+    import os
+
+    from metricsvc.sinks.jsonl import JsonlSink
+
+    for trial, value, age in (("b-older", 1.0, 100), ("a-newer", 2.0, 0)):
+        (tmp_path / trial).mkdir()
+        sink = JsonlSink()
+        sink.open(tmp_path / trial)
+        sink.write(0, {"x": value}, {})
+        sink.close()
+        os.utime(tmp_path / trial / "metrics.jsonl", (1e9 - age, 1e9 - age))
+    out = cli("report", tmp_path)
+    assert out.returncode == 0
+    assert str(tmp_path / "a-newer" / "metrics.jsonl") in out.stderr
+    assert out.stdout.splitlines()[1].split() == ["x", "2"]
+
+
+def test_plot_lays_many_keys_out_in_a_readable_grid(tmp_path):
+    from metricsvc.sinks.jsonl import JsonlSink
+
+    sink = JsonlSink()
+    sink.open(tmp_path)
+    for step in range(5):
+        sink.write(step, {f"group{i % 4}/metric_{i}": float(step * i) for i in range(46)}, {})
+    sink.close()
+    png = tmp_path / "many.png"
+    out = cli("plot", tmp_path, "--keys", "*", "-o", png)
+    assert out.returncode == 0, out.stderr
+    assert "46 plots in a 12x4 grid" in out.stdout
+    import struct
+
+    width, height = struct.unpack(">II", png.read_bytes()[16:24])
+    assert width < 2000 and height < 4000, (width, height)  # not a 770 x 13156 column

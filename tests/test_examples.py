@@ -7,45 +7,78 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each starts a Ray of its own
+
 ROOT = Path(__file__).resolve().parent.parent
-ENV = dict(os.environ)
+# Run as from the repository root (examples/ importable), but in a temporary folder: the
+# examples' runs/ go there, never into the checkout.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 
 
-def run(script, *args):
-    out = subprocess.run([sys.executable, f"examples/{script}", *args], capture_output=True,
-                         text=True, cwd=ROOT, env=ENV, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+RUNS = {  # name: (script, arguments); each runs in its own folder, all at once
+    "ppo": ("ppo_loop.py", "--steps", "3", "--val-every", "2"),
+    "siirl": ("siirl_migration.py",),
+    "areal": ("areal_migration.py",),
+    "csv": ("custom_sink.py",),
+    "quickstart": ("ray_driver.py", "--config", "{tmp}/q.yaml", "--workers", "2",
+                   "--steps", "2"),
+}
 
 
-def test_ppo_loop_records_data_timing_validation_and_a_rollout_stream():
-    out = run("ppo_loop.py", "--steps", "3", "--val-every", "2")
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Start every example at once (each starts its own Ray: most of the time is waiting)."""
+    running = {}
+    for name, (script, *args) in RUNS.items():
+        tmp = tmp_path_factory.mktemp(name)
+        (tmp / "q.yaml").write_text(f"name: q\nrun:\n  root: {tmp}\nsinks:\n  console: null\n")
+        running[name] = subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / script),
+             *(a.format(tmp=tmp) for a in args)],
+            cwd=tmp, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = {}
+    for name, proc in running.items():
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        done[name] = (proc.returncode, out, err)
+    return done
+
+
+def run(outputs, name):
+    code, out, err = outputs[name]
+    assert code == 0, err[-3000:]
+    return out
+
+
+def test_ppo_loop_records_data_timing_validation_and_a_rollout_stream(outputs):
+    out = run(outputs, "ppo")
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(lines) == 3 and all("rollout reward" in line for line in lines)
     assert "val acc" in lines[0] and "val acc" not in lines[1] and "val acc" in lines[2]
 
 
-def test_siirl_migration_runs_with_siirl_names():
-    out = run("siirl_migration.py")
+def test_siirl_migration_runs_with_siirl_names(outputs):
+    out = run(outputs, "siirl")
     assert "perf/delta_time/gen" in out and "training/grad_norm/mean" in out
 
 
-def test_areal_migration_runs_with_areal_names():
-    out = run("areal_migration.py")
+def test_areal_migration_runs_with_areal_names(outputs):
+    out = run(outputs, "areal")
     for key in ("ppo_actor/loss/avg", "ppo_actor/n_valid_tokens", "timeperf/rollout", "lr",
                 "rollout/reward"):
         assert key in out, key
 
 
-def test_custom_sink_writes_its_csv():
-    out = run("custom_sink.py")
+def test_custom_sink_writes_its_csv(outputs):
+    out = run(outputs, "csv")
     rows = [line for line in out.splitlines() if line.count(",") == 2]
     assert rows[:2] == ["0,loss,1.0", "0,tokens/total,100.0"] and len(rows) == 6
 
 
-@pytest.mark.parametrize("script", ["ray_driver.py"])
-def test_quickstart_driver_runs(script, tmp_path):
-    config = tmp_path / "q.yaml"
-    config.write_text(f"name: q\nrun:\n  root: {tmp_path}\nsinks:\n  console: null\n")
-    out = run(script, "--config", str(config), "--workers", "2", "--steps", "2")
+def test_quickstart_driver_runs(outputs):
+    out = run(outputs, "quickstart")
     assert "step   1 final" in out

@@ -5,7 +5,6 @@ Real actors on a real local Ray; the misbehaving peers are raw sockets."""
 import json
 import socket
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from clients import MetricClient
 from clients.link import FastLink
 from metricsvc.fastpath import ACK, HELLO_OK, LENGTH, MAGIC, REJECTED, REPLY, wanted
 from metricsvc.wire import encode
+from tests.helpers import wait_for_new_incarnation
 
 
 def client(cfg, rank=0, world=1, **kwargs):
@@ -135,12 +135,7 @@ def test_a_restarted_actor_gets_the_batch_over_ray_and_offers_a_new_link(make_wo
     epoch = ray.get(handle.health.remote())["epoch"]
     assert ray.get(handle.flush.remote())  # the journal holds steps 0-2
     ray.kill(handle, no_restart=False)
-    while True:  # wait for the new incarnation, so no batch can reach the dying one
-        try:
-            if ray.get(handle.health.remote(), timeout=30)["epoch"] != epoch:
-                break
-        except ray.exceptions.RayActorError:
-            time.sleep(0.1)
+    wait_for_new_incarnation(handle, epoch)  # so no batch can reach the dying one
     step(c, x=3.0)  # the old connection is dead: sent as a Ray call, whose ack re-offers
     step(c, x=4.0)
     assert c.link.failures == 1  # the dead connection, once; then the new offer
@@ -238,12 +233,7 @@ def test_after_a_restart_an_owed_older_step_is_resent_before_the_new_one(make_wo
     lines = journal.read_text().splitlines(keepends=True)
     journal.write_text("".join(lines[:2]))  # as if the actor died before writing step 2
     ray.kill(handle, no_restart=False)
-    while True:
-        try:
-            if ray.get(handle.health.remote(), timeout=30)["epoch"] != epoch:
-                break
-        except ray.exceptions.RayActorError:
-            time.sleep(0.1)
+    wait_for_new_incarnation(handle, epoch)
     step(c, x=3.0)
     # The new incarnation reloaded steps 0 and 1: only what its journal lacks is resent
     # (how many steps were owed before depends on how far the journal writer had got).

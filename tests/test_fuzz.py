@@ -118,6 +118,7 @@ def flush_and_read(handle, client):
     return ray.get(handle.wait_final_res.remote(client.last_closed, 30))
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())

@@ -406,6 +406,7 @@ def fuzz_examples():
     return int(os.environ.get("METRICSVC_FUZZ_EXAMPLES", "2000"))
 
 
+@pytest.mark.slow
 def test_mutated_wire_batches_among_honest_ranks_are_merged_or_refused_clearly(fuzzed_service):
     from hypothesis import HealthCheck, given, settings
 

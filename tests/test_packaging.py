@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -15,15 +17,16 @@ def test_service_package_never_imports_torch_or_clients():
     assert out.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.slow
 def test_example_driver_runs_and_writes_the_journal(tmp_path):
     config = tmp_path / "demo.yaml"
     config.write_text(f"name: demo_worker\nrun:\n  root: {tmp_path}\n  experiment: demo\n"
                       "sinks:\n  console:\n    every: 1\n")
     env = dict(os.environ)
     out = subprocess.run(
-        [sys.executable, "examples/ray_driver.py", "--config", str(config), "--workers", "3",
-         "--steps", "3"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=240,
+        [sys.executable, str(ROOT / "examples" / "ray_driver.py"), "--config", str(config),
+         "--workers", "3", "--steps", "3"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if " final: " in line]
@@ -31,3 +34,5 @@ def test_example_driver_runs_and_writes_the_journal(tmp_path):
     journal = next((tmp_path / "demo").glob("*/metrics.jsonl"))
     assert len(journal.read_text().splitlines()) == 3
     assert f"journal: {journal}" in out.stdout
+    # The actor's lines carry its public name, not the implementation class's.
+    assert "(MetricWorker pid=" in out.stdout and "MetricWorkerImpl" not in out.stdout + out.stderr

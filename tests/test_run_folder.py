@@ -123,6 +123,7 @@ def test_readers_keep_one_record_per_step_and_say_so(tmp_path, caplog, capsys):
     assert "3 duplicate" in out.err
 
 
+@pytest.mark.slow
 def test_a_transient_write_failure_never_duplicates_a_line_or_tears_the_dead_letter(tmp_path):
     """A real file-size limit (RLIMIT_FSIZE) in a child process, hit and then lifted."""
     script = textwrap.dedent(f"""
@@ -220,6 +221,7 @@ def test_a_client_of_an_actor_stopped_for_good_fails_at_once(ray_cluster, tmp_pa
 
 
 # -- secrets -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_redaction_rule_hides_every_planted_secret_and_no_number(tmp_path):
     secret = "S3CRETpw-71c2"
     script = textwrap.dedent(f"""

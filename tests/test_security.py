@@ -6,6 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import ray
 
 import metricsvc
@@ -31,6 +32,7 @@ def test_two_namespaces_get_their_own_singleton_and_no_metric_crosses(ray_cluste
         ray.kill(handle)
 
 
+@pytest.mark.slow
 def test_a_planted_api_key_appears_in_no_log_journal_health_or_config(tmp_path):
     """The documented way: the key is in the environment of the driver (or of `ray start`)."""
     secret = "sk-planted-5f3c9a0e7d41"

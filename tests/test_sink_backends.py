@@ -48,6 +48,7 @@ def assert_same(got, journal, rename=lambda k: k, rel=1e-12):
             assert got[step][key] == pytest.approx(value, rel=rel), (step, key)
 
 
+@pytest.mark.slow
 def test_every_sink_of_all_yaml_gets_the_same_numbers_as_the_journal(make_worker, tmp_path):
     cfg_all = load_config(ROOT / "configs" / "all.yaml")
     handle, cfg = make_worker(sinks={**cfg_all.sinks.model_dump(), "console": None})
@@ -183,6 +184,7 @@ def wandb_record_kinds(root):
     return kinds
 
 
+@pytest.mark.slow
 def test_a_driver_that_exits_without_close_still_finishes_the_wandb_run(tmp_path):
     script = textwrap.dedent(f"""
         import os

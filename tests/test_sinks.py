@@ -101,3 +101,15 @@ def test_keys_become_safe_tags_that_cannot_climb_out_of_a_folder():
     # merely ends in "__count" is a user's key and reaches every sink.
     assert is_internal("__step") and is_internal("a/__ratio/x/num")
     assert not is_internal("reward__count") and not is_internal("a__b")
+
+
+def test_the_console_shows_steps_per_minute_and_an_eta():
+    import io
+
+    from metricsvc.config import ConsoleSinkConfig
+    from metricsvc.sinks.console import ConsoleSink
+
+    sink = ConsoleSink(ConsoleSinkConfig(total_steps=100), io.StringIO())
+    assert sink.pace(0, now=0.0) == ""  # nothing to measure yet
+    assert sink.pace(10, now=60.0) == " | 10 steps/min | ETA 0:08:54"
+    assert sink.pace(99, now=600.0) == " | 9.9 steps/min"  # the last step: no ETA

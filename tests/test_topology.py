@@ -1,12 +1,13 @@
 """Node-level pre-aggregation: combiners forward each step in one call, results unchanged."""
 
+import pytest
 import ray
 
 import metricsvc
 from metricsvc.combiner import combiner_name
 from metricsvc.sinks.jsonl import read_journal
 from tests.chaos.test_chaos import calls_for
-from tests.helpers import RankActor
+from tests.helpers import RankActor, wait_for_new_incarnation
 
 WORLD, STEPS = 8, 5
 
@@ -18,6 +19,7 @@ def run(cfg, via):
         ray.get([a.run.remote(calls_for(7, step, r)) for r, a in enumerate(ranks)])
 
 
+@pytest.mark.slow
 def test_two_fake_nodes_of_four_ranks_equal_the_flat_topology_exactly(make_worker):
     flat, flat_cfg = make_worker()
     run(flat_cfg, lambda r: None)
@@ -64,7 +66,6 @@ def test_per_node_start_places_one_combiner_on_each_node(make_worker):
 
 
 def test_a_lone_combiner_resends_an_owed_step_before_the_new_one_after_a_restart(make_worker):
-    import time
     from pathlib import Path
 
     from clients import MetricClient
@@ -82,12 +83,7 @@ def test_a_lone_combiner_resends_an_owed_step_before_the_new_one_after_a_restart
     journal = Path(health["run_dir"]) / "metrics.jsonl"
     journal.write_text("".join(journal.read_text().splitlines(keepends=True)[:2]))
     ray.kill(handle, no_restart=False)  # as if it died before journaling step 2
-    while True:
-        try:
-            if ray.get(handle.health.remote(), timeout=30)["epoch"] != health["epoch"]:
-                break
-        except ray.exceptions.RayActorError:
-            time.sleep(0.1)
+    wait_for_new_incarnation(handle, health["epoch"])
     c.submit_metric({"x": 3.0})
     c.wait_submit()
     assert [ray.get(handle.wait_final_res.remote(s, 30))["x"] for s in (2, 3)] == [2.0, 3.0]

@@ -64,7 +64,7 @@ def test_merged_values_equal_numpy_on_concatenated_data_with_unequal_ranks(make_
         c.stat(reduce=ReduceType.STD, mask=d["mask"], spread=d["values"])
         c.submit_metric({"loss": float(c.rank) ** 2, "samples/count": len(d["scores"])})
         c.wait_submit()
-    got = clients[0].wait_final_res(timeout=30)
+    got = clients[0].wait_final_res(timeout_s=30)
     valid = np.concatenate([d["values"][d["mask"]] for d in data])
     scores = np.concatenate([d["scores"] for d in data])
     expect = {

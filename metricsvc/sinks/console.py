@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Mapping
 from itertools import groupby
 from pathlib import Path
@@ -12,13 +13,15 @@ from metricsvc.config import ConsoleSinkConfig
 
 
 def format_step(
-    step: int, metrics: Mapping[str, float], meta: Mapping[str, Any], max_rows: int = 200
+    step: int, metrics: Mapping[str, float], meta: Mapping[str, Any], max_rows: int = 200,
+    pace: str = "",
 ) -> str:
-    """Return the table printed for one step."""
+    """Return the table printed for one step (``pace``: steps per minute, ETA)."""
     ranks = f"{len(meta.get('ranks', []))}/{meta.get('world_size', '?')} ranks"
     head = f"step {step} | {ranks} | {len(metrics)} metrics"
     if meta.get("partial"):
         head += f" | PARTIAL, missing ranks {meta.get('missing_ranks')}"
+    head += pace
     keys = sorted(metrics)
     width = max((len(k) for k in keys[:max_rows]), default=10)
     rule = "-" * max(len(head), width + 16)
@@ -42,18 +45,37 @@ class ConsoleSink:
     ) -> None:
         self.config = config or ConsoleSinkConfig()
         self._stream = stream
+        self._first: tuple[float, int] | None = None  # (time, step) of the first step seen
 
     def open(self, run_dir: Path) -> None:
         del run_dir  # the console writes no files
 
+    def pace(self, step: int, now: float | None = None) -> str:
+        """Return `` | N steps/min | ETA ...`` from the steps seen so far ("" at first)."""
+        now = time.monotonic() if now is None else now
+        if self._first is None:
+            self._first = (now, step)
+            return ""
+        start, first = self._first
+        if step <= first or now <= start:
+            return ""
+        per_min = (step - first) * 60.0 / (now - start)
+        text = f" | {per_min:.3g} steps/min"
+        total = self.config.total_steps
+        if total is not None and step + 1 < total:
+            left = (total - step - 1) * 60.0 / per_min
+            text += f" | ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
+        return text
+
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
+        pace = self.pace(step)
         if step % self.config.every and not meta.get("partial"):
             return
         stream = self._stream or sys.stdout
         if meta.get("partial"):
             stream.write(f"WARNING step {step} is partial: ranks {meta.get('missing_ranks')} "
                          f"did not close it within the straggler timeout\n")
-        stream.write(format_step(step, metrics, meta, self.config.max_rows))
+        stream.write(format_step(step, metrics, meta, self.config.max_rows, pace))
         stream.flush()
 
     def close(self) -> None:

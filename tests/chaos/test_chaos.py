@@ -75,6 +75,7 @@ def run_with_optional_kill(make_worker, kill_at):
     return journal(health), health
 
 
+@pytest.mark.slow
 def test_a_killed_metric_worker_restarts_and_the_journal_equals_a_fault_free_run(make_worker):
     clean, _ = run_with_optional_kill(make_worker, kill_at=None)
     chaos, health = run_with_optional_kill(make_worker, kill_at=10)
