@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def main() -> None:
             for k in ("critic/advantages/mean", "response/length/mean", "tokens/total")
             if k in result
         )
-        print(f"step {step:3d} final: {len(result)} metrics | {shown}", flush=True)
+        clear = "\r\x1b[K" if sys.stderr.isatty() else ""  # over the progress bar's line
+        print(f"{clear}step {step:3d} final: {len(result)} metrics | {shown}", flush=True)
         progress(step + 1, args.steps, f"step {step} final")
 
     health = ray.get(worker.close.remote())
