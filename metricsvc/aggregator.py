@@ -275,10 +275,10 @@ class Aggregator:
 
     def _anchor(self) -> int | None:
         """Return the oldest step still open (None before the first batch of a run)."""
-        nxt = None if self.last_emitted is None else self.last_emitted + 1
-        oldest = min(self._pending) if self._pending else None
-        return min(s for s in (nxt, oldest) if s is not None) if (nxt, oldest) != (None, None) \
-            else None
+        open_steps = list(self._pending)
+        if self.last_emitted is not None:
+            open_steps.append(self.last_emitted + 1)
+        return min(open_steps, default=None)
 
     def _check_ahead(self, step: int, who: str) -> None:
         anchor = self._anchor()
@@ -293,15 +293,14 @@ class Aggregator:
         """Drop steps a runaway opened before the run's first step did (nothing emitted yet)."""
         if self.last_emitted is not None:
             return
-        limit = min(self._pending) + self.max_steps_ahead
-        for step in [s for s in self._pending if s > limit]:
+        oldest = min(self._pending)
+        for step in [s for s in self._pending if s > oldest + self.max_steps_ahead]:
             far = self._pending.pop(step)
             for rank in far.ranks:
                 self._drop(rank, f"your batch for step {step} was dropped: it is "
-                                 f"{step - limit + self.max_steps_ahead} steps ahead of the "
-                                 f"oldest open step {limit - self.max_steps_ahead} (limit "
-                                 f"max_steps_ahead={self.max_steps_ahead}); is its start_step "
-                                 f"right?")
+                                 f"{step - oldest} steps ahead of the oldest open step "
+                                 f"{oldest} (limit max_steps_ahead={self.max_steps_ahead}); "
+                                 f"is its start_step right?")
         self._refresh_newest_closed()
 
     def _check_room(self, step: int) -> None:
