@@ -183,7 +183,7 @@ class RunConfig(_Strict):
 def new_trial() -> str:
     """Return a fresh trial name: the start time, then a random suffix (launches in the
     same second never share a folder)."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(6).hex()}"  # 48 random bits
 
 
 class LimitsConfig(_Strict):

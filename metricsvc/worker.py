@@ -86,6 +86,18 @@ def check_run_dir(cfg: ServiceConfig) -> None:
         )
 
 
+def _claim_run_dir(run_dir: Path, cfg: ServiceConfig) -> None:
+    """Mark ``run_dir`` as this run's; of two launches racing for one folder, one wins."""
+    marker = json.dumps({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "service": cfg.name})
+    try:
+        fd = os.open(run_dir / RUN_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        check_run_dir(cfg)  # raises, naming the folder and the way out
+        raise
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(marker)
+
+
 def _restarted_by_ray() -> bool:
     try:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -125,8 +137,7 @@ class MetricWorkerImpl:
         continuing = _restarted_by_ray() or cfg.run.resume
         if not continuing:
             check_run_dir(cfg)
-            _write_atomic(self.run_dir / RUN_MARKER, json.dumps(
-                {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "service": cfg.name}))
+            _claim_run_dir(self.run_dir, cfg)
         self.redactor = Redactor(cfg.model_dump())
         _write_atomic(self.run_dir / "config.yaml",
                       yaml.safe_dump(self.redactor.value(cfg.model_dump())))
