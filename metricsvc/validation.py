@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metricsvc.records import COUNT, MAX, MIN, NFIELDS, NONFINITE, SUM, SUMSQ, Batch
+from metricsvc.records import COUNT, NFIELDS, Batch
 from metricsvc.reduce import VALID_CODES, ReduceType
 
 # Counts up to 2**53 are exact in float64; merged over any world size they stay finite,
@@ -176,26 +176,23 @@ def _check_records(batch: Batch) -> None:
     non-finite count is such an integer too, a populated row has finite ``min <= max``,
     and an empty row is the identity record.
     """
-    d = batch.data
-    count, nonfinite = d[:, COUNT], d[:, NONFINITE]
+    total, count, low, high, squares, nonfinite = np.ascontiguousarray(batch.data.T)
     with np.errstate(invalid="ignore"):
-        weighted = batch.kinds == int(ReduceType.AVG)
         rules = (
-            ("count must be finite, in [0, 2**53]", ~((count >= 0) & (count <= MAX_COUNT))),
-            ("count must be a whole number", ~weighted & (np.floor(count) != count)),
+            ("count must be finite, in [0, 2**53]", (count >= 0) & (count <= MAX_COUNT)),
+            ("count must be a whole number",
+             (np.floor(count) == count) | (batch.kinds == int(ReduceType.AVG))),
             ("nonfinite must be a whole number in [0, 2**53]",
-             ~((nonfinite >= 0) & (nonfinite <= MAX_COUNT) & (np.floor(nonfinite) == nonfinite))),
-            ("a populated record needs finite min <= max",
-             (count > 0) & ~(np.isfinite(d[:, MIN]) & np.isfinite(d[:, MAX])
-                             & (d[:, MIN] <= d[:, MAX]))),
-            ("sumsq must be >= 0", ~(d[:, SUMSQ] >= 0)),
-            ("an empty record (count 0) must be the identity (sum 0, min +inf, max -inf)",
-             (count == 0) & ~((d[:, SUM] == 0) & (d[:, SUMSQ] == 0) & (d[:, MIN] == np.inf)
-                              & (d[:, MAX] == -np.inf))),
+             (nonfinite >= 0) & (nonfinite <= MAX_COUNT) & (np.floor(nonfinite) == nonfinite)),
+            ("sumsq must be >= 0", squares >= 0),
+            ("a populated record needs finite min <= max; an empty record (count 0) must be "
+             "the identity (sum 0, min +inf, max -inf)",
+             np.where(count > 0, np.isfinite(low) & np.isfinite(high) & (low <= high),
+                      (total == 0) & (squares == 0) & (low == np.inf) & (high == -np.inf))),
         )
-    for rule, bad in rules:
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
+    for rule, good in rules:
+        if not good.all():
+            i = int(np.flatnonzero(~good)[0])
             raise BatchRejected(
                 f"key {batch.keys[i]!r}: corrupt record {batch.data[i].tolist()} ({rule})"
             )
