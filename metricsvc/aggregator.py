@@ -205,11 +205,11 @@ class Aggregator:
         self._refresh_newest_closed()
 
     def _refresh_newest_closed(self) -> None:
+        """Recompute the newest step a rank closed, after pending steps were dropped."""
         closed = [s for s, p in self._pending.items() if p.closed]
-        newest = max(closed) if closed else None
-        if self.last_emitted is not None and (newest is None or newest < self.last_emitted):
-            newest = max(self.last_emitted, self.newest_closed or self.last_emitted)
-        self.newest_closed = newest
+        if self.last_emitted is not None:
+            closed.append(self.last_emitted)
+        self.newest_closed = max(closed, default=None)
 
     def _drop(self, rank: int, why: str) -> None:
         """Drop an accepted batch of ``rank``; the rank hears why at its next call."""
@@ -246,16 +246,15 @@ class Aggregator:
         idx = target.check(batch)
         self._pending[step] = target
         target.add_batch(batch, idx, digest)
-        if self.world_size is None:  # kept apart until the world size is agreed
-            target.keep_source(batch.world_size, batch.rank,
-                               lambda p, b=batch, d=digest: p.add_batch(b, p.check(b), d))
         self.counts["batches"] += 1
         self.rank_last_seen[batch.rank] = max(step, self.rank_last_seen.get(batch.rank, step))
         if batch.final and (self.newest_closed is None or step > self.newest_closed):
             self.newest_closed = step
         if pending is None:
             self._drop_far_ahead()
-        if self.world_size is None:
+        if self.world_size is None:  # kept apart until the world size is agreed
+            target.keep_source(batch.world_size, batch.rank,
+                               lambda p, b=batch, d=digest: p.add_batch(b, p.check(b), d))
             self._claim(batch)
         return Outcome("merged", self._emit_ready())
 
