@@ -87,12 +87,14 @@ def check_run_dir(cfg: ServiceConfig) -> None:
 
 
 def _claim_run_dir(run_dir: Path, cfg: ServiceConfig) -> None:
-    """Mark ``run_dir`` as this run's; of two launches racing for one folder, one wins."""
+    """Mark ``run_dir`` as this run's (refused as ``check_run_dir`` refuses); of two
+    launches racing for one folder, the exclusive create lets one win."""
+    check_run_dir(cfg)
     marker = json.dumps({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "service": cfg.name})
     try:
         fd = os.open(run_dir / RUN_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        check_run_dir(cfg)  # raises, naming the folder and the way out
+        check_run_dir(cfg)  # the other launch won meanwhile: raises, naming the folder
         raise
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(marker)
@@ -136,7 +138,6 @@ class MetricWorkerImpl:
         # Only a restart of this run (by Ray, or an explicit resume) reloads the folder.
         continuing = _restarted_by_ray() or cfg.run.resume
         if not continuing:
-            check_run_dir(cfg)
             _claim_run_dir(self.run_dir, cfg)
         self.redactor = Redactor(cfg.model_dump())
         _write_atomic(self.run_dir / "config.yaml",
