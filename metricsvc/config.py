@@ -86,8 +86,14 @@ class WandbSinkConfig(_Strict):
     tags: tuple[str, ...] = ()
     notes: str | None = None
     dir: str | None = Field(None, description="default: the run folder")
-    id: str | None = None
+    id: str | None = Field(None, description="default: a new id, kept in the run folder so "
+                                           "a restarted service continues the same run")
     resume: Literal["allow", "must", "never", "auto"] | None = None
+    flush_interval_s: float = Field(
+        1.0, gt=0, description="how often wandb writes its transaction log (run-<id>.wandb); "
+                               "a killed actor loses at most this much there, and the restart "
+                               "replays it from the journal"
+    )
 
 
 class SwanlabSinkConfig(_Strict):

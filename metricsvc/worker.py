@@ -145,10 +145,13 @@ class MetricWorkerImpl:
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
         self.journal_stats: dict[str, Any] = {"skipped": 0, "duplicates": 0}
-        self.restored_steps = self._restore() if continuing else 0
+        journal = self._restore() if continuing else None
+        self.restored_steps = len(journal or ())
         self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None
+        # Continuing a run, each sink continues its backend run and is given the journaled
+        # steps past its watermark: what users look at survives the restart too.
         self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir, cfg.sinks.delivery,
-                                    self.redactor)
+                                    self.redactor, replay=journal)
         self._changed = asyncio.Condition()
         self._ticker: asyncio.Task[None] | None = None
         self._started = time.time()
@@ -162,11 +165,12 @@ class MetricWorkerImpl:
             if wanted(cfg.fast_path.enabled, f"MetricWorker {cfg.name!r}") else None
         )
 
-    def _restore(self) -> int:
-        """After a restart, continue from the journal: finished steps, cumulative totals."""
+    def _restore(self) -> list[dict[str, Any]]:
+        """After a restart, continue from the journal: finished steps, cumulative totals.
+        Returns the journal's step records (for the sinks to replay)."""
         path = self.journal_path
         if path is None or not path.exists():
-            return 0
+            return []
         finished = read_journal(path, self.journal_stats)
         self.aggregator.restore(finished)
         keep = self.config.limits.keep_results
@@ -176,7 +180,7 @@ class MetricWorkerImpl:
         if finished:
             log.warning("restarted: %d finished steps reloaded from %s (last step %s)",
                         len(finished), path, self.aggregator.last_emitted)
-        return len(finished)
+        return finished
 
     def _durable_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""

@@ -33,6 +33,8 @@ def leveldb_log_records(path: Path, ident: bytes) -> list[bytes]:
             pos += left  # zero padding up to the block end
             continue
         data = raw[pos + _HEADER : pos + _HEADER + length]
+        if len(data) < length:
+            break  # the file ends mid-record: where a killed writer stopped
         assert zlib.crc32(data, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, "bad CRC"
         pos += _HEADER + length
         if kind == _FULL:
@@ -46,37 +48,53 @@ def leveldb_log_records(path: Path, ident: bytes) -> list[bytes]:
     return records
 
 
+def _one_run(paths: list[Path], what: str) -> None:
+    """Every file must belong to one run: ``run-<id>.<ext>``, one id (one folder per
+    incarnation is how offline wandb and SwanLab continue a run)."""
+    ids = {p.name.split("-", 1)[1].rsplit(".", 1)[0] for p in paths}
+    assert len(ids) == 1, f"{what}: expected one run, found ids {sorted(ids)} in {paths}"
+
+
 def wandb_history(root: Path) -> dict[int, dict[str, float]]:
-    """Return the history rows of the one offline wandb run under ``root``."""
+    """Return the history rows of the one offline wandb run under ``root`` (all of its
+    transaction logs: one per incarnation); a step logged twice fails."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = root.rglob("run-*.wandb")
+    paths = sorted(root.rglob("run-*.wandb"))
+    _one_run(paths, "wandb")
     out: dict[int, dict[str, float]] = {}
-    for data in leveldb_log_records(path, b":W&B"):
-        record = pb.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") != "history":
-            continue
-        row = {}
-        for item in record.history.item:
-            key = "/".join(item.nested_key) if item.nested_key else item.key
-            row[key] = json.loads(item.value_json)
-        step = row.pop("_step")
-        out[int(step)] = {k: v for k, v in row.items() if not k.startswith("_")}
+    for path in paths:
+        for data in leveldb_log_records(path, b":W&B"):
+            record = pb.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            row = {}
+            for item in record.history.item:
+                key = "/".join(item.nested_key) if item.nested_key else item.key
+                row[key] = json.loads(item.value_json)
+            step = int(row.pop("_step"))
+            assert step not in out, f"wandb: step {step} logged twice ({path})"
+            out[step] = {k: v for k, v in row.items() if not k.startswith("_")}
     return out
 
 
 def swanlab_scalars(root: Path) -> dict[int, dict[str, float]]:
-    """Return the scalars of the one SwanLab run under ``root``."""
+    """Return the scalars of the one SwanLab run under ``root`` (all of its folders); a
+    (step, key) logged twice fails."""
     from swanlab.proto.swanlab.record.v1.record_pb2 import Record
 
-    (path,) = root.rglob("run-*.swanlab")
+    paths = sorted(root.rglob("run-*.swanlab"))
+    _one_run(paths, "swanlab")
     out: dict[int, dict[str, float]] = defaultdict(dict)
-    for data in leveldb_log_records(path, b":SWL"):
-        record = Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "scalar":
-            out[record.scalar.step][record.scalar.key] = record.scalar.value.number
+    for path in paths:
+        for data in leveldb_log_records(path, b":SWL"):
+            record = Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "scalar":
+                step, key = record.scalar.step, record.scalar.key
+                assert key not in out[step], f"swanlab: {key} at step {step} logged twice"
+                out[step][key] = record.scalar.value.number
     return dict(out)
 
 
@@ -89,6 +107,7 @@ def tensorboard_scalars(logdir: Path) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = defaultdict(dict)
     for tag in acc.Tags()["scalars"]:
         for event in acc.Scalars(tag):
+            assert tag not in out[event.step], f"tensorboard: {tag} at {event.step} twice"
             out[event.step][tag] = event.value
     return dict(out)
 
@@ -106,5 +125,6 @@ def mlflow_metrics(tracking_uri: str) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = defaultdict(dict)
     for key in run.data.metrics:
         for m in client.get_metric_history(run.info.run_id, key):
+            assert m.key not in out[m.step], f"mlflow: {m.key} at step {m.step} twice"
             out[m.step][m.key] = m.value
     return dict(out)

@@ -65,3 +65,44 @@ class SlowSink:
 
     def close(self) -> None:
         self._note("close")
+
+
+class StallingSink:
+    """A custom sink with a file of its own (one JSON line per step) that stalls once, in
+    the write of ``stall_step``, until the test kills the actor. ``resume`` reads its file,
+    so it is exactly-once across restarts like the built-in sinks."""
+
+    name = "stalling"
+
+    def __init__(self, options: dict) -> None:
+        self.stall_step = int(options["stall_step"])
+        self.path = None
+        self.held: set[int] = set()
+
+    def open(self, run_dir) -> None:
+        self.path = run_dir / "stalling.jsonl"
+        self.marker = run_dir / "stalling.started"
+
+    def resume(self, after) -> None:
+        import json
+
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                step = json.loads(line)["step"]
+                if after is None or step > after:
+                    self.held.add(step)
+
+    def write(self, step, metrics, meta) -> None:
+        import json
+        import time
+
+        if step in self.held:
+            return
+        if step == self.stall_step and not self.marker.exists():
+            self.marker.write_text(str(step))  # the test kills the actor now
+            time.sleep(120)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"step": step, "metrics": dict(metrics)}) + "\n")
+
+    def close(self) -> None:
+        pass

@@ -15,8 +15,20 @@ ENTRY_POINT_GROUP = "metricsvc.sinks"
 class Sink(Protocol):
     """Receives each finished step once, in increasing step order.
 
-    Optional attributes: ``supports_nan`` (default False: non-finite values are
-    dropped before ``write``) and ``write_event(event)`` for journal events.
+    Optional attributes:
+
+    - ``supports_nan`` (default False: non-finite values are dropped before ``write``);
+    - ``write_event(event)`` for journal events;
+    - ``commit() -> int | None``: make what was written durable in the backend (its own
+      flush); return the newest step now durable, or None for "everything written". The
+      sink's watermark in the run folder advances only to what this says. Without it a
+      returned ``write`` counts as durable;
+    - ``resume(after: int | None)``: called once after ``open`` when a restarted service
+      continues the run, before the journal's steps past the watermark ``after`` are
+      written again. A sink that can read its backend leaves out of later writes what
+      the backend already holds, which makes it exactly-once; one without ``resume`` gets
+      at least once (a step may repeat if the service died between its write and its
+      watermark).
     """
 
     name: str

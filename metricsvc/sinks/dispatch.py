@@ -5,11 +5,19 @@ sink sees each step once and in increasing order. A sink that raises is
 retried with exponential backoff; when the retries are spent (or its queue is
 full, or the service is closing) the step goes to the dead-letter JSONL in the
 run folder instead. Other sinks never wait for a failing one.
+
+Restarts: each sink's watermark (the newest step its backend has made durable, as
+``commit`` reports it) is kept in the run folder (``SinkState``) and advanced only
+after that commit. A restarted service hands the journal to the dispatcher
+(``replay``): each sink first reopens the same backend run, is told its watermark
+(``resume``, which lets a sink that can read its backend leave out what it already
+holds), and is then given every journaled step past the watermark, before any new one.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import json
 import logging
@@ -25,10 +33,12 @@ from metricsvc.redaction import Redactor
 from metricsvc.sinks.base import Sink
 from metricsvc.sinks.jsonl import LineFile
 from metricsvc.sinks.names import public_metrics
+from metricsvc.sinks.state import SinkState
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_COMMIT_EVERY = 32  # writes between commits while a queue stays busy (one when it drains)
 
 
 class DeadLetter:
@@ -64,8 +74,10 @@ class _SinkWorker:
     """
 
     def __init__(self, sink: Sink, run_dir: Path, delivery: DeliveryConfig, dead: DeadLetter,
-                 redactor: Redactor):
+                 redactor: Redactor, replay: Sequence[dict[str, Any]] | None = None):
         self.sink = sink
+        self.replay = replay  # None: a new run; else the journal of the run to continue
+        self.state = SinkState(run_dir, sink.name)
         self.redact = redactor.text  # errors may quote a URI with its password
         self.name = sink.name
         self.run_dir = run_dir
@@ -78,9 +90,13 @@ class _SinkWorker:
         self.closing = threading.Event()
         self._lock = threading.Lock()  # the hand-over between the thread and a closer
         self._current: tuple | None = None
+        self._backlog: collections.deque[tuple] = collections.deque()  # replay not yet given
         self._abandoned = False
+        self.floor: int | None = None  # after a restart: the watermark it started from
+        self._uncommitted = 0
         self.stats = {"written": 0, "failures": 0, "dead_lettered": 0, "lost": 0,
-                      "in_flight_at_close": 0, "last_step": None, "last_error": None}
+                      "in_flight_at_close": 0, "last_step": None, "last_error": None,
+                      "durable_through": None, "replayed": 0}
         self.thread = threading.Thread(target=self._serve, name=f"metricsvc-sink-{self.name}",
                                        daemon=True)
         self.thread.start()
@@ -95,7 +111,12 @@ class _SinkWorker:
 
     # -- consumer side -----------------------------------------------------------------
     def _serve(self) -> None:
+        if self.replay is not None:
+            self._continue_run(self.replay)
+            self.replay = None
         while True:
+            if self.queue.empty() and self._uncommitted:
+                self._commit()
             item = self.queue.get()
             if item is _STOP:
                 break
@@ -105,6 +126,7 @@ class _SinkWorker:
                 self._current = item
             kind = item[0]
             if kind == "flush":
+                self._commit()  # a flush returns once what was written is durable
                 item[1].set()
             elif kind == "write":
                 self._deliver_step(item)
@@ -115,13 +137,72 @@ class _SinkWorker:
                 if self._abandoned:
                     break
         if self.opened:
+            if not self._abandoned:
+                self._commit()
             error = self._attempt(self.sink.close)
             if error is not None:
                 log.error("sink %s failed to close: %s", self.name, error)
+            elif not self._abandoned:
+                self._advance(self.stats["last_step"])  # closing flushes whatever was written
+
+    def _continue_run(self, journal: Sequence[dict[str, Any]]) -> None:
+        """Reopen the backend run, then replay the journal past the watermark."""
+        floor = self.state.load().get("durable_through")
+        self.floor = self.stats["durable_through"] = floor if isinstance(floor, int) else None
+        resume = getattr(self.sink, "resume", None)
+        if resume is not None:
+            error = self._attempt(lambda: resume(self.floor), retry=True)
+        else:
+            error = self._attempt(lambda: None, retry=True)  # opens the sink
+        if error is not None:
+            log.error("sink %s could not continue the run: %s", self.name, error)
+        self._backlog.extend(("write", r["step"], r["metrics"], r["meta"]) for r in journal
+                             if self.floor is None or r["step"] > self.floor)
+        first = self._backlog[0][1] if self._backlog else None
+        while True:
+            with self._lock:  # a closer that gives up dead-letters the rest of the backlog
+                if self._abandoned or not self._backlog:
+                    break
+                item = self._current = self._backlog.popleft()
+            self._deliver_step(item)
+            self.stats["replayed"] += 1
+            with self._lock:
+                self._current = None
+        if self.stats["replayed"]:
+            log.warning("sink %s: %d journaled steps replayed after a restart, from step %s",
+                        self.name, self.stats["replayed"], first)
+        self._commit()
+
+    def _commit(self) -> None:
+        """Ask the sink to make its writes durable; advance the watermark to what it says."""
+        self._uncommitted = 0
+        last = self.stats["last_step"]
+        if not self.opened or last is None:
+            return
+        commit = getattr(self.sink, "commit", None)
+        said: list[int | None] = [None]
+        if commit is not None:
+            if self._attempt(lambda: said.__setitem__(0, commit())) is not None:
+                return  # the sink could not say: the watermark stays
+        durable = said[0]
+        self._advance(last if durable is None else min(durable, last))
+
+    def _advance(self, through: int | None) -> None:
+        known = self.stats["durable_through"]
+        if through is None or (known is not None and through <= known):
+            return
+        try:
+            self.state.update(durable_through=through)
+            self.stats["durable_through"] = through
+        except OSError as err:
+            log.error("sink %s: its watermark could not be saved: %s", self.name,
+                      self.redact(str(err)))
 
     def _deliver_step(self, item: tuple) -> None:
         _, step, metrics, meta = item
         last = self.stats["last_step"]
+        if last is None:
+            last = self.floor
         if last is not None and step <= last:
             return  # each step once, in increasing order, whatever the producer did
         visible = public_metrics(metrics, self.allow_nan)
@@ -132,8 +213,11 @@ class _SinkWorker:
             if error is None:
                 self.stats["written"] += 1
                 self.stats["last_step"] = step
+                self._uncommitted += 1
         if error is not None:
             self._dead_letter(item, error, visible)
+        elif self._uncommitted >= _COMMIT_EVERY:
+            self._commit()
 
     def _attempt(self, call: Any, retry: bool = False) -> str | None:
         """Run ``call`` (opening the sink first if needed); return the last error or None."""
@@ -199,7 +283,8 @@ class _SinkWorker:
         with self._lock:
             self._abandoned = True
             current = self._current
-        waiting = []
+            waiting = list(self._backlog)  # journaled steps its replay never reached
+            self._backlog.clear()
         while True:
             try:
                 waiting.append(self.queue.get_nowait())
@@ -225,14 +310,16 @@ class SinkDispatcher:
 
     def __init__(
         self, sinks: Sequence[Sink], run_dir: Path, delivery: DeliveryConfig | None = None,
-        redactor: Redactor | None = None,
+        redactor: Redactor | None = None, replay: Sequence[dict[str, Any]] | None = None,
     ) -> None:
+        """``replay``: the journal's step records when this continues a run (after a
+        restart); each sink then continues its backend run and gets what it lacks."""
         self.run_dir = run_dir
         delivery = self.delivery = delivery or DeliveryConfig()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.dead_letter = DeadLetter(run_dir / delivery.dead_letter)
         redactor = redactor or Redactor()
-        self._workers = [_SinkWorker(s, run_dir, delivery, self.dead_letter, redactor)
+        self._workers = [_SinkWorker(s, run_dir, delivery, self.dead_letter, redactor, replay)
                          for s in sinks]
         self._closed = False
 

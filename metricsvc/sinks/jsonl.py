@@ -71,12 +71,23 @@ class JsonlSink:
         self.config = config or JsonlSinkConfig()
         self.path: Path | None = None
         self._file: LineFile | None = None
+        self._held: set[int] = set()  # after a restart: steps the journal already holds
 
     def open(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / self.config.filename
         self._file = LineFile(self.path)
 
+    def resume(self, after: int | None) -> None:
+        """Leave out of later writes every step past ``after`` the journal already holds
+        (a step finished again from resent batches after a restart, say)."""
+        assert self.path is not None
+        self._held = {r["step"] for r in read_journal(self.path)
+                      if after is None or r["step"] > after}
+
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
+        if step in self._held:
+            self._held.discard(step)
+            return
         record = {
             "step": step,
             "metrics": {k: _json_number(v) for k, v in metrics.items()},

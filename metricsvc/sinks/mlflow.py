@@ -1,4 +1,9 @@
-"""MLflow (``pip install metricsvc[mlflow]``): by default a file store in the run folder."""
+"""MLflow (``pip install metricsvc[mlflow]``): by default a file store in the run folder.
+
+``log_batch`` returns once the store holds the metrics, so a write is durable. The run id
+is kept in the run folder: a restarted service logs into the same run (set back to
+RUNNING) and leaves out every (step, metric) the run already holds.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Any
 
 from metricsvc.config import MlflowSinkConfig
 from metricsvc.sinks.names import tagged
+from metricsvc.sinks.state import SinkState
 
 
 class MlflowSink:
@@ -23,6 +29,7 @@ class MlflowSink:
         self.client: Any = None
         self.run_id: str | None = None
         self.tracking_uri: str | None = None
+        self._held: dict[int, set[str]] = {}
 
     def open(self, run_dir: Path) -> None:
         import mlflow  # optional backend: imported only when used
@@ -34,17 +41,33 @@ class MlflowSink:
             # MLflow 3 keeps the file store only on request; a local store is what we want here.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        state = SinkState(run_dir, self.name)
+        kept = state.load().get("run_id")
+        if kept is not None:  # a restart: continue the run this service started
+            self.client.update_run(kept, status="RUNNING")
+            self.run_id = kept
+            return
         experiment = cfg.experiment_name or run_dir.parent.name
         found = self.client.get_experiment_by_name(experiment)
         exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
         run = self.client.create_run(exp_id, run_name=cfg.run_name or run_dir.name)
         self.run_id = run.info.run_id
+        state.update(run_id=self.run_id)
+
+    def resume(self, after: int | None) -> None:
+        """Leave out of later writes every (step, metric) past ``after`` the run holds."""
+        for key in self.client.get_run(self.run_id).data.metrics:
+            for m in self.client.get_metric_history(self.run_id, key):
+                if after is None or m.step > after:
+                    self._held.setdefault(int(m.step), set()).add(m.key)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(tag, float(v), now, step) for tag, v in tagged(metrics, 250).items()]
+        held = self._held.pop(step, ())
+        batch = [Metric(tag, float(v), now, step) for tag, v in tagged(metrics, 250).items()
+                 if tag not in held]
         for i in range(0, len(batch), 1000):  # MLflow caps a batch at 1000 metrics
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 

@@ -2,6 +2,13 @@
 
 ``cloud`` mode logs in with SWANLAB_API_KEY from the environment; the key is
 never printed or written anywhere by this module.
+
+SwanLab keeps what it logs in a Python buffer until ``finish`` (its ``.swanlab`` file is
+written in 8 KiB pieces), so a killed actor loses the tail of it. The run id is kept in the
+run folder: a restarted service continues that id (``resume="allow"``; offline and local
+modes open a new ``run-*-<id>`` folder under the same logdir, which ``swanlab sync`` uploads
+into the one run) and writes only the (step, key) pairs that no ``.swanlab`` file of the
+run holds.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from metricsvc.config import SwanlabSinkConfig
+from metricsvc.sinks.logfiles import LevelDBLogTail
 from metricsvc.sinks.names import tagged
+from metricsvc.sinks.state import SinkState
 
 _MODES = {"cloud": "online", "local": "local", "offline": "offline", "disabled": "disabled"}
 
@@ -27,6 +36,8 @@ class SwanlabSink:
         self.config = config or SwanlabSinkConfig()
         self.run: Any = None
         self.logdir: Path | None = None
+        self.run_id: str | None = None
+        self._held: dict[int, set[str]] = {}
 
     def open(self, run_dir: Path) -> None:
         import swanlab  # optional backend: imported only when used
@@ -37,7 +48,16 @@ class SwanlabSink:
         self.logdir.mkdir(parents=True, exist_ok=True)
         if cfg.mode == "cloud" and os.environ.get("SWANLAB_API_KEY"):
             swanlab.login(api_key=os.environ["SWANLAB_API_KEY"])
+        state = SinkState(run_dir, self.name)
+        kept = state.load().get("run_id")
+        if kept is None:
+            from swanlab.utils.experiment import generate_id
+
+            state.update(run_id=generate_id())  # before init: a restart must find this run
+        self.run_id = state.load()["run_id"]
         self.run = swanlab.init(
+            id=self.run_id,
+            resume="allow",
             project=cfg.project,
             name=cfg.experiment_name or f"{run_dir.parent.name}/{run_dir.name}",
             log_dir=str(self.logdir),
@@ -46,8 +66,25 @@ class SwanlabSink:
             settings=_quiet_settings(_MODES[cfg.mode], self.logdir),
         )
 
+    def resume(self, after: int | None) -> None:
+        """Leave out of later writes every (step, key) past ``after`` that a ``.swanlab``
+        file of this run already holds (an earlier incarnation's, as far as it got)."""
+        from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+
+        assert self.logdir is not None
+        for path in sorted(self.logdir.rglob(f"run-{self.run_id}.swanlab")):
+            for data in LevelDBLogTail(path, b":SWL").read_new():
+                record = Record.FromString(data)
+                if record.WhichOneof("record_type") == "scalar":
+                    step = int(record.scalar.step)
+                    if after is None or step > after:
+                        self._held.setdefault(step, set()).add(record.scalar.key)
+
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        self.run.log(tagged(metrics), step=step)
+        held = self._held.pop(step, ())
+        values = {k: v for k, v in tagged(metrics).items() if k not in held}
+        if values:
+            self.run.log(values, step=step)
 
     def close(self) -> None:
         if self.run is not None:

@@ -1,12 +1,22 @@
-"""TensorBoard event files through tensorboardX (``pip install metricsvc[tensorboard]``)."""
+"""TensorBoard event files through tensorboardX (``pip install metricsvc[tensorboard]``).
+
+Events are written synchronously (tensorboardX's ``EventsWriter``, not its background
+``SummaryWriter`` queue), so ``commit`` knows they are on disk. A restarted service writes
+a new event file into the same folder and leaves out every (step, tag) the folder's event
+files already hold: each scalar appears once.
+"""
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from metricsvc.config import TensorboardSinkConfig
+from metricsvc.sinks.logfiles import tfrecords
 from metricsvc.sinks.names import tagged
 
 
@@ -20,18 +30,54 @@ class TensorboardSink:
         self.config = config or TensorboardSinkConfig()
         self.logdir: Path | None = None
         self._writer: Any = None
+        self._held: dict[int, set[str]] = {}  # after a restart: what the folder holds
+        self._last_flush = 0.0
 
     def open(self, run_dir: Path) -> None:
-        from tensorboardX import SummaryWriter  # optional backend: imported only when used
+        from tensorboardX.event_file_writer import EventsWriter  # optional backend
 
         self.logdir = Path(run_dir) / self.config.subdir
-        self._writer = SummaryWriter(logdir=str(self.logdir), flush_secs=self.config.flush_secs)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        # tensorboardX names a file by the second it was made: two incarnations within one
+        # second would share (and truncate) one. The suffix keeps them apart.
+        suffix = f".{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        self._writer = EventsWriter(str(self.logdir / "events"), suffix)
+        self._last_flush = time.monotonic()
+
+    def resume(self, after: int | None) -> None:
+        """Leave out of later writes every (step, tag) past ``after`` the folder holds."""
+        from tensorboardX.proto.event_pb2 import Event
+
+        assert self.logdir is not None
+        for path in sorted(self.logdir.glob("events.out.tfevents.*")):
+            for data in tfrecords(path):
+                event = Event.FromString(data)
+                if event.WhichOneof("what") != "summary":
+                    continue
+                if after is not None and event.step <= after:
+                    continue
+                held = self._held.setdefault(int(event.step), set())
+                held.update(value.tag for value in event.summary.value)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        held = self._held.pop(step, ())
+        now = time.time()
         for tag, value in tagged(metrics).items():
-            self._writer.add_scalar(tag, value, global_step=step)
-        if self.config.flush_every_step:
+            if tag not in held:
+                self._writer.write_event(Event(wall_time=now, step=step,
+                                               summary=scalar(tag, value)))
+        if self.config.flush_every_step or time.monotonic() - self._last_flush > \
+                self.config.flush_secs:
+            self.commit()
+
+    def commit(self) -> None:
+        """Flush and fsync the event file: everything written so far is durable."""
+        if self._writer is not None:
             self._writer.flush()
+            self._last_flush = time.monotonic()
 
     def close(self) -> None:
         if self._writer is not None:

@@ -1,18 +1,46 @@
 """Weights & Biases (``pip install metricsvc[wandb]``); offline unless configured otherwise.
 
-wandb inside a Ray actor loses buffered data unless the run is finished
-explicitly, so ``close`` (called by ``worker.close()`` and at actor shutdown)
-always calls ``finish``. The API key is read by wandb from WANDB_API_KEY; this
-module never reads, prints or stores it.
+wandb buffers in a child process (``wandb-core``) and writes its transaction log
+(``run-<id>.wandb``) every ``flush_interval_s``; a SIGKILL of the actor loses what it had
+not written yet. So the watermark this sink reports (``commit``) is read from that log, not
+assumed, and a restarted service continues the *same* run (the id is kept in the run
+folder): it reads what the run's transaction logs already hold and writes only the rest.
+In offline mode each incarnation gets its own ``offline-run-*-<id>`` folder, all with the
+one run id; ``wandb sync`` uploads them into one run.
+
+``close`` (called by ``worker.close()`` and at actor shutdown) always calls ``finish``.
+The API key is read by wandb from WANDB_API_KEY; this module never reads, prints or
+stores it.
 """
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from metricsvc.config import WandbSinkConfig
+from metricsvc.sinks.logfiles import LevelDBLogTail
+from metricsvc.sinks.state import SinkState
+
+_IDENT = b":W&B"
+
+
+def _history_steps(records: list[bytes]) -> list[int]:
+    """Return the ``_step`` of every history record among transaction-log records."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    steps = []
+    for data in records:
+        record = pb.Record.FromString(data)
+        if record.WhichOneof("record_type") != "history":
+            continue
+        for item in record.history.item:
+            if item.key == "_step" or list(item.nested_key) == ["_step"]:
+                steps.append(int(json.loads(item.value_json)))
+    return steps
 
 
 class WandbSink:
@@ -24,13 +52,24 @@ class WandbSink:
     def __init__(self, config: WandbSinkConfig | None = None) -> None:
         self.config = config or WandbSinkConfig()
         self.run: Any = None
+        self.run_id: str | None = None
+        self._root: Path | None = None
         self._last_step = -1
+        self._held: set[int] = set()
+        self._tail: LevelDBLogTail | None = None
+        self._durable: int | None = None
 
     def open(self, run_dir: Path) -> None:
         import wandb  # optional backend: imported only when used
 
         cfg = self.config
         run_dir = Path(run_dir)
+        state = SinkState(run_dir, self.name)
+        kept = state.load().get("run_id")
+        self.run_id = cfg.id or kept or uuid.uuid4().hex[:12]
+        if kept is None:
+            state.update(run_id=self.run_id)  # before init: a restart must find this run
+        self._root = Path(cfg.dir or run_dir)
         self.run = wandb.init(
             mode=cfg.mode,
             project=cfg.project,
@@ -39,19 +78,51 @@ class WandbSink:
             group=cfg.group,
             tags=list(cfg.tags) or None,
             notes=cfg.notes,
-            dir=cfg.dir or str(run_dir),
-            id=cfg.id,
-            resume=cfg.resume,
+            dir=str(self._root),
+            id=self.run_id,
+            resume=cfg.resume or ("allow" if kept else None),
             reinit="create_new",
             # The actor's stdout belongs to the console sink; stats sampling is not ours to do.
-            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
+                                    x_transaction_log_flush_interval=cfg.flush_interval_s),
         )
+        sync_file = getattr(self.run.settings, "sync_file", None)
+        self._tail = LevelDBLogTail(Path(sync_file), _IDENT) if sync_file else None
+
+    def _logs(self) -> list[Path]:
+        assert self._root is not None
+        return sorted(self._root.rglob(f"run-{self.run_id}.wandb"))
+
+    def resume(self, after: int | None) -> None:
+        """Leave out of later writes every step past ``after`` that a transaction log of
+        this run already holds (an earlier incarnation's, flushed before it died)."""
+        current = self._tail.path if self._tail is not None else None
+        for path in self._logs():
+            if path != current:
+                self._held.update(s for s in _history_steps(LevelDBLogTail(path, _IDENT)
+                                                             .read_new())
+                                  if after is None or s > after)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
         if step <= self._last_step:
             return  # wandb rejects non-increasing steps; the dispatcher never sends them
-        self.run.log(dict(metrics), step=step)
         self._last_step = step
+        if step in self._held:
+            self._held.discard(step)
+            return
+        self.run.log(dict(metrics), step=step, commit=True)
+
+    def commit(self) -> int | None:
+        """Return the newest step wandb has written to its transaction log (its own flush,
+        every ``flush_interval_s``); held steps count as durable."""
+        if self._tail is None:
+            return None  # no transaction log to read: trust the writes
+        steps = _history_steps(self._tail.read_new())
+        if steps:
+            self._durable = max(steps)
+        if self._durable is None:
+            return -1
+        return self._durable
 
     def close(self) -> None:
         if self.run is not None:

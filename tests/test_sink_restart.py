@@ -1,0 +1,104 @@
+"""What users look at survives a SIGKILLed MetricWorker: after Ray restarts it, every sink's
+own files hold every finished step exactly once, in one run per backend, equal to the
+journal (issue 18). Each backend is read back with its own reader (``tests/readback``)."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from clients import MetricClient
+from metricsvc.sinks.jsonl import read_journal
+from metricsvc.sinks.names import safe_tag
+from tests import readback
+from tests.helpers import wait_for_new_incarnation
+
+pytestmark = pytest.mark.slow
+
+SINKS = {"console": None, "jsonl": {}, "tensorboard": {},
+         "wandb": {"mode": "offline", "flush_interval_s": 0.2},
+         "swanlab": {"mode": "offline"}, "mlflow": {}}
+
+
+def sigkill(handle):
+    """SIGKILL the actor's process and wait until Ray has started the next incarnation."""
+    health = ray.get(handle.health.remote(), timeout=60)
+    os.kill(health["pid"], signal.SIGKILL)
+    return wait_for_new_incarnation(handle, health["epoch"])
+
+
+def record(clients, step):
+    rng = np.random.default_rng(step)
+    for c in clients:
+        n = 3 + 2 * c.rank
+        c.stat(mask=rng.random(n) < 0.8, **{"actor/adv": rng.normal(size=n)})
+        c.submit_metric({"actor/lr": 1e-5 * (step + 1), "score (top-1)": float(rng.random())})
+        c.wait_submit(step=step)
+
+
+def check_every_backend(run_dir, steps):
+    journal = {r["step"]: r["metrics"] for r in read_journal(run_dir / "metrics.jsonl")}
+    assert sorted(journal) == list(range(steps))
+
+    def same(got, rename=lambda k: k, rel=1e-12, what=""):
+        assert sorted(got) == list(range(steps)), (what, sorted(got))
+        for step, metrics in journal.items():
+            want = {rename(k): v for k, v in metrics.items()}
+            assert got[step] == pytest.approx(want, rel=rel), (what, step)
+
+    same(readback.tensorboard_scalars(run_dir / "tensorboard"), safe_tag, 1e-6, "tensorboard")
+    same(readback.wandb_history(run_dir / "wandb"), what="wandb")
+    same(readback.swanlab_scalars(run_dir / "swanlab"), safe_tag, what="swanlab")
+    same(readback.mlflow_metrics((run_dir / "mlruns").as_uri()), lambda k: safe_tag(k, 250),
+         what="mlflow")
+    return journal
+
+
+def test_every_sink_holds_every_step_once_after_kills_right_after_final_and_twice(make_worker):
+    steps = 8
+    handle, cfg = make_worker(sinks=SINKS, world_size=2)
+    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    for step in range(steps):
+        record(clients, step)
+        ray.get(handle.wait_final.remote(step, 60))
+        if step == 2:
+            sigkill(handle)  # right after step 2 is final: the sinks have barely begun
+        if step == 5:
+            sigkill(handle)
+            sigkill(handle)  # twice in a row: the second dies while it replays
+    health = ray.get(handle.close.remote(), timeout=120)
+    assert not health["sink_errors"], health["sink_errors"]["wandb"]["last_error"]
+    assert health["restored_steps"] == 6
+    check_every_backend(Path(health["run_dir"]), steps)
+
+
+def test_a_kill_while_a_sink_is_writing_loses_and_doubles_nothing(make_worker):
+    steps, stall = 6, 3
+    handle, cfg = make_worker(sinks={
+        **SINKS, "custom": [{"target": "tests.sink_fixtures:StallingSink",
+                             "options": {"stall_step": stall}}]}, world_size=2)
+    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    run_dir = None
+    for step in range(steps):
+        record(clients, step)
+        if step == stall:
+            run_dir = Path(ray.get(handle.health.remote())["run_dir"])
+            deadline = time.monotonic() + 60
+            while not (run_dir / "stalling.started").exists():  # the sink is mid-write
+                assert time.monotonic() < deadline, "the stalling sink never started step 3"
+                time.sleep(0.02)
+            sigkill(handle)
+    ray.get(handle.wait_final.remote(steps - 1, 60))
+    health = ray.get(handle.close.remote(), timeout=120)
+    assert not health["sink_errors"], health["sink_errors"]
+    journal = check_every_backend(run_dir, steps)
+    lines = [json.loads(x) for x in (run_dir / "stalling.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(steps))
+    for x in lines:
+        assert x["metrics"] == pytest.approx(journal[x["step"]], rel=1e-12)
+    assert health["sinks"]["stalling"]["replayed"] >= 1  # the step it died writing, at least
