@@ -1,10 +1,11 @@
 """End to end on local Ray: ours vs the siiRL pattern vs one call per key.
 
-W rank actors (num_cpus=0) each record K plain float metrics per step and flush;
-the driver waits for each step's final result. Reported per pattern: steps/s,
-actor calls and fast-path TCP frames per step, and the latency from the last
-rank's flush to the final result (p50/p95), with ratios against ours measured in
-the same run. ``ours_ray`` is ours with the fast path off (every flush a Ray call).
+W rank actors (num_cpus=0) each record K plain float metrics per step and close the
+step; the driver waits for each step's final result. Reported per pattern: steps/s,
+actor calls per step, the latency from the last rank's flush to the final result
+(p50/p95), and the actor's CPU time per batch (process time inside the actor), with
+ratios against ours measured in the same run. ``ours`` closes a step with ``flush()``
+(the ack is read at the next step), ``ours_wait`` with the blocking ``wait_submit()``.
 
     python benchmarks/bench_rpc.py [--worlds 4 8 16 32] [--keys 50 300] [--steps 30]
 """
@@ -45,7 +46,7 @@ class BenchRank:
     def setup(self, pattern: str, worker, world: int, keys: int) -> None:
         self.names = metric_names(keys)
         self.rng = np.random.default_rng(self.rank)
-        if pattern in ("ours", "ours_ray"):
+        if pattern in ("ours", "ours_wait"):
             self.client = MetricClient(worker, rank=self.rank, world_size=world)
         elif pattern == "harness":
             self.client = None
@@ -58,7 +59,10 @@ class BenchRank:
     def step(self) -> float:
         values = dict(zip(self.names, self.rng.normal(size=len(self.names)).tolist()))
         start = time.time()
-        if self.pattern in ("ours", "ours_ray"):
+        if self.pattern == "ours":
+            self.client.submit_metric(values)
+            self.client.flush()
+        elif self.pattern == "ours_wait":
             self.client.submit_metric(values)
             self.client.wait_submit()
         elif self.pattern == "harness":
@@ -71,11 +75,10 @@ class BenchRank:
 def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> dict:
     if pattern == "harness":
         worker = None
-    elif pattern in ("ours", "ours_ray"):  # ours_ray: the fast path off, Ray calls only
+    elif pattern in ("ours", "ours_wait"):
         worker = metricsvc.start_metric_worker(
             {"name": f"bench-{index}", "sinks": {"console": None, "jsonl": None},
-             "fast_path": {"enabled": pattern == "ours"},
-             "run": {"root": "/tmp/metricsvc-bench", "trial": str(index)}})
+             "run": {"root": "/tmp/metricsvc-bench", "trial": f"{index}-{os.getpid()}"}})
     elif pattern == "siirl":
         worker = SiirlStyleWorker.remote()
     else:
@@ -83,6 +86,12 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
     active = ranks[:world]
     ray.get([r.setup.remote(pattern, worker, world, keys) for r in active])
     latencies = []
+    if worker is None:
+        cpu0 = 0.0
+    elif pattern.startswith("ours"):
+        cpu0 = ray.get(worker.health.remote())["cpu_s"]
+    else:
+        cpu0 = ray.get(worker.cpu_s.remote())
     t0 = time.perf_counter()
     for step in range(steps):
         if pattern == "harness":
@@ -96,22 +105,23 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
         latencies.append(time.time() - max(flushed))
         assert len(result) == keys
     elapsed = time.perf_counter() - t0
-    frames = 0
+    cpu_ms_per_batch = 0.0
     if pattern == "harness":
         calls = 0
     elif pattern.startswith("ours"):
         health = ray.get(worker.health.remote())
-        frames = (health["fast_path"] or {"frames": 0})["frames"]
-        calls = health["calls"]["submit"] - frames  # the rest came as actor calls
+        calls = health["calls"]["submit"]
+        cpu_ms_per_batch = 1e3 * (health["cpu_s"] - cpu0) / max(1, health["batches"])
         ray.get(worker.close.remote())
     else:
         calls = ray.get(worker.call_count.remote())
+        cpu_ms_per_batch = 1e3 * (ray.get(worker.cpu_s.remote()) - cpu0) / (steps * world)
     if worker is not None:
         ray.kill(worker)
     lat = sorted(latencies)
     return {"pattern": pattern, "world": world, "keys": keys, "steps": steps,
             "steps_per_s": steps / elapsed, "calls_per_step": calls / steps,
-            "frames_per_step": frames / steps,
+            "actor_cpu_ms_per_batch": cpu_ms_per_batch,
             "latency_p50_ms": 1e3 * statistics.median(lat),
             "latency_p95_ms": 1e3 * lat[min(len(lat) - 1, int(0.95 * len(lat)))]}
 
@@ -130,14 +140,14 @@ def main() -> list[dict]:
     rows, index = [], 0
     for world in args.worlds:
         for keys in args.keys:
-            # harness: the driver's trigger alone; ours_ray: ours with the fast path off
-            for pattern in ("harness", "ours", "ours_ray", "siirl", "per_key"):
+            # harness: the driver's trigger alone; ours_wait: ours with the blocking close
+            for pattern in ("harness", "ours", "ours_wait", "siirl", "per_key"):
                 steps = args.steps if pattern != "per_key" else args.per_key_steps
                 rows.append(run(pattern, ranks, world, keys, steps, index))
                 index += 1
     print(f"bench_rpc: local Ray on {os.cpu_count()} cores; W rank actors each flush K plain "
           "float metrics per step")
-    print("| W | K | pattern | steps/s | actor calls / step | TCP frames / step | "
+    print("| W | K | pattern | steps/s | actor calls / step | actor CPU ms / batch | "
           "flush→final p50 ms | p95 ms | ours: steps/s × |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
@@ -145,7 +155,7 @@ def main() -> list[dict]:
                     and r["keys"] == row["keys"])
         print(f"| {row['world']} | {row['keys']} | {row['pattern']} | "
               f"{row['steps_per_s']:.1f} | {row['calls_per_step']:.1f} | "
-              f"{row['frames_per_step']:.1f} | "
+              f"{row['actor_cpu_ms_per_batch']:.3f} | "
               f"{row['latency_p50_ms']:.1f} | {row['latency_p95_ms']:.1f} | "
               f"{ours['steps_per_s'] / row['steps_per_s']:.2f} |")
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 import warnings
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,12 +13,13 @@ import ray
 
 from clients import metrics
 from clients.buffer import RecordBuffer, TrackerAPI
-from clients.link import FastLink
 from clients.rpc import ServiceUnavailable, call
 from clients.stream import StreamRecorder
 from metricsvc.combiner import combiner_name
 from metricsvc.config import DEFAULT_NAME
 from metricsvc.records import Batch
+from metricsvc.resend import Outbox, deliver
+from metricsvc.retry import ACTOR_ERRORS
 from metricsvc.sketch import SketchSpec
 from metricsvc.validation import check_rank
 from metricsvc.wire import encode
@@ -72,8 +75,8 @@ class MetricClient(TrackerAPI):
         compile: bool | None = None,
         retry_s: float = 120.0,
         max_inflight: int = 256,
+        max_unacked: int = 4,
         via: str | None = None,
-        fast_path: bool = True,
     ) -> None:
         self.rank, self.world_size = check_rank(rank, world_size)
         if start_step < 0:
@@ -87,16 +90,18 @@ class MetricClient(TrackerAPI):
         self.step = int(start_step)
         self.last_closed: int | None = None
         self.retry_s = retry_s
-        self.max_inflight = max_inflight
+        if max_unacked < 1:
+            raise ValueError(f"max_unacked must be >= 1, got {max_unacked}")
+        self.max_unacked = max_unacked
         self._seq = 0
         self._flushes = 0
         self._step_known = True  # False after discard(): records go to the step named next
-        self._unacked: Batch | None = None
-        self._inflight: list[Batch] = []  # sent, but not yet in the service's journal
-        self._epoch: str | None = None
-        self.rpc_count = 0  # messages to the service: actor calls and fast-path sends
-        self.resent = 0
-        self.link = FastLink(label=f"MetricWorker {self._name!r}") if fast_path else None
+        self._unacked: Batch | None = None  # closed, not yet acked (kept across a timeout)
+        # Sent but not yet in the service's journal (resent after a restart), and the
+        # incarnation last heard from: the restart protocol, shared with the combiner.
+        self._outbox = Outbox(max_inflight, label=f"rank {self.rank}")
+        self._pending: deque[tuple[Any, Batch, bytes]] = deque()  # flush(): ack not yet read
+        self.rpc_count = 0  # actor calls to the service
         if via is not None and worker is None:
             self._worker = self._find_worker()  # register with the combiner before step 0
 
@@ -197,9 +202,55 @@ class MetricClient(TrackerAPI):
                     timeout_s=timeout_s, label=f"MetricWorker {self._name!r}")
 
     # -- flushing ------------------------------------------------------------------------
+    def _close_step(self, step: int | None) -> Batch:
+        """Take the open step's records as one final batch (the same one again after a
+        timed-out ``wait_submit``)."""
+        with self.buffer.lock:
+            if step is not None:
+                self._name_step(step)
+            if self._unacked is None:
+                self._seq += 1
+                self._unacked = self.buffer.take_batch(
+                    step=self.step, rank=self.rank, world_size=self.world_size,
+                    seq=self._seq, final=True)
+            return self._unacked
+
+    def flush(self, *, step: int | None = None) -> None:
+        """Close this rank's step without waiting for the service: one host copy, one
+        encoding, one Ray call issued; the client moves to the next step at once.
+
+        The ack is read later, without blocking, at the next ``flush`` / ``wait_submit`` /
+        ``wait_acks``: a refusal (``BatchRejected``), a late or late-joining step
+        (``LateBatch``, ``StepAlreadyFinal``) or a notice is raised or warned there, naming
+        the step. At most ``max_unacked`` flushes are in flight: one more waits for the
+        oldest ack. Every batch is kept until the journal holds its step and is resent to
+        a restarted actor, as with ``wait_submit``. ``step`` as for ``wait_submit``.
+        """
+        self._collect(block=False)  # acks that came in: their errors reach the caller here
+        while len(self._pending) >= self.max_unacked:
+            self._collect_one()
+        batch = self._close_step(step)
+        blob = encode(batch)
+        self._outbox.sent(batch.step, blob)
+        self.rpc_count += 1
+        ref = self.worker.submit.remote(blob, self._outbox.epoch)
+        self._pending.append((ref, batch, blob))
+        self._closed(batch)
+
+    def wait_acks(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Wait for the acks of every ``flush`` still in flight; return them, oldest first.
+        Raises what the first refused or late one raises (see ``flush``)."""
+        acks = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            acks.append(self._collect_one(timeout_s=left))
+        return acks
+
     def wait_submit(self, timeout_s: float | None = None, *,
                     step: int | None = None) -> dict[str, Any]:
-        """Close this rank's step: one host copy, one message, return after the ack.
+        """Close this rank's step: one host copy, one message, return after the ack
+        (siiRL's blocking meaning; ``flush`` is the same without the wait).
 
         ``step`` names the step the caller means (e.g. the trainer's global step). The
         client moves to it if nothing recorded since its last flush is pending (a first
@@ -213,27 +264,80 @@ class MetricClient(TrackerAPI):
         once. If the service rejects the batch, it is dropped, the step stays
         open and the error (a ``ValueError``) is raised.
         """
-        with self.buffer.lock:
-            if step is not None:
-                self._name_step(step)
-            if self._unacked is None:
-                self._seq += 1
-                self._unacked = self.buffer.take_batch(
-                    step=self.step, rank=self.rank, world_size=self.world_size,
-                    seq=self._seq, final=True)
-            batch = self._unacked
+        self.wait_acks(timeout_s)  # earlier flushes first: their errors come first
+        batch = self._close_step(step)
+        blob = encode(batch)
+        self._outbox.sent(batch.step, blob)
         try:
-            ack = self._submit(encode(batch), timeout_s)
+            ack = self._deliver(blob, timeout_s)
         except ValueError:
+            self._outbox.drop(blob)
             self._unacked = None  # rejected by the service: retrying cannot help
             raise
-        self._unacked = None
+        except BaseException:
+            self._outbox.drop(blob)  # kept in _unacked: the next call sends it again
+            raise
+        self._closed(batch)
         self._after_ack(ack, batch)
+        return ack
+
+    def _closed(self, batch: Batch) -> None:
+        self._unacked = None
         self.last_closed = batch.step
         self._step_known = True
         self._open(batch.step + 1)
-        if self._joined_late(ack, batch):
-            self._catch_up(ack, batch)
+
+    def _deliver(self, blob: bytes, timeout_s: float | None) -> dict[str, Any]:
+        """Send ``blob`` with blocking calls; after a restart, what the new incarnation
+        may lack goes first (``metricsvc.resend``)."""
+        exchange = deliver(self._outbox, blob)
+        payload = next(exchange)
+        while True:
+            ack = self._call("submit", payload, self._outbox.epoch, timeout_s=timeout_s)
+            try:
+                payload = exchange.send(ack)
+            except StopIteration as done:
+                return done.value
+
+    def _collect(self, block: bool) -> None:
+        """Read the acks of flushes that are in (all of them if ``block``)."""
+        while self._pending:
+            if not block:
+                ready, _ = ray.wait([self._pending[0][0]], timeout=0)
+                if not ready:
+                    return
+            self._collect_one()
+
+    def _collect_one(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Read the oldest flush's ack; recover with blocking calls if the actor restarted."""
+        ref, batch, blob = self._pending[0]
+        try:
+            ack = ray.get(ref, timeout=timeout_s)
+        except ValueError as err:  # refused: resending cannot help
+            self._pending.popleft()
+            self._outbox.drop(blob)
+            err.add_note(f"rank {self.rank}: the batch of step {batch.step}, sent by flush()")
+            raise
+        except ACTOR_ERRORS:  # the actor died under this call: resend what it may lack
+            ack = {"status": "epoch_changed", "epoch": None, "durable_through": None}
+        self._pending.popleft()
+        if ack["status"] == "epoch_changed":
+            ack = self._recover(blob)
+        else:
+            self._outbox.heard(ack)
+        self._after_ack(ack, batch)
+        return ack
+
+    def _recover(self, blob: bytes) -> dict[str, Any]:
+        """Another incarnation answered: resend everything owed with blocking calls, then
+        read (and drop) the answers of flushes sent to the old one: all were resent."""
+        ack = self._deliver(blob, None)
+        for ref, _, _ in self._pending:
+            try:
+                ray.get(ref)
+            except ACTOR_ERRORS:
+                pass  # the old incarnation's end; what it lost was resent above
+        self._pending.clear()
         return ack
 
     def _joined_late(self, ack: dict[str, Any], batch: Batch) -> bool:
@@ -291,30 +395,6 @@ class MetricClient(TrackerAPI):
             self._step_known = False  # what comes next is for the step the caller names
             return dropped
 
-    def _submit(self, blob: bytes, timeout_s: float | None = None) -> dict[str, Any]:
-        """Send one batch: over the fast path when the service offered one, else (and
-        whenever the link cannot deliver) as a Ray call, whose ack renews the offer."""
-        if self.link is not None:
-            ack = self.link.submit(blob, timeout_s)
-            if ack is not None:
-                self.rpc_count += 1
-                return ack
-        # A TCP frame can only reach the incarnation that offered the link; a Ray call
-        # reaches whichever is running, so it names the one this client last heard from.
-        ack = self._call_submit(blob, timeout_s)
-        while ack["status"] == "epoch_changed":  # restarted: older batches first, then this
-            self._epoch = ack["epoch"]
-            self._resend(ack)
-            ack = self._call_submit(blob, timeout_s)
-        return ack
-
-    def _call_submit(self, blob: bytes, timeout_s: float | None) -> dict[str, Any]:
-        ack = self._call("submit", blob, self._epoch, timeout_s=timeout_s)
-        offer = ack.pop("fast_path", None)
-        if self.link is not None:
-            self.link.accept(offer)
-        return ack
-
     def _after_ack(self, ack: dict[str, Any], batch: Batch) -> None:
         self._flushes += 1
         if ack["status"] == "late" and not self._joined_late(ack, batch):
@@ -323,26 +403,18 @@ class MetricClient(TrackerAPI):
                 f"timeout); this batch is journaled as late and not merged"), stacklevel=3)
         if ack.get("notice"):
             warnings.warn(ServiceNotice(f"rank {self.rank}: {ack['notice']}"), stacklevel=3)
-        self._epoch = ack["epoch"]  # a new incarnation was already caught up in _submit
-        self._inflight.append(batch)
-        self._forget_durable(ack.get("durable_through"))
-        if len(self._inflight) > self.max_inflight:
-            dropped = self._inflight.pop(0)
-            log.warning("more than %d steps not yet journaled; step %d can no longer be "
-                        "resent after a restart", self.max_inflight, dropped.step)
+        if self._joined_late(ack, batch):
+            self._catch_up(ack, batch)
 
-    def _resend(self, ack: dict[str, Any]) -> None:
-        self._forget_durable(ack.get("durable_through"))
-        for old in list(self._inflight):
-            try:
-                self._submit(encode(old))
-                self.resent += 1
-            except ValueError as err:  # e.g. too many pending steps: nothing more to do
-                log.error("resending step %d after a restart failed: %s", old.step, err)
+    @property
+    def resent(self) -> int:
+        """Batches sent again to a restarted actor."""
+        return self._outbox.resent
 
-    def _forget_durable(self, durable_through: int | None) -> None:
-        if durable_through is not None:
-            self._inflight = [b for b in self._inflight if b.step > durable_through]
+    @property
+    def in_flight(self) -> int:
+        """Flushes whose ack has not been read yet."""
+        return len(self._pending)
 
     # -- reading -------------------------------------------------------------------------
     def wait_final_res(self, step: int | None = None, timeout_s: float | None = None, *,

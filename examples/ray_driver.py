@@ -84,9 +84,8 @@ def main() -> None:
 
     health = ray.get(worker.close.remote())
     print(f"journal: {Path(health['run_dir']) / cfg.sinks.jsonl.filename}")
-    frames = (health["fast_path"] or {}).get("frames", 0)
-    print(f"batches merged: {health['batches']}, submits: {health['calls'].get('submit', 0)} "
-          f"({frames} over the fast path), rejected: {health['rejected_batches']}")
+    print(f"batches merged: {health['batches']}, submits: {health['calls'].get('submit', 0)}, "
+          f"rejected: {health['rejected_batches']}")
     for name, sink in health["sinks"].items():
         print(f"sink {name}: {sink['written']} steps written, "
               f"{sink['dead_lettered']} dead-lettered")

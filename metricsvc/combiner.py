@@ -20,8 +20,8 @@ from typing import Any
 import ray
 
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
-from metricsvc.fastpath import FastPathServer, wanted
 from metricsvc.records import Batch
+from metricsvc.resend import Outbox, deliver
 from metricsvc.retry import ACTOR_ERRORS, backoff
 from metricsvc.validation import check_batch
 from metricsvc.wire import as_batch, encode
@@ -50,20 +50,14 @@ class CombinerImpl:
         self.local_ranks: set[int] = set()
         self._gathering: dict[int, _Gathering] = {}
         self._forwarded_through: int | None = None
-        self._inflight: list[tuple[int, list[bytes]]] = []  # forwarded, not yet journaled
-        self._upstream_epoch: str | None = None
+        # Forwarded but not yet journaled, and the MetricWorker incarnation last heard
+        # from: the restart protocol, shared with the client.
+        self._outbox = Outbox(label=f"combiner {label!r}")
         self.durable_through: int | None = None
         self.last_final_step: int | None = None
         self.calls = {"submit": 0, "forward": 0, "resent": 0, "rejected_upstream": 0}
         self._ticker: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
-        fast = self.config.fast_path
-        self.fast_path = (
-            FastPathServer(self._submit, host=fast.host, port=0,  # one node, many combiners
-                           max_frame=self.config.limits.max_batch_bytes,
-                           label=f"combiner {label!r}")
-            if wanted(fast.enabled, f"combiner {label!r}") else None
-        )
 
     # -- ranks -------------------------------------------------------------------------
     async def register(self, rank: int) -> None:
@@ -73,17 +67,13 @@ class CombinerImpl:
     async def submit(self, item: Batch | bytes, epoch: str | None = None) -> dict[str, Any]:
         """Take a local rank's batch; forward the step once every local rank closed it.
 
-        Like the MetricWorker's: the ack offers this combiner's fast path, and a client
-        that last heard from another incarnation (``epoch``) is told ``epoch_changed``
-        and nothing is taken, so it resends its older batches first."""
+        Like the MetricWorker's: a client that last heard from another incarnation
+        (``epoch``) is told ``epoch_changed`` and nothing is taken, so it resends its
+        older batches first."""
         if epoch is not None and epoch != self.epoch:
             self.calls["epoch_changed"] = self.calls.get("epoch_changed", 0) + 1
-            ack = self._ack("epoch_changed")
-        else:
-            ack = await self._submit(item)
-        if self.fast_path is not None:
-            ack["fast_path"] = await self.fast_path.start()
-        return ack
+            return self._ack("epoch_changed")
+        return await self._submit(item)
 
     async def _submit(self, item: Batch | bytes) -> dict[str, Any]:
         self.calls["submit"] += 1
@@ -117,7 +107,7 @@ class CombinerImpl:
         pauses = backoff(120.0)
         while True:
             try:
-                return await self._upstream().submit_many.remote(batches, self._upstream_epoch)
+                return await self._upstream().submit_many.remote(batches, self._outbox.epoch)
             except ACTOR_ERRORS:
                 delay = next(pauses, None)
                 if delay is None:
@@ -128,35 +118,24 @@ class CombinerImpl:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:  # one forward at a time keeps steps in order upstream
-            ack = await self._call_upstream(batches)
-            while ack["status"] == "epoch_changed":
-                # A new incarnation: first resend what its journal may lack, oldest first,
-                # so this step cannot finish ahead of one it still needs.
-                self._upstream_epoch = ack["epoch"]
-                ack = await self._resend_owed(ack.get("durable_through")) \
-                    or await self._call_upstream(batches)
+            self._outbox.sent(step, batches)
+            exchange = deliver(self._outbox, batches)
+            payload = next(exchange)
+            while True:
+                ack = await self._call_upstream(payload)
+                if ack["status"] != "epoch_changed":
+                    self._note_rejections(ack)
+                try:
+                    payload = exchange.send(ack)
+                except StopIteration as done:
+                    ack = done.value
+                    break
             self.calls["forward"] += 1
-            self._note_rejections(ack)
-            self._upstream_epoch = ack["epoch"]
-            self._inflight.append((step, batches))
+            self.calls["resent"] = self._outbox.resent
             self.durable_through = ack.get("durable_through")
             self.last_final_step = ack.get("last_final_step")
-            if self.durable_through is not None:
-                self._inflight = [(s, b) for s, b in self._inflight if s > self.durable_through]
             if self._forwarded_through is None or step > self._forwarded_through:
                 self._forwarded_through = step
-
-    async def _resend_owed(self, durable_through: int | None) -> dict[str, Any] | None:
-        """Resend forwarded steps past ``durable_through``; return an ``epoch_changed``
-        ack if the MetricWorker restarted again meanwhile, else None."""
-        for old_step, old in list(self._inflight):
-            if durable_through is None or old_step > durable_through:
-                ack = await self._call_upstream(old)
-                if ack["status"] == "epoch_changed":
-                    return ack
-                self._note_rejections(ack)
-                self.calls["resent"] += 1
-        return None
 
     def _note_rejections(self, ack: dict[str, Any]) -> None:
         for status in ack.get("statuses", ()):
@@ -192,9 +171,8 @@ class CombinerImpl:
         return {"label": self.label, "epoch": self.epoch, "local_ranks": sorted(self.local_ranks),
                 "gathering": {s: sorted(g.closed) for s, g in sorted(self._gathering.items())},
                 "forwarded_through": self._forwarded_through,
-                "durable_through": self.durable_through, "inflight": len(self._inflight),
-                "calls": dict(self.calls),
-                "fast_path": None if self.fast_path is None else self.fast_path.health()}
+                "durable_through": self.durable_through, "inflight": len(self._outbox),
+                "calls": dict(self.calls)}
 
 
 Combiner = ray.remote(num_cpus=0, max_restarts=3, max_concurrency=1088)(CombinerImpl)

@@ -243,16 +243,6 @@ class OutputConfig(_Strict):
         )
 
 
-class FastPathConfig(_Strict):
-    """Rank submits over a direct TCP connection to the actor; Ray calls stay the fallback."""
-
-    enabled: bool = True
-    host: str | None = Field(
-        None, description="address to listen on and offer to clients; default: this node's IP"
-    )
-    port: int = Field(0, ge=0, le=65535, description="0: any free port")
-
-
 class ServiceConfig(_Strict):
     """Everything the MetricWorker actor needs; the driver passes it at start."""
 
@@ -273,7 +263,6 @@ class ServiceConfig(_Strict):
     combiner_timeout_s: float = Field(
         30.0, gt=0, description="a combiner forwards a step this long after its first batch"
     )
-    fast_path: FastPathConfig = FastPathConfig()
     reduce_rules: dict[str, str] = Field(
         default_factory=dict, description="glob -> reduce kind for plain submit_metric keys"
     )

@@ -31,7 +31,6 @@ from metricsvc.config import (
     load_config,
     new_trial,
 )
-from metricsvc.fastpath import FastPathServer, wanted
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
 from metricsvc.sinks import SinkDispatcher, build_sinks
@@ -158,12 +157,6 @@ class MetricWorkerImpl:
         self.calls: Counter[str] = Counter()
         self.timer_errors = 0
         self._closed = False
-        self.fast_path = (
-            FastPathServer(self._submit, host=cfg.fast_path.host, port=cfg.fast_path.port,
-                           max_frame=cfg.limits.max_batch_bytes,
-                           label=f"MetricWorker {cfg.name!r}")
-            if wanted(cfg.fast_path.enabled, f"MetricWorker {cfg.name!r}") else None
-        )
 
     def _restore(self) -> list[dict[str, Any]]:
         """After a restart, continue from the journal: finished steps, cumulative totals.
@@ -208,24 +201,13 @@ class MetricWorkerImpl:
         ``epoch``: the incarnation the client last heard from. If this is another one
         (the actor restarted), nothing is merged and the ack says ``epoch_changed``: the
         client first resends what the journal may have lost, then this batch, so a new
-        step cannot finish ahead of an older one it still owes.
-
-        The ack offers the fast path (``ack["fast_path"]``: where and how to send the
-        next batches over TCP instead of a Ray call), unless config turns it off.
+        step cannot finish ahead of an older one it still owes (``metricsvc.resend``).
 
         Raises:
             BatchRejected: (a ValueError) the batch was refused; nothing was merged.
         """
         if self._stale(epoch):
-            ack = self._ack("epoch_changed")
-        else:
-            ack = await self._submit(batch)
-        if self.fast_path is not None and not self._closed:
-            ack["fast_path"] = await self.fast_path.start()
-        return ack
-
-    async def _submit(self, batch: Batch | bytes) -> dict[str, Any]:
-        """Merge one batch, from a Ray call or the fast path alike."""
+            return self._ack("epoch_changed")
         self.calls["submit"] += 1
         self._ensure_ticker()
         newest = self.aggregator.newest_closed
@@ -396,11 +378,11 @@ class MetricWorkerImpl:
             "partial_steps": agg.counts["partial"],
             "failing_sinks": sorted(name for name, h in sinks.items() if h["failing"]),
             "calls": dict(self.calls),
-            "fast_path": None if self.fast_path is None else self.fast_path.health(),
             "sinks": sinks,
             "sink_errors": self.sinks.errors,
             "run_dir": str(self.run_dir),
             "uptime_s": time.time() - self._started,
+            "cpu_s": time.process_time(),  # this process's CPU time, all its threads
             "closed": self._closed,
         }
 
@@ -415,8 +397,6 @@ class MetricWorkerImpl:
             self._closed = True
             if self._ticker is not None:
                 self._ticker.cancel()
-            if self.fast_path is not None:
-                await self.fast_path.close()
             await asyncio.get_running_loop().run_in_executor(None, self.sinks.close)
         return self.health()
 

@@ -18,19 +18,38 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 _names = itertools.count()
 
+# A driver a test starts in a child process (examples, README blocks) must get a Ray of its
+# own, as on a user's machine, not join the session's cluster: ``ray.init()`` joins a
+# running cluster it finds unless RAY_ADDRESS says "local". Set before any test module
+# copies the environment; the session's own driver names its cluster's address.
+os.environ["RAY_ADDRESS"] = "local"
+
+
+# The session's cluster: a head and these raylet nodes, each with a custom resource of its
+# name so a test can place ranks per node (``RankActor.options(resources={"node_a": 1})``).
+NODES = ("node_a", "node_b")
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """Start a real local Ray for the whole session."""
+    """Start a real multi-node Ray cluster on this machine (Ray's own ``Cluster``: a head
+    and two more raylets) for the whole session; yield it (tests may add and remove nodes)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 4, "include_dashboard": False})
+    for name in NODES:
+        cluster.add_node(num_cpus=2, resources={name: 1000})
+    cluster.wait_for_nodes()
     ray.init(
-        num_cpus=4,
-        include_dashboard=False,
+        address=cluster.address,
         namespace="metricsvc-tests",
         log_to_driver=False,
         configure_logging=False,
     )
-    yield
+    yield cluster
     ray.shutdown()
+    cluster.shutdown()
 
 
 @pytest.fixture

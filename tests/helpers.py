@@ -27,6 +27,10 @@ class RankActor:
         return {"ack": ack, "step": self.client.step, "rpc": self.client.rpc_count,
                 "host_copies": self.client.host_copies}
 
+    def node_id(self) -> str:
+        """Return the id of the Ray node this rank runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     # Built-in metric functions that are not MetricClient methods, callable through run().
     def record_train_perf_for_test(self, tokens, seconds):
         from clients.metrics import record_train_perf

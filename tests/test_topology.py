@@ -45,8 +45,6 @@ def test_two_fake_nodes_of_four_ranks_equal_the_flat_topology_exactly(make_worke
         combiner = ray.get_actor(combiner_name(cfg.name, label), namespace="metricsvc-tests")
         h = ray.get(combiner.health.remote())
         assert h["calls"]["submit"] == 4 * STEPS and h["calls"]["forward"] == STEPS
-        # after each rank's first batch (an actor call), its batches came over TCP
-        assert h["fast_path"]["frames"] == 4 * (STEPS - 1) and h["fast_path"]["refused"] == 0
         assert h["local_ranks"] == ([0, 1, 2, 3] if label == "nodeA" else [4, 5, 6, 7])
         ray.kill(combiner)
 

@@ -56,6 +56,12 @@ class ListReducer:
     def call_count(self) -> int:
         return self.calls
 
+    def cpu_s(self) -> float:
+        """This process's CPU time (as the MetricWorker's ``health()["cpu_s"]``)."""
+        import time
+
+        return time.process_time()
+
 
 @ray.remote(num_cpus=0, max_concurrency=1024)
 class SiirlStyleWorker(ListReducer):

@@ -1,0 +1,109 @@
+"""flush(): closing a step costs the training loop a host copy, an encoding and one Ray call
+issued, never an actor round trip; acks are read later, errors still reach the caller,
+in-flight flushes are bounded, and what a restarted actor lost is resent (issue 15)."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+from clients import MetricClient
+from metricsvc.validation import BatchRejected
+from tests.helpers import wait_for_new_incarnation
+
+
+class Paused:
+    """SIGSTOP the actor's process for the ``with`` block: it answers nothing meanwhile."""
+
+    def __init__(self, handle):
+        self.pid = ray.get(handle.health.remote(), timeout=30)["pid"]
+
+    def __enter__(self):
+        os.kill(self.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc):
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def test_flush_returns_while_the_actor_answers_nothing_and_acks_come_later(make_worker):
+    handle, cfg = make_worker(world_size=1)
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({"x": 1.0})
+    c.wait_submit()  # the blocking meaning, siiRL's
+    with Paused(handle):
+        for step in (1, 2):
+            c.submit_metric({"x": float(step + 1)})
+            c.flush()  # returns though the actor is stopped
+        assert c.in_flight == 2 and c.step == 3 and c.rpc_count == 3
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            c.wait_acks(timeout_s=0.3)
+    acks = c.wait_acks(timeout_s=30)
+    assert [a["step"] for a in acks] == [1, 2] and c.in_flight == 0
+    assert [c.wait_final_res(s, 30)["x"] for s in (0, 1, 2)] == [1.0, 2.0, 3.0]
+
+
+def test_a_refused_flush_raises_at_the_next_call_naming_its_step(make_worker):
+    handle, cfg = make_worker(world_size=1, limits={"max_keys_per_batch": 3})
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({f"k{i}": 1.0 for i in range(5)})  # more keys than the service takes
+    c.flush()
+    c.submit_metric({"ok": 1.0})
+    with pytest.raises(BatchRejected) as err:
+        c.wait_acks(timeout_s=30)
+    assert "max_keys_per_batch" in str(err.value) or "keys" in str(err.value)
+    assert any("step 0" in note for note in err.value.__notes__)
+    c.wait_submit()  # the next step still goes through; the actor is healthy
+    assert ray.get(handle.wait_final_res.remote(1, 30)) == {"ok": 1.0}
+    assert ray.get(handle.health.remote())["rejected_batches"] == 1
+
+
+def test_in_flight_flushes_are_bounded(make_worker):
+    handle, cfg = make_worker(world_size=1)
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name, max_unacked=2)
+    c.submit_metric({"x": 0.0})
+    c.wait_submit()
+    done = threading.Event()
+    with Paused(handle):
+        for step in (1, 2):
+            c.submit_metric({"x": float(step)})
+            c.flush()
+        c.submit_metric({"x": 3.0})
+        third = threading.Thread(target=lambda: (c.flush(), done.set()), daemon=True)
+        third.start()
+        assert not done.wait(0.5), "a third flush must wait for the oldest ack"
+        assert c.in_flight == 2
+    assert done.wait(30)
+    c.wait_acks(30)
+    assert ray.get(handle.wait_final_res.remote(3, 30)) == {"x": 3.0}
+
+
+def test_flushes_the_actor_never_journaled_are_resent_to_its_next_incarnation(make_worker):
+    handle, cfg = make_worker(world_size=1, sinks={"console": None, "jsonl": {}})
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    for step in range(2):
+        c.submit_metric({"x": float(step)})
+        c.flush()
+    c.wait_acks(30)
+    health = ray.get(handle.health.remote())
+    with Paused(handle):
+        for step in (2, 3, 4):
+            c.submit_metric({"x": float(step)})
+            c.flush()  # sent to a process that will never read them
+        os.kill(health["pid"], signal.SIGKILL)
+    wait_for_new_incarnation(handle, health["epoch"])
+    c.submit_metric({"x": 5.0})
+    c.flush()
+    c.wait_acks(60)
+    assert [ray.get(handle.wait_final_res.remote(s, 30))["x"] for s in range(6)] == \
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    after = ray.get(handle.health.remote())
+    assert after["late_batches"] == 0 and after["calls"]["epoch_changed"] >= 1
+    assert c.resent >= 2  # steps 3 and 4 at least (step 2 went first, as the one acked)
+    deadline = time.monotonic() + 10
+    while c.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.in_flight == 0

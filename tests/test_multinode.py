@@ -1,0 +1,100 @@
+"""The per-node topology on a real multi-node Ray cluster (Ray's own ``Cluster``: the
+session's head plus raylet nodes ``node_a`` and ``node_b``, and a third added and removed
+here). Combiners are found by each rank's real node id (issue 15)."""
+
+import numpy as np
+import pytest
+import ray
+
+from metricsvc.combiner import combiner_name
+from metricsvc.sinks.jsonl import read_journal
+from tests.chaos.test_chaos import calls_for, expected_for
+from tests.helpers import RankActor
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+PLACEMENT = {0: "node_a", 1: "node_a", 2: "node_a", 3: "node_b", 4: "node_b"}  # 5 ranks
+
+
+def start_ranks(cfg, placement):
+    world = len(placement)
+    ranks = {r: RankActor.options(resources={node: 1}).remote(cfg.name, r, world)
+             for r, node in placement.items()}
+    ray.get([a.run.remote([], flush=False) for a in ranks.values()])  # all registered
+    return ranks
+
+
+def node_of(actor):
+    return ray.get(actor.node_id.remote())
+
+
+def run_steps(ranks, steps, seed=11):
+    for step in steps:
+        ray.get([a.run.remote(calls_for(seed, step, r)) for r, a in ranks.items()])
+
+
+def journal(handle, last):
+    ray.get(handle.wait_final.remote(last, 60))
+    health = ray.get(handle.close.remote())
+    return read_journal(f"{health['run_dir']}/metrics.jsonl"), health
+
+
+def test_per_node_combiners_on_real_nodes_equal_flat_bit_for_bit_one_call_per_node(make_worker):
+    flat, flat_cfg = make_worker(world_size=5)
+    ranks = start_ranks(flat_cfg, PLACEMENT)
+    run_steps(ranks, range(STEPS))
+    flat_lines, _ = journal(flat, STEPS - 1)
+    for a in ranks.values():
+        ray.kill(a)
+
+    handle, cfg = make_worker(world_size=5, topology="per_node")
+    ranks = start_ranks(cfg, PLACEMENT)
+    run_steps(ranks, range(STEPS))
+    lines, health = journal(handle, STEPS - 1)
+    assert [r["step"] for r in lines] == list(range(STEPS))
+    assert [r["metrics"] for r in lines] == [r["metrics"] for r in flat_lines]  # bit for bit
+    assert all(r["meta"]["ranks"] == list(range(5)) and not r["meta"]["partial"] for r in lines)
+    # The singleton served one call per node with ranks per step, none per rank.
+    assert health["calls"].get("submit", 0) == 0
+    assert health["calls"]["submit_many"] == 2 * STEPS
+    for node in ("node_a", "node_b"):
+        members = sorted(r for r, n in PLACEMENT.items() if n == node)
+        node_id = node_of(ranks[members[0]])
+        assert {node_of(ranks[r]) for r in members} == {node_id}
+        combiner = ray.get_actor(combiner_name(cfg.name, node_id), namespace="metricsvc-tests")
+        h = ray.get(combiner.health.remote())
+        assert h["local_ranks"] == members  # found by the ranks' real node id
+        assert h["calls"]["submit"] == len(members) * STEPS and h["calls"]["forward"] == STEPS
+    for a in ranks.values():
+        ray.kill(a)
+
+
+def test_a_removed_node_makes_its_ranks_steps_partial_and_the_others_never_notice(
+        make_worker, ray_cluster):
+    node_c = ray_cluster.add_node(num_cpus=1, resources={"node_c": 1000})
+    ray_cluster.wait_for_nodes()
+    placement = {**PLACEMENT, 5: "node_c", 6: "node_c"}
+    # A timeout a loaded machine's first steps stay well inside; the partial steps wait it out.
+    handle, cfg = make_worker(world_size=7, topology="per_node", straggler_timeout_s=4.0)
+    ranks = start_ranks(cfg, placement)
+    run_steps(ranks, range(2))
+    ray.get(handle.wait_final.remote(1, 30))
+    ray_cluster.remove_node(node_c)  # its raylet, its ranks and its combiner are gone
+    survivors = {r: a for r, a in ranks.items() if placement[r] != "node_c"}
+    for step in range(2, 4):
+        results = ray.get([a.run.remote(calls_for(11, step, r)) for r, a in survivors.items()])
+        assert all(x["ack"]["status"] in ("accepted", "merged") for x in results), results
+    lines, health = journal(handle, 3)
+    assert [r["step"] for r in lines] == list(range(4))
+    for r in lines:
+        step, meta = r["step"], r["meta"]
+        present = range(7) if step < 2 else sorted(survivors)
+        assert meta["partial"] is (step >= 2) and meta["ranks"] == list(present)
+        assert meta["missing_ranks"] == ([] if step < 2 else [5, 6])
+        expected = expected_for(11, step, present)
+        assert r["metrics"] == pytest.approx(expected, rel=1e-12), step
+    assert health["partial_steps"] == 2
+    for a in survivors.values():
+        ray.kill(a)
+    assert np.isfinite(health["uptime_s"])
