@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from clients.summarize import (
+    MaskCache,
     Row,
     add_dense,
     element_rows,
@@ -84,6 +85,7 @@ class RecordBuffer:
         self.compile = compile
         self.lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
+        self._masks = MaskCache()  # one mask preparation per mask per step
         self._names: dict[str, str] = {}  # exported name (or sink tag) -> the key exporting it
         self._good_keys: set[str] = set()  # names already checked (they recur every step)
         self._trackers: dict[str, Tracker] = {}
@@ -130,7 +132,7 @@ class RecordBuffer:
 
     def _record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
         """Summarise ``{full key: value}`` under one mask and merge into the buffer."""
-        rows = summarize_many(values, mask, compile=self.compile)
+        rows = summarize_many(values, mask, compile=self.compile, cache=self._masks)
         sketches = None
         if kind is ReduceType.QUANTILES:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
@@ -244,6 +246,7 @@ class RecordBuffer:
             return dropped
 
     def _reset(self) -> None:
+        self._masks = MaskCache()  # one mask preparation per mask per step
         self._entries = {}
         self._names = {}
         for tracker in (self.tracker, *self._trackers.values()):

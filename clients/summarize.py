@@ -6,11 +6,14 @@ device for torch input. ``sketch`` returns the dense quantile-bucket counts the
 same way. Nothing here copies device data to the host; the client stacks every
 row and sketch of a flush and copies them once per device (``to_host``).
 
-On the CPU a value costs a handful of vectorised whole-tensor ops (no
-``where``, no ``masked_select``, mask-derived tensors shared by every value
-of a ``stat`` call). Large tensors on an accelerator go through one fused
-kernel (``torch.compile`` with dynamic shapes, so batch shapes never
-recompile), with the eager path as fallback.
+On the CPU the valid positions of a mask are found once (per step, when the
+caller passes a ``MaskCache``: every value recorded under that mask shares them);
+each value is then gathered (never larger than itself) and reduced in a few passes
+of its own dtype, with float64 only for accumulating, in cache-sized chunks. On
+an accelerator nothing may wait for the device, so small tensors take vectorised
+whole-tensor ops (no ``where``, no ``nonzero``) and large ones one fused kernel
+(``torch.compile`` with dynamic shapes, so batch shapes never recompile), with
+the eager path as fallback.
 """
 
 from __future__ import annotations
@@ -126,16 +129,44 @@ def summarize(
     return summarize_many({key: values}, mask, compile=compile)[key]
 
 
+class MaskCache:
+    """The valid positions of the masks a client used this step, found once per mask.
+
+    An entry holds its mask (so its memory cannot be reused by another mask meanwhile)
+    and the mask's version counter (so an in-place change is noticed). Clear it when the
+    step is closed.
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._entries: list[tuple[Any, int, Any]] = []
+
+    def index(self, mask: Any) -> Any:
+        """Return the flat indices where ``mask`` (a CPU bool tensor) is True."""
+        for held, version, index in self._entries:
+            if (held.data_ptr() == mask.data_ptr() and held.shape == mask.shape
+                    and held.stride() == mask.stride() and mask._version == version):
+                return index
+        index = mask.reshape(-1).nonzero().reshape(-1)
+        self._entries = [(mask, mask._version, index), *self._entries][: self.size]
+        return index
+
+    def clear(self) -> None:
+        self._entries = []
+
+
 def summarize_many(
-    values: Mapping[str, Any], mask: Any = None, *, compile: bool | None = None
+    values: Mapping[str, Any], mask: Any = None, *, compile: bool | None = None,
+    cache: MaskCache | None = None,
 ) -> dict[str, Row]:
-    """Return ``{key: row}`` for values sharing one mask; the mask is prepared once.
+    """Return ``{key: row}`` for values sharing one mask; the mask is prepared once
+    (once per step with a ``cache``).
 
     Every value is checked before any is summarised, so a bad one raises
     (naming its key) before work is done.
     """
     prepared = {key: prepare(v, mask, key=key) for key, v in values.items()}
-    packs: dict[Any, _MaskPack] = {}
+    packs: dict[Any, Any] = {}
     out: dict[str, Row] = {}
     for key, (v, m) in prepared.items():
         if not is_tensor(v):
@@ -161,8 +192,12 @@ def summarize_many(
                 where = (x.dtype, x.device, x.numel())
                 pack = packs.get(where)
                 if pack is None:
-                    pack = packs[where] = _MaskPack(flat_mask, x)
-                out[key] = _eager_row(x, pack)
+                    if x.device.type == "cpu":
+                        index = None if m is None else (cache or MaskCache()).index(m)
+                        pack = packs[where] = _SelectPack(index, x)
+                    else:
+                        pack = packs[where] = _MaskPack(flat_mask, x)
+                out[key] = pack.row(x)
     return out
 
 
@@ -193,6 +228,54 @@ class _MaskPack:
             self.to_pos = torch.zeros_like(like).masked_fill_(~mask, _INF)
             self.to_neg = -self.to_pos
             self.count = mask.sum(dtype=torch.float64)
+
+
+    def row(self, x: Any) -> Any:
+        return _eager_row(x, self)
+
+
+_CHUNK = 1 << 16  # float64 accumulation in pieces of 512 KiB: no whole-tensor float64 copy
+
+
+class _SelectPack:
+    """CPU: the valid positions of one mask (``index``; None: all), and buffers shared by
+    every value of one dtype and size under it."""
+
+    def __init__(self, index: Any, like: Any) -> None:
+        torch = _torch()
+        self.index = index
+        n = like.numel() if index is None else index.numel()
+        self.n = n
+        self.count = torch.tensor(float(n), dtype=torch.float64)
+        self.gathered = torch.empty(n, dtype=like.dtype)
+        self.clean = torch.empty(n, dtype=like.dtype)
+        self.scratch = torch.empty(n, dtype=like.dtype)
+        self.wide = torch.empty(min(n, _CHUNK), dtype=torch.float64)
+
+    def row(self, x: Any) -> Any:
+        """The summary row of flat ``x`` over the valid positions: a gather, then seven
+        passes in x's dtype over at most x's size, float64 only to accumulate."""
+        torch = _torch()
+        if self.n == 0:
+            return torch.tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=torch.float64)
+        v = x if self.index is None else torch.index_select(x, 0, self.index,
+                                                            out=self.gathered)
+        clean = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0, out=self.clean)
+        bad = torch.sub(v, clean, out=self.scratch)  # 0 where finite, NaN/inf where not
+        nonfinite = torch.count_nonzero(torch.nan_to_num_(bad, nan=1.0, posinf=1.0,
+                                                          neginf=1.0)).to(torch.float64)
+        sums, squares = [], []
+        for piece in clean.split(_CHUNK):
+            wide = self.wide[: piece.numel()].copy_(piece)  # exact widening
+            sums.append(wide.sum())
+            squares.append(torch.dot(wide, wide))
+        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+        square = squares[0] if len(squares) == 1 else torch.stack(squares).sum()
+        low = torch.nan_to_num(v, nan=_INF, posinf=_INF, neginf=_INF, out=self.scratch).amin()
+        high = torch.nan_to_num(v, nan=-_INF, posinf=-_INF, neginf=-_INF,
+                                out=self.scratch).amax()
+        return torch.stack([total, self.count - nonfinite, low.to(torch.float64),
+                            high.to(torch.float64), square, nonfinite])
 
 
 def _eager_row(x: Any, p: _MaskPack) -> Any:

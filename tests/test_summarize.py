@@ -164,3 +164,22 @@ def test_values_sharing_a_mask_share_its_preparation():
         ref = v.to(torch.float64)[mask]
         assert rows[key][SUM].item() == pytest.approx(ref.sum().item(), rel=1e-12)
         assert rows[key][MIN].item() == ref.min().item()
+
+
+def test_a_mask_is_prepared_once_per_step_and_an_in_place_change_is_noticed():
+    from clients import MetricClient
+
+    c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+    mask = torch.rand(4, 64) > 0.3
+    mask[0, :] = True  # flipped below: the count must change by 64
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    c.stat(mask=mask, x=x)
+    c.stat(mask=mask, y=y)  # another call, the same mask: its positions are reused
+    assert len(c.buffer._masks._entries) == 1
+    mask[0, :] = ~mask[0, :]  # changed in place: never the stale positions
+    c.stat(mask=mask, z=x)
+    assert len(c.buffer._masks._entries) == 2
+    rows = {k: e.row for k, e in c.buffer._entries.items()}
+    assert rows["z"][SUM].item() == pytest.approx(x[mask].double().sum().item(), rel=1e-12)
+    assert rows["z"][COUNT].item() == mask.sum().item()
+    assert rows["x"][COUNT].item() == rows["z"][COUNT].item() + 64
