@@ -132,7 +132,8 @@ class RecordBuffer:
 
     def _record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
         """Summarise ``{full key: value}`` under one mask and merge into the buffer."""
-        rows = summarize_many(values, mask, compile=self.compile, cache=self._masks)
+        with self.lock:  # the mask cache's scratch buffers serve one summary at a time
+            rows = summarize_many(values, mask, compile=self.compile, cache=self._masks)
         sketches = None
         if kind is ReduceType.QUANTILES:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
@@ -246,7 +247,7 @@ class RecordBuffer:
             return dropped
 
     def _reset(self) -> None:
-        self._masks = MaskCache()  # one mask preparation per mask per step
+        self._masks.clear()  # a mask is prepared once per step; the scratch buffers stay
         self._entries = {}
         self._names = {}
         for tracker in (self.tracker, *self._trackers.values()):

@@ -130,16 +130,19 @@ def summarize(
 
 
 class MaskCache:
-    """The valid positions of the masks a client used this step, found once per mask.
+    """The valid positions of the masks a client used this step, found once per mask, and
+    the scratch buffers of the CPU summaries, kept across steps (fresh multi-MB buffers
+    every step cost more in page faults than the arithmetic).
 
-    An entry holds its mask (so its memory cannot be reused by another mask meanwhile)
-    and the mask's version counter (so an in-place change is noticed). Clear it when the
-    step is closed.
+    A mask entry holds its mask (so its memory cannot be reused by another mask meanwhile)
+    and the mask's version counter (so an in-place change is noticed). ``clear`` it when
+    the step is closed; the buffers stay.
     """
 
     def __init__(self, size: int = 4) -> None:
         self.size = size
         self._entries: list[tuple[Any, int, Any]] = []
+        self._buffers: dict[tuple[Any, str], Any] = {}
 
     def index(self, mask: Any) -> Any:
         """Return the flat indices where ``mask`` (a CPU bool tensor) is True."""
@@ -150,6 +153,13 @@ class MaskCache:
         index = mask.reshape(-1).nonzero().reshape(-1)
         self._entries = [(mask, mask._version, index), *self._entries][: self.size]
         return index
+
+    def buffer(self, dtype: Any, role: str, n: int) -> Any:
+        """Return a 1-D CPU scratch tensor of ``n`` elements of ``dtype`` for ``role``."""
+        buf = self._buffers.get((dtype, role))
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[(dtype, role)] = _torch().empty(n, dtype=dtype)
+        return buf[:n]
 
     def clear(self) -> None:
         self._entries = []
@@ -193,8 +203,9 @@ def summarize_many(
                 pack = packs.get(where)
                 if pack is None:
                     if x.device.type == "cpu":
-                        index = None if m is None else (cache or MaskCache()).index(m)
-                        pack = packs[where] = _SelectPack(index, x)
+                        cache = cache or MaskCache()
+                        index = None if m is None else cache.index(m)
+                        pack = packs[where] = _SelectPack(index, x, cache)
                     else:
                         pack = packs[where] = _MaskPack(flat_mask, x)
                 out[key] = pack.row(x)
@@ -241,16 +252,16 @@ class _SelectPack:
     """CPU: the valid positions of one mask (``index``; None: all), and buffers shared by
     every value of one dtype and size under it."""
 
-    def __init__(self, index: Any, like: Any) -> None:
+    def __init__(self, index: Any, like: Any, cache: MaskCache) -> None:
         torch = _torch()
         self.index = index
         n = like.numel() if index is None else index.numel()
         self.n = n
         self.count = torch.tensor(float(n), dtype=torch.float64)
-        self.gathered = torch.empty(n, dtype=like.dtype)
-        self.clean = torch.empty(n, dtype=like.dtype)
-        self.scratch = torch.empty(n, dtype=like.dtype)
-        self.wide = torch.empty(min(n, _CHUNK), dtype=torch.float64)
+        self.gathered = cache.buffer(like.dtype, "gathered", n)
+        self.clean = cache.buffer(like.dtype, "clean", n)
+        self.scratch = cache.buffer(like.dtype, "scratch", n)
+        self.wide = cache.buffer(torch.float64, "wide", min(n, _CHUNK))
 
     def row(self, x: Any) -> Any:
         """The summary row of flat ``x`` over the valid positions: a gather, then seven
@@ -262,8 +273,11 @@ class _SelectPack:
                                                             out=self.gathered)
         clean = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0, out=self.clean)
         bad = torch.sub(v, clean, out=self.scratch)  # 0 where finite, NaN/inf where not
-        nonfinite = torch.count_nonzero(torch.nan_to_num_(bad, nan=1.0, posinf=1.0,
-                                                          neginf=1.0)).to(torch.float64)
+        bad = torch.nan_to_num_(bad, nan=1.0, posinf=1.0, neginf=1.0)  # 1 where not finite
+        # A sum of 0/1 in the value's dtype is exact while n fits its significand.
+        exact = self.n < (1 << (11 if bad.dtype == torch.float16 else
+                                8 if bad.dtype == torch.bfloat16 else 24))
+        nonfinite = (bad.sum() if exact else torch.count_nonzero(bad)).to(torch.float64)
         sums, squares = [], []
         for piece in clean.split(_CHUNK):
             wide = self.wide[: piece.numel()].copy_(piece)  # exact widening

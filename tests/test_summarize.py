@@ -183,3 +183,32 @@ def test_a_mask_is_prepared_once_per_step_and_an_in_place_change_is_noticed():
     assert rows["z"][SUM].item() == pytest.approx(x[mask].double().sum().item(), rel=1e-12)
     assert rows["z"][COUNT].item() == mask.sum().item()
     assert rows["x"][COUNT].item() == rows["z"][COUNT].item() + 64
+
+
+def test_threads_recording_masked_tensors_into_one_client_stay_exact():
+    import threading
+
+    from clients import MetricClient
+
+    c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+    g = torch.Generator().manual_seed(3)
+    data = {f"t{i}": (torch.randn(64, 256, generator=g),
+                      torch.rand(64, 256, generator=g) > 0.4) for i in range(8)}
+
+    def record(keys):
+        for _ in range(20):
+            for k in keys:
+                x, m = data[k]
+                c.stat(mask=m, **{k: x})
+
+    threads = [threading.Thread(target=record, args=(list(data)[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for k, (x, m) in data.items():
+        row = c.buffer._entries[k].row
+        ref = x[m].double()
+        assert row[COUNT].item() == 20 * ref.numel()
+        assert row[SUM].item() == pytest.approx(20 * ref.sum().item(), rel=1e-9)
+        assert row[MIN].item() == ref.min().item() and row[MAX].item() == ref.max().item()
