@@ -28,6 +28,7 @@ clean:
 	rm -rf $(VENV) runs .pytest_cache
 
 bench: $(STAMP)
+	$(PY) -m benchmarks.bench_rank
 	$(PY) -m benchmarks.bench_summarize
 	$(PY) -m benchmarks.bench_merge
 	$(PY) -m benchmarks.bench_rpc

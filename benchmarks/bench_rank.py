@@ -1,6 +1,8 @@
 """What a training rank spends in metrics per step: ours vs siiRL's pattern, side by side.
 
-Ranks are Ray actors (CPU here). Each step a rank records K=300 metrics over a realistic
+Two workloads (``--workload``), each measured with every pattern in the same run.
+
+``ppo300`` (the default). Ranks are Ray actors (CPU here). Each step a rank records K=300 metrics over a realistic
 PPO batch: 8 token-level tensors of [256 x 2048] float32 under one response mask, each
 reduced to mean/max/min (24 masked metrics), and 276 plain numbers (timing stages, losses,
 learning rates, counters), then closes the step. Patterns, all in the same run:
@@ -13,10 +15,23 @@ learning rates, counters), then closes the step. Patterns, all in the same run:
   ours_wait    ``stat(mask=...)`` + ``submit_metric`` + ``wait_submit()`` (blocking)
   ours         the same with ``flush()``: the Ray call is issued, the ack read next step
 
+``siirl``: siiRL's own batch per rank (``responses`` [64 x 1024], ``attention_mask``
+[64 x 1536] with unequal valid tokens per rank, scores, rewards, advantages, returns,
+values, 13 timing stages, 200 plain scalars) and siiRL's metric functions rebuilt in
+``benchmarks/baselines/siirl_metrics.py`` (one reduction and ``.item()`` per number):
+
+  siirl_4call   its real client: compute_local_data_metric, ..._timing_..., ..._throughout_...,
+                submit_metric as four calls, then wait_submit
+  siirl_1call   the same functions, one dict, one call, one wait
+  ours_compat   our siiRL-compatible methods (the same four names) + wait_submit
+  ours_compat_flush  the same with flush()
+  ours_stat     stat(mask=...) for the same tensors + submit_metric + wait_submit
+  floor         one plain sum() over the same tensors (compute only, nothing sent)
+
 Reported per pattern: median rank-side milliseconds per step spent recording (compute) and
 closing (send + wait), and their sum, over ranks and measured steps.
 
-    python -m benchmarks.bench_rank [--ranks 4] [--steps 30] [--rows 256] [--cols 2048]
+    python -m benchmarks.bench_rank [--workload ppo300|siirl] [--ranks 4] [--steps 30]
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ import ray
 import torch
 
 import metricsvc
+from benchmarks.baselines import siirl_metrics
 from benchmarks.baselines.siirl_style import SiirlStyleWorker
 from clients import MetricClient
 
@@ -39,7 +55,11 @@ RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the chec
 TENSORS = ("advantages", "returns", "values", "old_log_prob", "log_prob", "entropy", "ratio",
            "kl")
 PLAIN = 276
-PATTERNS = ("siirl_4call", "siirl_1call", "ours_wait", "ours")
+PATTERNS = {"ppo300": ("siirl_4call", "siirl_1call", "ours_wait", "ours"),
+            "siirl": ("siirl_4call", "siirl_1call", "ours_compat", "ours_compat_flush",
+                      "ours_stat", "floor")}
+STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
+          "update_actor", "testing", "save_checkpoint", "step", "reshard", "sync")
 
 
 def siirl_masked(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -54,26 +74,52 @@ def siirl_masked(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, fl
 class Rank:
     """A training rank that closes each step in one of the patterns."""
 
-    def __init__(self, rank: int, world: int, rows: int, cols: int) -> None:
+    def __init__(self, rank: int, world: int, rows: int, cols: int, workload: str) -> None:
         torch.set_num_threads(1)
         g = torch.Generator().manual_seed(rank)
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.workload = rank, world, workload
+        self.step_no = 0
+        if workload == "siirl":
+            self._siirl_batch(g)
+            return
         self.tensors = {n: torch.randn(rows, cols, generator=g) for n in TENSORS}
         lengths = torch.randint(cols // 8, cols, (rows,), generator=g)  # unequal per rank
         self.mask = torch.arange(cols)[None, :] < lengths[:, None]
         self.plain = [f"group{i % 9}/value_{i}" for i in range(PLAIN)]
-        self.step_no = 0
+
+    def _siirl_batch(self, g: torch.Generator, b: int = 64, prompt: int = 512,
+                     response: int = 1024) -> None:
+        plen = torch.randint(prompt // 4, prompt + 1, (b,), generator=g)
+        rlen = torch.randint(response // 8, response + 1 - 100 * self.rank, (b,), generator=g)
+        pmask = torch.arange(prompt)[None, :] >= (prompt - plen)[:, None]  # left-padded
+        rmask = torch.arange(response)[None, :] < rlen[:, None]
+        scores = torch.zeros(b, response)
+        scores[torch.arange(b), rlen - 1] = torch.rand(b, generator=g)
+        self.batch = {
+            "responses": torch.randint(0, 32000, (b, response), generator=g),
+            "attention_mask": torch.cat([pmask, rmask], dim=1).long(),
+            "token_level_scores": scores, "token_level_rewards": scores.clone(),
+            "advantages": torch.randn(b, response, generator=g),
+            "returns": torch.randn(b, response, generator=g),
+            "values": torch.randn(b, response, generator=g),
+        }
+        self.response_mask = rmask
+        self.timing = {s: 0.5 + 0.01 * i for i, s in enumerate(STAGES)}
+        self.plain = [f"custom/group{i % 7}/value_{i}" for i in range(200)]
 
     def setup(self, pattern: str, target, name: str | None) -> None:
         self.pattern, self.target = pattern, target
         self.client = (MetricClient(None, rank=self.rank, world_size=self.world, name=name)
                        if pattern.startswith("ours") else None)
+        self.step_no = 0
 
     def _plain(self) -> dict[str, float]:
         return {k: float(self.step_no * 0.001 + i) for i, k in enumerate(self.plain)}
 
     def step(self) -> dict[str, float]:
         self.step_no += 1
+        if self.workload == "siirl":
+            return self._siirl_step()
         plain = self._plain()  # what the training loop hands over: not timed
         t0 = time.perf_counter()
         if self.pattern.startswith("ours"):
@@ -102,15 +148,52 @@ class Rank:
         return {"compute_ms": 1e3 * (t1 - t0), "close_ms": 1e3 * (t2 - t1),
                 "last_flush": time.time()}
 
+    def _siirl_step(self) -> dict[str, float]:
+        plain = self._plain()
+        batch, timing, c = self.batch, self.timing, self.client
+        t0 = time.perf_counter()
+        p = self.pattern
+        if p in ("siirl_4call", "siirl_1call"):
+            dicts = [siirl_metrics.compute_data_metric(batch),
+                     siirl_metrics.compute_timing_metrics(batch, timing),
+                     siirl_metrics.compute_throughput_metrics(batch, timing, 1), plain]
+            if p == "siirl_1call":
+                dicts = [{k: v for d in dicts for k, v in d.items()}]
+            t1 = time.perf_counter()
+            ray.get([self.target.submit_metric.remote(d, self.world) for d in dicts])
+        elif p == "floor":
+            for x in batch.values():
+                x.sum()
+            t1 = time.perf_counter()
+        else:
+            if p == "ours_stat":
+                c.stat(**{"critic/score": batch["token_level_scores"].sum(-1),
+                          "critic/rewards": batch["token_level_rewards"].sum(-1)})
+                c.stat(mask=self.response_mask, **{f"critic/{k}": batch[k] for k in
+                                                   ("advantages", "returns", "values")})
+                c.submit_metric({**{f"timing_s/{k}": v for k, v in timing.items()}, **plain})
+            else:
+                c.compute_local_data_metric(batch)
+                c.compute_local_timing_metrics(batch, timing)
+                c.compute_local_throughout_metrics(batch, timing, 1)
+                c.submit_metric(plain)
+            t1 = time.perf_counter()
+            c.flush() if p == "ours_compat_flush" else c.wait_submit()
+        t2 = time.perf_counter()
+        return {"compute_ms": 1e3 * (t1 - t0), "close_ms": 1e3 * (t2 - t1),
+                "last_flush": time.time()}
+
     def drain(self) -> None:
         if self.client is not None:
             self.client.wait_acks(60)
 
 
-def run(pattern: str, ranks, steps: int, warmup: int, index: int) -> dict:
+def run(pattern: str, ranks, steps: int, warmup: int, index: int, workload: str) -> dict:
     world = len(ranks)
     name = f"bench-rank-{index}"
-    if pattern.startswith("ours"):
+    if pattern == "floor":
+        target = None
+    elif pattern.startswith("ours"):
         target = metricsvc.start_metric_worker(
             {"name": name, "world_size": world, "sinks": {"console": None, "jsonl": None},
              "run": {"root": "/tmp/metricsvc-bench", "trial": f"rank-{index}-{os.getpid()}"}})
@@ -118,23 +201,27 @@ def run(pattern: str, ranks, steps: int, warmup: int, index: int) -> dict:
         target = SiirlStyleWorker.remote()
     ray.get([r.setup.remote(pattern, target, name) for r in ranks])
     samples = []
-    keys = 3 * len(TENSORS) + PLAIN
+    keys = 3 * len(TENSORS) + PLAIN if workload == "ppo300" else 200
     for step in range(warmup + steps):
-        final = (target.wait_final_res.remote(step, 120) if pattern.startswith("ours")
-                 else target.wait_final_res.remote(keys))
+        final = (None if target is None else target.wait_final_res.remote(step, 120)
+                 if pattern.startswith("ours") else target.wait_final_res.remote(keys))
         got = ray.get([r.step.remote() for r in ranks])
-        assert len(ray.get(final)) >= keys
+        assert final is None or len(ray.get(final)) >= keys
         if step >= warmup:
             samples.extend(got)
     ray.get([r.drain.remote() for r in ranks])
-    ray.kill(target)
+    if target is not None:
+        ray.kill(target)
     med = {k: statistics.median(s[k] for s in samples) for k in ("compute_ms", "close_ms")}
     total = statistics.median(s["compute_ms"] + s["close_ms"] for s in samples)
-    return {"pattern": pattern, "ranks": world, "steps": steps, **med, "total_ms": total}
+    return {"workload": workload, "pattern": pattern, "ranks": world, "steps": steps, **med,
+            "total_ms": total}
 
 
 def main() -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(PATTERNS), nargs="+",
+                        default=["ppo300", "siirl"])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
@@ -142,20 +229,36 @@ def main() -> list[dict]:
     parser.add_argument("--cols", type=int, default=2048)
     args = parser.parse_args()
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
-    ranks = [Rank.remote(r, args.ranks, args.rows, args.cols) for r in range(args.ranks)]
-    rows = [run(p, ranks, args.steps, args.warmup, i) for i, p in enumerate(PATTERNS)]
-    base = {r["pattern"]: r for r in rows}
-    print(f"bench_rank: {args.ranks} rank actors, {args.cols}-token x {args.rows}-row batch, "
-          f"K={3 * len(TENSORS) + PLAIN} metrics ({3 * len(TENSORS)} masked over "
-          f"{len(TENSORS)} tensors, {PLAIN} plain), median of {args.steps} steps x ranks, "
-          f"{os.cpu_count()} cores, torch {torch.__version__}")
-    print("| pattern | compute ms | send + wait ms | rank-side total ms | "
-          "siiRL 4-call / this | siiRL 1-call / this |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['pattern']} | {r['compute_ms']:.2f} | {r['close_ms']:.2f} | "
-              f"{r['total_ms']:.2f} | {base['siirl_4call']['total_ms'] / r['total_ms']:.2f}× | "
-              f"{base['siirl_1call']['total_ms'] / r['total_ms']:.2f}× |")
+    rows, index = [], 0
+    for workload in args.workload:
+        ranks = [Rank.remote(r, args.ranks, args.rows, args.cols, workload)
+                 for r in range(args.ranks)]
+        for pattern in PATTERNS[workload]:
+            rows.append(run(pattern, ranks, args.steps, args.warmup, index, workload))
+            index += 1
+        for r in ranks:
+            ray.kill(r)
+    for workload in args.workload:
+        table = [r for r in rows if r["workload"] == workload]
+        base = {r["pattern"]: r for r in table}
+        if workload == "ppo300":
+            print(f"bench_rank ppo300: {args.ranks} rank actors, [{args.rows} x {args.cols}] "
+                  f"batch, K={3 * len(TENSORS) + PLAIN} metrics ({3 * len(TENSORS)} masked over "
+                  f"{len(TENSORS)} tensors, {PLAIN} plain)", end="")
+        else:
+            print(f"bench_rank siirl: {args.ranks} rank actors, siiRL's batch (responses "
+                  f"[64 x 1024], attention_mask [64 x 1536], 13 timing stages, 200 scalars)",
+                  end="")
+        print(f", median of {args.steps} steps x ranks, {os.cpu_count()} cores, "
+              f"torch {torch.__version__}")
+        print("| pattern | compute ms | send + wait ms | rank-side total ms | "
+              "siiRL 4-call / this | siiRL 1-call / this |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in table:
+            print(f"| {r['pattern']} | {r['compute_ms']:.2f} | {r['close_ms']:.2f} | "
+                  f"{r['total_ms']:.2f} | "
+                  f"{base['siirl_4call']['total_ms'] / r['total_ms']:.2f}× | "
+                  f"{base['siirl_1call']['total_ms'] / r['total_ms']:.2f}× |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "rank.json").write_text(json.dumps(rows, indent=2) + "\n")
     ray.shutdown()
