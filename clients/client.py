@@ -334,9 +334,9 @@ class MetricClient(TrackerAPI):
         ack = self._deliver(blob, None)
         for ref, _, _ in self._pending:
             try:
-                ray.get(ref)
-            except ACTOR_ERRORS:
-                pass  # the old incarnation's end; what it lost was resent above
+                ray.get(ref, timeout=self.retry_s)
+            except Exception:  # noqa: BLE001  the old incarnation's answer, whatever it was:
+                pass  # every batch it was sent was resent above, and answered there
         self._pending.clear()
         return ack
 

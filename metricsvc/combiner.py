@@ -115,6 +115,10 @@ class CombinerImpl:
                 await asyncio.sleep(delay)
 
     async def _forward(self, step: int, batches: list[bytes]) -> None:
+        # Marked before the first await: a batch of this step arriving while the forward is
+        # in flight is forwarded too, never gathered again to wait for ranks already sent.
+        if self._forwarded_through is None or step > self._forwarded_through:
+            self._forwarded_through = step
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:  # one forward at a time keeps steps in order upstream
@@ -134,8 +138,6 @@ class CombinerImpl:
             self.calls["resent"] = self._outbox.resent
             self.durable_through = ack.get("durable_through")
             self.last_final_step = ack.get("last_final_step")
-            if self._forwarded_through is None or step > self._forwarded_through:
-                self._forwarded_through = step
 
     def _note_rejections(self, ack: dict[str, Any]) -> None:
         for status in ack.get("statuses", ()):

@@ -89,3 +89,25 @@ def test_a_lone_combiner_resends_an_owed_step_before_the_new_one_after_a_restart
     assert after["calls"]["epoch_changed"] == 1 and after["late_batches"] == 0
     assert ray.get(combiner.health.remote())["calls"]["resent"] >= 1
     ray.kill(combiner)
+
+
+def test_batches_reaching_a_combiner_while_it_forwards_their_step_are_not_held_back(
+        make_worker):
+    """Ranks register with their combiner on first use; the first one's batch is forwarded
+    at once. Batches of that step arriving while that forward is still in flight used to
+    start a second gathering for the step, which then waited for the first rank again,
+    until combiner_timeout_s (30 s)."""
+    from clients import MetricClient
+
+    handle, cfg = make_worker(topology="per_node", world_size=4)
+    clients = [MetricClient(None, rank=r, world_size=4, name=cfg.name) for r in range(4)]
+    for step in range(2):
+        for c in clients:
+            c.submit_metric({"x": float(c.rank + step)})
+            c.flush()  # back to back: the next batch arrives while the last is forwarded
+        got = ray.get(handle.wait_final_res.remote(step, 10))  # far below the 30 s
+        assert got == {"x": 1.5 + step}
+    for c in clients:
+        c.wait_acks(30)
+    node = ray.get_runtime_context().get_node_id()
+    ray.kill(ray.get_actor(combiner_name(cfg.name, node), namespace="metricsvc-tests"))

@@ -189,8 +189,8 @@ class _SinkWorker:
 
     def _advance(self, through: int | None) -> None:
         known = self.stats["durable_through"]
-        if through is None or (known is not None and through <= known):
-            return
+        if through is None or through < 0 or (known is not None and through <= known):
+            return  # nothing durable yet, or no progress
         try:
             self.state.update(durable_through=through)
             self.stats["durable_through"] = through
