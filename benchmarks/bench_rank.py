@@ -2,8 +2,8 @@
 
 Two workloads (``--workload``), each measured with every pattern in the same run.
 
-``ppo300`` (the default). Ranks are Ray actors (CPU here). Each step a rank records K=300 metrics over a realistic
-PPO batch: 8 token-level tensors of [256 x 2048] float32 under one response mask, each
+``ppo300``. Ranks are Ray actors (CPU here). Each step a rank records K=300 metrics over a
+realistic PPO batch: 8 token-level tensors of [256 x 2048] float32 under one response mask, each
 reduced to mean/max/min (24 masked metrics), and 276 plain numbers (timing stages, losses,
 learning rates, counters), then closes the step. Patterns, all in the same run:
 
