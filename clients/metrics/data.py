@@ -19,23 +19,28 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     token. ``critic/vf_explained_var`` is derived by the service from the
     merged moments of returns and returns - values over every valid token.
     """
+    torch = __import__("torch")  # the batch is made of torch tensors: it is loaded already
     info = response_info(batch)
     resp = info.response_mask
-    scores = batch["token_level_scores"].double().sum(-1)
-    rewards = batch["token_level_rewards"].double().sum(-1)
+    # Sums accumulate in float64 without a float64 copy of the token tensors.
+    scores = batch["token_level_scores"].sum(-1, dtype=torch.float64)
+    rewards = batch["token_level_rewards"].sum(-1, dtype=torch.float64)
     m.stat(**{"critic/score": scores, "critic/rewards": rewards})
-    m.stat(mask=resp, **{"critic/advantages": batch["advantages"],
-                         "critic/returns": batch["returns"]})
     values = get(batch, "values")
+    token_level = {"critic/advantages": batch["advantages"], "critic/returns": batch["returns"]}
     if values is not None:
-        returns = batch["returns"].double()
-        m.stat(mask=resp, **{"critic/values": values})
+        token_level["critic/values"] = values
+    m.stat(mask=resp, **token_level)  # one mask preparation, one call
+    if values is not None:
+        returns = batch["returns"]
         m.stat(mask=resp, reduce=ReduceType.AVG, **{
-            "critic/__explained_var/vf_explained_var/target": returns,
-            "critic/__explained_var/vf_explained_var/residual": returns - values.double(),
+            "critic/__explained_var/vf_explained_var/target": returns,  # widened exactly
+            # The residual itself in float64: a float32 difference would round.
+            "critic/__explained_var/vf_explained_var/residual":
+                returns.to(torch.float64) - values,
         })
     length = info.response_length
-    m.stat(**{"response/length": length})
+    m.stat(**{"response/length": length, "prompt/length": info.prompt_length})
     m.stat(reduce=ReduceType.AVG, **{
         "response/clip_ratio/mean": (length == info.max_response_length).double(),
         "prompt/clip_ratio/mean": (info.prompt_length == info.max_prompt_length).double(),
@@ -44,7 +49,6 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     correct = rewards > 0.5
     m.stat(mask=correct, **{"response/correct_length": length})
     m.stat(mask=~correct, **{"response/wrong_length": length})
-    m.stat(**{"prompt/length": info.prompt_length})
     turns = get(batch, "__num_turns__", get(batch, "num_turns"))
     if turns is not None:
         m.stat(**{"num_turns": turns})
