@@ -35,7 +35,7 @@ class Host:
     """A stand-in for a node: its ranks' MetricClients in one process."""
 
     def __init__(self, service: str, ranks: list[int], world: int, keys: int) -> None:
-        self.clients = [MetricClient(None, rank=r, world_size=world, name=service)
+        self.clients = [MetricClient(None, rank=r, world_size=world, name=service).connect()
                         for r in ranks]
         self.names = [f"group{i % 13}/metric_{i}/mean" for i in range(keys)]
         self.rng = np.random.default_rng(ranks[0])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import time
+import threading
 import warnings
 from collections import deque
 from collections.abc import Mapping
@@ -19,7 +19,6 @@ from metricsvc.combiner import combiner_name
 from metricsvc.config import DEFAULT_NAME
 from metricsvc.records import Batch
 from metricsvc.resend import Outbox, deliver
-from metricsvc.retry import ACTOR_ERRORS
 from metricsvc.sketch import SketchSpec
 from metricsvc.validation import check_rank
 from metricsvc.wire import encode
@@ -100,7 +99,13 @@ class MetricClient(TrackerAPI):
         # Sent but not yet in the service's journal (resent after a restart), and the
         # incarnation last heard from: the restart protocol, shared with the combiner.
         self._outbox = Outbox(max_inflight, label=f"rank {self.rank}")
-        self._pending: deque[tuple[Any, Batch, bytes]] = deque()  # flush(): ack not yet read
+        # flush(): batches for the sender thread, and its answers for the caller.
+        self._cv = threading.Condition()
+        self._send_lock = threading.Lock()  # one delivery at a time: batches stay in order
+        self._outq: deque[tuple[Batch, bytes]] = deque()
+        self._answers: deque[tuple[Batch, Any, BaseException | None]] = deque()
+        self._sending = 0  # flushes queued or being delivered
+        self._sender: threading.Thread | None = None
         self.rpc_count = 0  # actor calls to the service
         if via is not None and worker is None:
             self._worker = self._find_worker()  # register with the combiner before step 0
@@ -112,6 +117,13 @@ class MetricClient(TrackerAPI):
         if self._worker is None:
             self._worker = self._find_worker()
         return self._worker
+
+    def connect(self) -> MetricClient:
+        """Find the service now instead of at the first flush; under ``topology: per_node``
+        this registers the rank with its node's combiner, so that the run's first step,
+        too, reaches the MetricWorker in one call per node. Returns the client."""
+        _ = self.worker
+        return self
 
     def _find_worker(self) -> Any:
         label = self._via
@@ -216,36 +228,88 @@ class MetricClient(TrackerAPI):
             return self._unacked
 
     def flush(self, *, step: int | None = None) -> None:
-        """Close this rank's step without waiting for the service: one host copy, one
-        encoding, one Ray call issued; the client moves to the next step at once.
+        """Close this rank's step without waiting for the service: one host copy and one
+        encoding here; the batch is handed to this client's sender thread, and the client
+        moves to the next step at once.
 
-        The ack is read later, without blocking, at the next ``flush`` / ``wait_submit`` /
-        ``wait_acks``: a refusal (``BatchRejected``), a late or late-joining step
-        (``LateBatch``, ``StepAlreadyFinal``) or a notice is raised or warned there, naming
-        the step. At most ``max_unacked`` flushes are in flight: one more waits for the
-        oldest ack. Every batch is kept until the journal holds its step and is resent to
-        a restarted actor, as with ``wait_submit``. ``step`` as for ``wait_submit``.
+        The sender delivers one batch at a time, in step order (Ray runs an async actor's
+        calls concurrently, so batches sent without waiting could overtake each other and a
+        step could be published before its predecessor arrived). Its answers are read at the
+        next ``flush`` / ``wait_submit`` / ``wait_acks``: a refusal (``BatchRejected``, with
+        a note naming the step), a late or late-joining step (``LateBatch``,
+        ``StepAlreadyFinal``) or a notice is raised or warned there. At most
+        ``max_unacked`` flushes wait for their answer: one more waits for the oldest. Every
+        batch is kept until the journal holds its step and is resent to a restarted actor,
+        as with ``wait_submit``. ``step`` as for ``wait_submit``.
         """
-        self._collect(block=False)  # acks that came in: their errors reach the caller here
-        while len(self._pending) >= self.max_unacked:
-            self._collect_one()
+        self._read_answers()  # what came back: its errors reach the caller here
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._sending < self.max_unacked,
+                                     timeout=self.retry_s + 60):
+                raise ServiceUnavailable(f"rank {self.rank}: {self._sending} flushes "
+                                         f"unanswered for {self.retry_s + 60} s")
         batch = self._close_step(step)
         blob = encode(batch)
-        self._outbox.sent(batch.step, blob)
-        self.rpc_count += 1
-        ref = self.worker.submit.remote(blob, self._outbox.epoch)
-        self._pending.append((ref, batch, blob))
+        with self._cv:
+            self._outq.append((batch, blob))
+            self._sending += 1
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                                name=f"metricsvc-rank-{self.rank}-sender")
+                self._sender.start()
+            self._cv.notify_all()
         self._closed(batch)
 
-    def wait_acks(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
-        """Wait for the acks of every ``flush`` still in flight; return them, oldest first.
-        Raises what the first refused or late one raises (see ``flush``)."""
+    def _send_loop(self) -> None:
+        """The sender thread: deliver queued batches one at a time, oldest first."""
+        while True:
+            with self._cv:
+                if not self._cv.wait_for(lambda: self._outq, timeout=30.0):
+                    self._sender = None  # idle: the next flush starts a new one
+                    return
+                batch, blob = self._outq[0]
+            ack, error = None, None
+            with self._send_lock:
+                self._outbox.sent(batch.step, blob)
+                try:
+                    ack = self._deliver(blob, None)
+                except BaseException as err:  # noqa: BLE001  handed to the caller
+                    error = err
+                    if isinstance(err, ValueError):
+                        self._outbox.drop(blob)  # refused: resending cannot help
+            with self._cv:
+                self._outq.popleft()
+                self._sending -= 1
+                self._answers.append((batch, ack, error))
+                self._cv.notify_all()
+
+    def _read_answers(self) -> list[dict[str, Any]]:
+        """Take the sender's answers, oldest first; raise the first error among them (the
+        rest wait for the next call)."""
         acks = []
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            acks.append(self._collect_one(timeout_s=left))
-        return acks
+        while True:
+            with self._cv:
+                if not self._answers:
+                    return acks
+                batch, ack, error = self._answers.popleft()
+            if error is not None:
+                if isinstance(error, ValueError):
+                    error.add_note(f"rank {self.rank}: the batch of step {batch.step}, "
+                                   f"sent by flush()")
+                raise error
+            self._after_ack(ack, batch)
+            acks.append(ack)
+
+    def wait_acks(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Wait until every ``flush`` is answered; return the acks not read yet, oldest
+        first. Raises what the first refused or late one raises (see ``flush``), or
+        ``GetTimeoutError`` after ``timeout_s``."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._sending == 0, timeout=timeout_s):
+                raise ray.exceptions.GetTimeoutError(
+                    f"rank {self.rank}: {self._sending} flushes unanswered after "
+                    f"{timeout_s} s")
+        return self._read_answers()
 
     def wait_submit(self, timeout_s: float | None = None, *,
                     step: int | None = None) -> dict[str, Any]:
@@ -267,16 +331,17 @@ class MetricClient(TrackerAPI):
         self.wait_acks(timeout_s)  # earlier flushes first: their errors come first
         batch = self._close_step(step)
         blob = encode(batch)
-        self._outbox.sent(batch.step, blob)
-        try:
-            ack = self._deliver(blob, timeout_s)
-        except ValueError:
-            self._outbox.drop(blob)
-            self._unacked = None  # rejected by the service: retrying cannot help
-            raise
-        except BaseException:
-            self._outbox.drop(blob)  # kept in _unacked: the next call sends it again
-            raise
+        with self._send_lock:
+            self._outbox.sent(batch.step, blob)
+            try:
+                ack = self._deliver(blob, timeout_s)
+            except ValueError:
+                self._outbox.drop(blob)
+                self._unacked = None  # rejected by the service: retrying cannot help
+                raise
+            except BaseException:
+                self._outbox.drop(blob)  # kept in _unacked: the next call sends it again
+                raise
         self._closed(batch)
         self._after_ack(ack, batch)
         return ack
@@ -298,47 +363,6 @@ class MetricClient(TrackerAPI):
                 payload = exchange.send(ack)
             except StopIteration as done:
                 return done.value
-
-    def _collect(self, block: bool) -> None:
-        """Read the acks of flushes that are in (all of them if ``block``)."""
-        while self._pending:
-            if not block:
-                ready, _ = ray.wait([self._pending[0][0]], timeout=0)
-                if not ready:
-                    return
-            self._collect_one()
-
-    def _collect_one(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Read the oldest flush's ack; recover with blocking calls if the actor restarted."""
-        ref, batch, blob = self._pending[0]
-        try:
-            ack = ray.get(ref, timeout=timeout_s)
-        except ValueError as err:  # refused: resending cannot help
-            self._pending.popleft()
-            self._outbox.drop(blob)
-            err.add_note(f"rank {self.rank}: the batch of step {batch.step}, sent by flush()")
-            raise
-        except ACTOR_ERRORS:  # the actor died under this call: resend what it may lack
-            ack = {"status": "epoch_changed", "epoch": None, "durable_through": None}
-        self._pending.popleft()
-        if ack["status"] == "epoch_changed":
-            ack = self._recover(blob)
-        else:
-            self._outbox.heard(ack)
-        self._after_ack(ack, batch)
-        return ack
-
-    def _recover(self, blob: bytes) -> dict[str, Any]:
-        """Another incarnation answered: resend everything owed with blocking calls, then
-        read (and drop) the answers of flushes sent to the old one: all were resent."""
-        ack = self._deliver(blob, None)
-        for ref, _, _ in self._pending:
-            try:
-                ray.get(ref, timeout=self.retry_s)
-            except Exception:  # noqa: BLE001  the old incarnation's answer, whatever it was:
-                pass  # every batch it was sent was resent above, and answered there
-        self._pending.clear()
-        return ack
 
     def _joined_late(self, ack: dict[str, Any], batch: Batch) -> bool:
         """A first flush for a step the service has already moved past (not just the step
@@ -413,8 +437,8 @@ class MetricClient(TrackerAPI):
 
     @property
     def in_flight(self) -> int:
-        """Flushes whose ack has not been read yet."""
-        return len(self._pending)
+        """Flushes not answered yet (queued for the sender or being delivered)."""
+        return self._sending
 
     # -- reading -------------------------------------------------------------------------
     def wait_final_res(self, step: int | None = None, timeout_s: float | None = None, *,

@@ -21,7 +21,8 @@ def start_ranks(cfg, placement):
     world = len(placement)
     ranks = {r: RankActor.options(resources={node: 1}).remote(cfg.name, r, world)
              for r, node in placement.items()}
-    ray.get([a.run.remote([], flush=False) for a in ranks.values()])  # all registered
+    # connect(): every rank registered with its combiner before the first step
+    ray.get([a.run.remote([("connect", (), {})], flush=False) for a in ranks.values()])
     return ranks
 
 
