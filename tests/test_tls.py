@@ -2,7 +2,7 @@
 default token authentication, with self-signed certificates this test makes (issue 15).
 
 It needs a Ray of its own (TLS is set when Ray starts), so the driver runs in a child
-process with the TLS environment; nothing here sets ``RAY_AUTH_MODE``."""
+process with the TLS environment; Ray's authentication settings are left at their defaults."""
 
 import datetime
 import json
