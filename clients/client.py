@@ -293,9 +293,10 @@ class MetricClient(TrackerAPI):
                     return acks
                 batch, ack, error = self._answers.popleft()
             if error is not None:
-                if isinstance(error, ValueError):
-                    error.add_note(f"rank {self.rank}: the batch of step {batch.step}, "
-                                   f"sent by flush()")
+                what = ("refused" if isinstance(error, ValueError) else
+                        "not delivered (kept for a restarted actor that lacks it)")
+                error.add_note(f"rank {self.rank}: the batch of step {batch.step}, sent by "
+                               f"flush(), was {what}")
                 raise error
             self._after_ack(ack, batch)
             acks.append(ack)
