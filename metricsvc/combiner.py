@@ -55,7 +55,7 @@ class CombinerImpl:
         self._outbox = Outbox(label=f"combiner {label!r}")
         self.durable_through: int | None = None
         self.last_final_step: int | None = None
-        self.calls = {"submit": 0, "forward": 0, "resent": 0, "rejected_upstream": 0}
+        self.calls = {"submit": 0, "forward": 0, "rejected_upstream": 0}
         self._ticker: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -135,7 +135,6 @@ class CombinerImpl:
                     ack = done.value
                     break
             self.calls["forward"] += 1
-            self.calls["resent"] = self._outbox.resent
             self.durable_through = ack.get("durable_through")
             self.last_final_step = ack.get("last_final_step")
 
@@ -174,7 +173,7 @@ class CombinerImpl:
                 "gathering": {s: sorted(g.closed) for s, g in sorted(self._gathering.items())},
                 "forwarded_through": self._forwarded_through,
                 "durable_through": self.durable_through, "inflight": len(self._outbox),
-                "calls": dict(self.calls)}
+                "calls": {**self.calls, "resent": self._outbox.resent}}
 
 
 Combiner = ray.remote(num_cpus=0, max_restarts=3, max_concurrency=1088)(CombinerImpl)

@@ -32,6 +32,7 @@ class TensorboardSink:
         self._writer: Any = None
         self._held: dict[int, set[str]] = {}  # after a restart: what the folder holds
         self._last_flush = 0.0
+        self._dirty = False  # events written since the last flush
 
     def open(self, run_dir: Path) -> None:
         from tensorboardX.event_file_writer import EventsWriter  # optional backend
@@ -69,15 +70,18 @@ class TensorboardSink:
             if tag not in held:
                 self._writer.write_event(Event(wall_time=now, step=step,
                                                summary=scalar(tag, value)))
+                self._dirty = True
         if self.config.flush_every_step or time.monotonic() - self._last_flush > \
                 self.config.flush_secs:
             self.commit()
 
     def commit(self) -> None:
-        """Flush and fsync the event file: everything written so far is durable."""
-        if self._writer is not None:
+        """Flush and fsync the event file: everything written so far is durable. (The
+        dispatcher commits too when its queue drains: a clean file is not fsynced again.)"""
+        if self._writer is not None and self._dirty:
             self._writer.flush()
-            self._last_flush = time.monotonic()
+            self._dirty = False
+        self._last_flush = time.monotonic()
 
     def close(self) -> None:
         if self._writer is not None:
