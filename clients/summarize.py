@@ -8,27 +8,32 @@ row and sketch of a flush and copies them once per device (``to_host``).
 
 On the CPU the valid positions of a mask are found once (per step, when the
 caller passes a ``MaskCache``: every value recorded under that mask shares them);
-each value is then gathered (never larger than itself) and reduced in a few passes
-of its own dtype, with float64 only for accumulating, in cache-sized chunks. On
-an accelerator nothing may wait for the device, so small tensors take vectorised
-whole-tensor ops (no ``where``, no ``nonzero``) and large ones one fused kernel
-(``torch.compile`` with dynamic shapes, so batch shapes never recompile), with
-the eager path as fallback.
+each distinct tensor of a call is gathered once (never larger than itself). Small
+values are summarised together, stacked, one numpy pass per statistic; a large one
+takes four passes (float64 sum and sum of squares, widened in cache-sized chunks,
+and min/max), plus the passes that exclude NaN/inf only when its sum shows some.
+Reading a CPU value is not a device sync. A ``Difference(a, b)`` is summarised
+over the valid positions only, in float64. On an accelerator nothing may wait for
+the device, so small tensors take vectorised whole-tensor ops (no ``where``, no
+``nonzero``) and large ones one fused kernel (``torch.compile`` with dynamic
+shapes, so batch shapes never recompile), with the eager path as fallback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import math
 import numbers
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from metricsvc.records import merge, scalar_row, summarize_array
+from metricsvc.records import merge, scalar_row, scalar_rows, summarize_array
 from metricsvc.sketch import SketchSpec, dense_counts
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,27 @@ def is_tensor(value: object) -> bool:
     """Return True for a torch tensor (without importing torch)."""
     torch = _torch()
     return torch is not None and isinstance(value, torch.Tensor)
+
+
+_accelerator_path_on_cpu = 0
+
+
+@contextlib.contextmanager
+def accelerator_path_on_cpu() -> Iterator[None]:
+    """Summarise CPU tensors with the accelerator path (sync-free, whole-tensor ops) inside
+    the block: how a machine without an accelerator tests that path and counts its host
+    reads (there must be none). Outside it, CPU tensors take the host path, which reads
+    values freely: on the CPU that is not a device sync."""
+    global _accelerator_path_on_cpu
+    _accelerator_path_on_cpu += 1
+    try:
+        yield
+    finally:
+        _accelerator_path_on_cpu -= 1
+
+
+def _on_host(x: Any) -> bool:
+    return x.device.type == "cpu" and not _accelerator_path_on_cpu
 
 
 def compile_default() -> bool:
@@ -129,6 +155,33 @@ def summarize(
     return summarize_many({key: values}, mask, compile=compile)[key]
 
 
+class Difference:
+    """``a - b`` for a summary, computed where it is summarised: on the CPU over the valid
+    positions only, in float64 (exact for float32 and smaller inputs), sharing the gathers
+    of ``a`` and ``b`` with the other values of the call; on an accelerator as a float64
+    tensor. Pass it as a value: ``stat(mask=m, **{"residual": Difference(returns, values)})``.
+    """
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Any, b: Any) -> None:
+        if not (is_tensor(a) and is_tensor(b)):
+            raise TypeError("Difference takes two tensors")
+        if a.shape != b.shape:
+            raise ValueError(f"Difference of tensors of shapes {tuple(a.shape)} and "
+                             f"{tuple(b.shape)}")
+        self.a, self.b = a, b
+
+    @property
+    def shape(self) -> Any:
+        return self.a.shape
+
+    def tensor(self) -> Any:
+        """The difference as one float64 tensor (the accelerator path)."""
+        torch = _torch()
+        return self.a.detach().to(torch.float64) - self.b.detach()
+
+
 class MaskCache:
     """The valid positions of the masks a client used this step, found once per mask, and
     the scratch buffers of the CPU summaries, kept across steps (fresh multi-MB buffers
@@ -145,12 +198,14 @@ class MaskCache:
         self._buffers: dict[tuple[Any, str], Any] = {}
 
     def index(self, mask: Any) -> Any:
-        """Return the flat indices where ``mask`` (a CPU bool tensor) is True."""
+        """Return the flat indices (an int64 CPU tensor) where ``mask`` (a CPU bool tensor)
+        is True."""
         for held, version, index in self._entries:
             if (held.data_ptr() == mask.data_ptr() and held.shape == mask.shape
                     and held.stride() == mask.stride() and mask._version == version):
                 return index
-        index = mask.reshape(-1).nonzero().reshape(-1)
+        # numpy finds the positions several times faster than torch's nonzero on the CPU.
+        index = _torch().from_numpy(np.flatnonzero(mask.numpy()))
         self._entries = [(mask, mask._version, index), *self._entries][: self.size]
         return index
 
@@ -170,28 +225,40 @@ def summarize_many(
     cache: MaskCache | None = None,
 ) -> dict[str, Row]:
     """Return ``{key: row}`` for values sharing one mask; the mask is prepared once
-    (once per step with a ``cache``).
+    (once per step with a ``cache``). A value may be a ``Difference`` of two tensors.
 
     Every value is checked before any is summarised, so a bad one raises
     (naming its key) before work is done.
     """
-    prepared = {key: prepare(v, mask, key=key) for key, v in values.items()}
-    packs: dict[Any, Any] = {}
+    prepared = {key: _prepare_value(v, mask, key) for key, v in values.items()}
     out: dict[str, Row] = {}
+    host: dict[str, Any] = {}  # CPU tensors and differences: summarised together
+    plain: dict[str, Any] = {}
+    packs: dict[Any, Any] = {}
+    m = mask
     for key, (v, m) in prepared.items():
+        if isinstance(v, Difference):
+            if _on_host(v.a):
+                host[key] = v
+                continue
+            v = v.tensor()
         if not is_tensor(v):
-            out[key] = _plain_number_row(key, v) if isinstance(v, numbers.Number) else (
-                summarize_array(v, m)
-            )
+            if isinstance(v, numbers.Number):
+                plain[key] = v
+            else:
+                out[key] = summarize_array(v, m)
+            continue
+        if _on_host(v):
+            host[key] = v
             continue
         torch = _torch()
         x = v.reshape(-1)
-        if not x.is_floating_point():
-            x = x.to(torch.float64)  # ints and bools: exact in float64, never in float32
         if x.numel() == 0:
             out[key] = torch.tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=torch.float64,
                                     device=x.device)
             continue
+        if not x.is_floating_point():
+            x = x.to(torch.float64)  # ints and bools: exact in float64, never in float32
         flat_mask = None if m is None else m.reshape(-1)
         with torch.no_grad():
             if _use_compiled(x, compile):
@@ -202,14 +269,34 @@ def summarize_many(
                 where = (x.dtype, x.device, x.numel())
                 pack = packs.get(where)
                 if pack is None:
-                    if x.device.type == "cpu":
-                        cache = cache or MaskCache()
-                        index = None if m is None else cache.index(m)
-                        pack = packs[where] = _SelectPack(index, x, cache)
-                    else:
-                        pack = packs[where] = _MaskPack(flat_mask, x)
+                    pack = packs[where] = _MaskPack(flat_mask, x)
                 out[key] = pack.row(x)
-    return out
+    if plain:
+        out.update(_plain_rows(plain))
+    if host:
+        host_mask = prepared[next(iter(host))][1]
+        out.update(_HostPass(host_mask, cache or MaskCache()).rows(host))
+    return {key: out[key] for key in values}  # the caller's order
+
+
+def _plain_rows(plain: Mapping[str, Any]) -> dict[str, Any]:
+    """Rows of plain numbers, all in one vectorised pass."""
+    try:
+        rows = scalar_rows(np.array([float(v) for v in plain.values()], dtype=np.float64))
+    except OverflowError:  # an int past float64: name it
+        return {key: _plain_number_row(key, v) for key, v in plain.items()}
+    return dict(zip(plain, rows))
+
+
+def _prepare_value(v: Any, mask: Any, key: str) -> tuple[Any, Any]:
+    if isinstance(v, Difference):
+        a, m = prepare(v.a, mask, key=key)
+        b, _ = prepare(v.b, mask, key=key)
+        if b.device != a.device:
+            raise ValueError(f"value for key {key!r}: Difference of tensors on "
+                             f"{a.device} and {b.device}")
+        return Difference(a, b), m
+    return prepare(v, mask, key=key)
 
 
 def _plain_number_row(key: str, value: Any) -> Any:
@@ -246,50 +333,154 @@ class _MaskPack:
 
 
 _CHUNK = 1 << 16  # float64 accumulation in pieces of 512 KiB: no whole-tensor float64 copy
+_SMALL = 4096  # below this, numpy's per-call cost (~1 us) beats torch's (~5 us)
 
 
-class _SelectPack:
-    """CPU: the valid positions of one mask (``index``; None: all), and buffers shared by
-    every value of one dtype and size under it."""
+@functools.cache
+def _numpy_dtypes(torch: Any) -> frozenset:
+    """The torch dtypes ``Tensor.numpy()`` can view (numpy has no bfloat16)."""
+    return frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                      torch.int16, torch.int32, torch.int64, torch.bool})
 
-    def __init__(self, index: Any, like: Any, cache: MaskCache) -> None:
+
+def _identity_row() -> Any:
+    return _torch().tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=_torch().float64)
+
+
+class _HostPass:
+    """CPU summaries of the values of one call under one mask.
+
+    The mask's valid positions are found once per step (``MaskCache``); each distinct
+    tensor is gathered once per call (a tensor passed under two keys, or inside a
+    ``Difference``, is read once) into a buffer no larger than itself. Small values (a
+    value per sequence, say) are then summarised together, one numpy pass per statistic
+    over all of them stacked; a large one takes four passes of its own: the float64 sum
+    and sum of squares (widened in cache-sized chunks, never a whole float64 copy), and
+    min/max together. Non-finite values are rare: their presence shows in the float64
+    sum (NaN and inf propagate through it), and only then does a row take the slower
+    passes that count and exclude them. Reading the CPU is not a device sync.
+    """
+
+    def __init__(self, mask: Any, cache: MaskCache) -> None:
+        self.cache = cache
+        self.index = None if mask is None else cache.index(mask)
+        self._gathered: dict[tuple, tuple[Any, Any]] = {}  # memory viewed -> (tensor, valid)
+
+    def rows(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Return ``{key: row}`` for CPU tensors and differences of CPU tensors."""
+        out: dict[str, Any] = {}
+        small: dict[int, dict[str, Any]] = {}  # length -> {key: numpy array}
+        done: dict[int, Any] = {}  # id(gathered) -> row: a tensor under two keys
+        for key, v in values.items():
+            if isinstance(v, Difference):
+                g = self._difference(v)  # a shared buffer: summarised before the next one
+                if 0 < g.numel() < _SMALL:
+                    small.setdefault(g.numel(), {})[key] = g.numpy().copy()
+                else:
+                    out[key] = self._row(g) if g.numel() else _identity_row()
+                continue
+            g = self._gather(v)
+            n = g.numel()
+            if n == 0:
+                out[key] = _identity_row()
+            elif n < _SMALL and g.dtype in _numpy_dtypes(_torch()):
+                small.setdefault(n, {})[key] = g.numpy()
+            elif id(g) in done:
+                out[key] = done[id(g)].clone()
+            else:
+                out[key] = done[id(g)] = self._row(g)
+        for group in small.values():
+            out.update(self._small_rows(group))
+        return out
+
+    def _gather(self, x: Any) -> Any:
+        # The same data under two keys (or in a Difference) is read once; every value
+        # arrives as a fresh detached view, so the memory it views identifies it.
+        where = (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+        held = self._gathered.get(where)
+        if held is not None:
+            return held[1]
+        flat = x.reshape(-1)
+        if self.index is not None and self.index.numel() != flat.numel():
+            n = self.index.numel()
+            if n < _SMALL and flat.numel() < _SMALL and flat.dtype in _numpy_dtypes(_torch()):
+                flat = _torch().from_numpy(flat.numpy()[self.index.numpy()])
+            else:
+                slot = f"gathered{len(self._gathered)}"
+                flat = _torch().index_select(flat, 0, self.index,
+                                             out=self.cache.buffer(flat.dtype, slot, n))
+        self._gathered[where] = (x, flat)  # x is held: its memory cannot be reused meanwhile
+        return flat
+
+    def _difference(self, d: Difference) -> Any:
+        """``a - b`` over the valid positions only, in float64: exact for float32 and
+        smaller inputs, and no larger than the two inputs together."""
+        ga, gb = self._gather(d.a), self._gather(d.b)
+        res = self.cache.buffer(_torch().float64, "difference", ga.numel())
+        return res.copy_(ga).sub_(gb)
+
+    def _small_rows(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """Rows of same-length numpy values, stacked: one pass per statistic for all."""
         torch = _torch()
-        self.index = index
-        n = like.numel() if index is None else index.numel()
-        self.n = n
-        self.count = torch.tensor(float(n), dtype=torch.float64)
-        self.gathered = cache.buffer(like.dtype, "gathered", n)
-        self.clean = cache.buffer(like.dtype, "clean", n)
-        self.scratch = cache.buffer(like.dtype, "scratch", n)
-        self.wide = cache.buffer(torch.float64, "wide", min(n, _CHUNK))
+        arrays = list(group.values())
+        stacked = (np.stack(arrays) if len(arrays) > 1 else arrays[0][None]).astype(
+            np.float64, copy=False)  # exact widening of small values
+        rows = np.empty((len(arrays), 6))
+        # Checked first, so the sums below can neither overflow nor meet inf - inf (numpy
+        # would warn, and its errstate costs more than these passes).
+        if np.isfinite(stacked).all():
+            np.minimum.reduce(stacked, axis=1, out=rows[:, 2])
+            np.maximum.reduce(stacked, axis=1, out=rows[:, 3])
+            if max(-rows[:, 2].min(), rows[:, 3].max()) < 1e150:
+                np.add.reduce(stacked, axis=1, out=rows[:, 0])
+                np.einsum("ij,ij->i", stacked, stacked, out=rows[:, 4])
+                rows[:, 1] = stacked.shape[1]
+                rows[:, 5] = 0.0
+                return dict(zip(group, torch.from_numpy(rows).unbind(0)))
+        return {key: self._row_nonfinite(torch.from_numpy(stacked[i]))
+                for i, key in enumerate(group)}
 
-    def row(self, x: Any) -> Any:
-        """The summary row of flat ``x`` over the valid positions: a gather, then seven
-        passes in x's dtype over at most x's size, float64 only to accumulate."""
+    def _row(self, v: Any) -> Any:
+        """The summary row of flat ``v`` (every position valid, not empty)."""
         torch = _torch()
-        if self.n == 0:
-            return torch.tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=torch.float64)
-        v = x if self.index is None else torch.index_select(x, 0, self.index,
-                                                            out=self.gathered)
-        clean = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0, out=self.clean)
-        bad = torch.sub(v, clean, out=self.scratch)  # 0 where finite, NaN/inf where not
+        n = v.numel()
+        if not v.is_floating_point():
+            v = v.to(torch.float64)  # ints and bools: exact in float64
+        if v.dtype == torch.float64:
+            total, square = v.sum().item(), torch.dot(v, v).item()
+        else:
+            total = square = 0.0
+            wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
+            for start in range(0, n, _CHUNK):
+                piece = v[start:start + _CHUNK]
+                w = wide[: piece.numel()].copy_(piece)  # exact widening
+                total += w.sum().item()
+                square += torch.dot(w, w).item()
+        if math.isfinite(total) and math.isfinite(square):
+            low, high = torch.aminmax(v)
+            return torch.from_numpy(np.array([total, n, low.item(), high.item(), square, 0.0]))
+        return self._row_nonfinite(v)
+
+    def _row_nonfinite(self, v: Any) -> Any:
+        """The row of ``v`` when something in it is not finite (or its squares overflow)."""
+        torch = _torch()
+        if not v.is_floating_point():
+            v = v.to(torch.float64)
+        n = v.numel()
+        clean = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+        bad = v - clean  # 0 where finite, NaN/inf where not
         bad = torch.nan_to_num_(bad, nan=1.0, posinf=1.0, neginf=1.0)  # 1 where not finite
-        # A sum of 0/1 in the value's dtype is exact while n fits its significand.
-        exact = self.n < (1 << (11 if bad.dtype == torch.float16 else
-                                8 if bad.dtype == torch.bfloat16 else 24))
-        nonfinite = (bad.sum() if exact else torch.count_nonzero(bad)).to(torch.float64)
-        sums, squares = [], []
+        nonfinite = float(torch.count_nonzero(bad).item())
+        total = square = 0.0
         for piece in clean.split(_CHUNK):
-            wide = self.wide[: piece.numel()].copy_(piece)  # exact widening
-            sums.append(wide.sum())
-            squares.append(torch.dot(wide, wide))
-        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-        square = squares[0] if len(squares) == 1 else torch.stack(squares).sum()
-        low = torch.nan_to_num(v, nan=_INF, posinf=_INF, neginf=_INF, out=self.scratch).amin()
-        high = torch.nan_to_num(v, nan=-_INF, posinf=-_INF, neginf=-_INF,
-                                out=self.scratch).amax()
-        return torch.stack([total, self.count - nonfinite, low.to(torch.float64),
-                            high.to(torch.float64), square, nonfinite])
+            w = piece.to(torch.float64)  # exact widening, a chunk at a time
+            total += w.sum().item()
+            square += torch.dot(w, w).item()
+        if nonfinite == n:
+            return torch.tensor([0.0, 0.0, _INF, -_INF, 0.0, nonfinite], dtype=torch.float64)
+        low = torch.nan_to_num(v, nan=_INF, posinf=_INF, neginf=_INF).amin().item()
+        high = torch.nan_to_num(v, nan=-_INF, posinf=-_INF, neginf=-_INF).amax().item()
+        return torch.from_numpy(np.array([total, n - nonfinite, low, high, square, nonfinite]))
 
 
 def _eager_row(x: Any, p: _MaskPack) -> Any:

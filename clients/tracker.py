@@ -46,6 +46,7 @@ class Tracker:
         self._scope: ContextVar[tuple[str, ...]] = ContextVar(f"metricsvc_scope_{next(_ids)}",
                                                               default=())
         self._denominators: dict[str, Any] = {}
+        self._good_keys: set[str] = set()
 
     # -- keys and scopes ---------------------------------------------------------------
     def full_key(self, key: str) -> str:
@@ -54,9 +55,14 @@ class Tracker:
 
     def _key(self, key: str) -> str:
         """Return the checked full key (name rules, reserved ``__`` segments)."""
-        from clients.buffer import check_reserved  # buffer imports this module
+        full = self.full_key(key)
+        if full not in self._good_keys:  # keys recur every step: each is checked once
+            from clients.buffer import check_reserved  # buffer imports this module
 
-        return check_reserved(check_key(self.full_key(key)))
+            check_reserved(check_key(full))
+            if len(self._good_keys) < 100_000:
+                self._good_keys.add(full)
+        return full
 
     @contextlib.contextmanager
     def scope(self, name: str) -> Iterator[None]:

@@ -276,3 +276,58 @@ def test_siirl_method_names_exist_with_the_correct_spelling_alias(ray_cluster):
     assert c.compute_local_throughput_metrics == c.compute_local_throughout_metrics
     with pytest.raises(ValueError, match=r"must be in \[1, 2\]"):
         c.compute_local_data_metric(make_batch(0, 2), world_size=3)
+
+
+def test_siirl_methods_read_each_token_tensor_once_without_float64_copies():
+    """Issue 19: on siiRL's batch the built-in methods cost about what siiRL's own functions
+    do. Counted, not timed: torch calls that touch data, gathers, whole-tensor widenings."""
+    from torch.overrides import TorchFunctionMode
+
+    class Ops(TorchFunctionMode):
+        META = {"__get__", "numel", "detach", "data_ptr", "stride", "is_floating_point",
+                "reshape", "numpy", "item", "dim", "size", "__len__"}
+
+        def __init__(self):
+            super().__init__()
+            self.calls, self.widened = [], 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = getattr(func, "__name__", str(func))
+            if name not in self.META:
+                self.calls.append(name)
+            if (isinstance(out, torch.Tensor) and out.dtype == torch.float64
+                    and out.numel() >= 64 * 1024 // 2):
+                # A new float64 tensor as large as half a token tensor (views and in-place
+                # fills of the client's kept scratch buffers share an input's storage).
+                ptr = out.untyped_storage().data_ptr()
+                self.widened += not any(
+                    isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr
+                    for a in (*args, *(kwargs or {}).values()))
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    b, p, r = 64, 512, 1024
+    rlen = torch.randint(r // 8, r + 1, (b,), generator=g)
+    plen = torch.randint(p // 4, p + 1, (b,), generator=g)
+    rmask = torch.arange(r)[None, :] < rlen[:, None]
+    pmask = torch.arange(p)[None, :] >= (p - plen)[:, None]
+    batch = {"responses": torch.zeros(b, r, dtype=torch.long),
+             "attention_mask": torch.cat([pmask, rmask], 1).long(),
+             "token_level_scores": torch.rand(b, r, generator=g),
+             "token_level_rewards": torch.rand(b, r, generator=g),
+             **{k: torch.randn(b, r, generator=g) for k in ("advantages", "returns", "values")}}
+    timing = {s: 0.5 for s in ("gen", "ref", "values", "adv", "update_actor", "step")}
+    c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+    c.compute_local_data_metric(batch)  # the first step makes the scratch buffers it keeps
+    c.buffer.discard()
+    batch = {k: v.clone() for k, v in batch.items()}  # the next step's batch
+    with Ops() as ops:
+        c.compute_local_data_metric(batch)
+        c.compute_local_timing_metrics(batch, timing)
+        c.compute_local_throughout_metrics(batch, timing, 1)
+    # siiRL's functions make about 50 such calls on this batch; main made 510.
+    assert len(ops.calls) <= 70, sorted(ops.calls)
+    assert ops.calls.count("index_select") == 3  # advantages, returns, values: once each
+    assert ops.widened == 0 and "nonzero" not in ops.calls
+    assert len(c.pending_keys()) >= 20

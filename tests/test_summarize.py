@@ -6,7 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clients.summarize import merge_rows, rows_to_host, summarize, summarize_many
+from clients.summarize import (
+    accelerator_path_on_cpu,
+    merge_rows,
+    rows_to_host,
+    summarize,
+    summarize_many,
+)
 from clients.synccount import HostTransferCounter
 from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ, summarize_array
 
@@ -30,7 +36,7 @@ def test_tensor_summary_matches_numpy_in_float64_for_every_dtype(dtype):
 def test_tensor_summary_stays_on_device_and_never_syncs():
     v = torch.randn(64, 32)
     mask = torch.rand(64, 32) > 0.2
-    with HostTransferCounter() as counter:
+    with accelerator_path_on_cpu(), HostTransferCounter() as counter:
         row = summarize(v, mask, key="k")
         row = merge_rows(row, summarize(v[:3], mask[:3], key="k"))
     assert isinstance(row, torch.Tensor) and row.dtype == torch.float64
@@ -212,3 +218,75 @@ def test_threads_recording_masked_tensors_into_one_client_stay_exact():
         assert row[COUNT].item() == 20 * ref.numel()
         assert row[SUM].item() == pytest.approx(20 * ref.sum().item(), rel=1e-9)
         assert row[MIN].item() == ref.min().item() and row[MAX].item() == ref.max().item()
+
+
+@pytest.mark.parametrize("n", [7, 5000, 70_000])  # numpy's small path, torch's, several chunks
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_a_difference_is_summarised_exactly_over_the_valid_positions(n, dtype):
+    from clients.summarize import Difference
+
+    g = torch.Generator().manual_seed(n)
+    a = (torch.randn(n, generator=g) * 3 + 1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    mask = torch.rand(n, generator=g) < 0.7
+    a[~mask] = float("nan")  # garbage where masked out never matters
+    a[int(mask.nonzero()[0])] = float("inf")  # a valid inf is counted, not summed
+    rows = summarize_many({"res": Difference(a, b), "a": a}, mask)
+    ref = summarize_array(a.double().numpy() - b.double().numpy(), mask.numpy())
+    row = _host(rows["res"])
+    assert row[COUNT] == ref[COUNT] and row[NONFINITE] == ref[NONFINITE] == 1
+    assert row[MIN] == ref[MIN] and row[MAX] == ref[MAX]
+    np.testing.assert_allclose(row[SUM], ref[SUM], rtol=1e-12)
+    np.testing.assert_allclose(row[SUMSQ], ref[SUMSQ], rtol=1e-12)
+    np.testing.assert_allclose(_host(rows["a"])[SUM],
+                               summarize_array(a.double().numpy(), mask.numpy())[SUM], rtol=1e-12)
+
+
+def test_small_values_of_one_call_are_summarised_together_each_exactly():
+    g = torch.Generator().manual_seed(5)
+    values = {
+        "plain": torch.randn(64, generator=g),
+        "nan": torch.randn(64, generator=g).index_fill_(0, torch.tensor([3, 9]), float("nan")),
+        "huge": torch.full((64,), 1e200, dtype=torch.float64),  # its squares overflow
+        "ints": torch.arange(64),
+        "flags": torch.arange(64) % 3 == 0,
+        "half": torch.randn(64, generator=g).half(),
+    }
+    rows = summarize_many(values)
+    for key, v in values.items():
+        ref = summarize_array(v.double().numpy())
+        row = _host(rows[key])
+        assert row[COUNT] == ref[COUNT] and row[NONFINITE] == ref[NONFINITE], key
+        assert row[MIN] == ref[MIN] and row[MAX] == ref[MAX], key
+        np.testing.assert_allclose(row[SUM], ref[SUM], rtol=1e-12, err_msg=key)
+        with np.errstate(over="ignore"):
+            np.testing.assert_allclose(row[SUMSQ], ref[SUMSQ], rtol=1e-12, err_msg=key)
+    assert _host(rows["huge"])[SUMSQ] == np.inf and _host(rows["huge"])[NONFINITE] == 0
+
+
+def test_each_tensor_of_a_call_is_gathered_once_whatever_it_is_recorded_as():
+    from torch.overrides import TorchFunctionMode
+
+    from clients.summarize import Difference
+
+    class Count(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(1)
+    ret, val = torch.randn(64, 1024, generator=g), torch.randn(64, 1024, generator=g)
+    mask = torch.rand(64, 1024, generator=g) < 0.5
+    with Count() as count:
+        rows = summarize_many({"returns": ret, "values": val, "target": ret,
+                               "residual": Difference(ret, val)}, mask)
+    assert count.calls.count("index_select") == 2, count.calls  # main: 4 (6 with the residual)
+    # all finite: no passes to find non-finite values, no torch nonzero
+    assert "nonzero" not in count.calls and "nan_to_num" not in count.calls
+    np.testing.assert_array_equal(_host(rows["target"]), _host(rows["returns"]))
+    ref = (ret.double() - val.double())[mask]
+    assert _host(rows["residual"])[SUM] == pytest.approx(ref.sum().item(), rel=1e-12)

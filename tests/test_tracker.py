@@ -10,6 +10,7 @@ import ray
 import torch
 
 from clients import MetricClient, ReduceType
+from clients.summarize import accelerator_path_on_cpu
 from clients.synccount import HostTransferCounter
 from metricsvc import ReduceType as ServiceReduceType
 
@@ -228,7 +229,7 @@ def test_quantile_sketch_alpha_mismatch_is_rejected_naming_the_key(make_worker):
 def test_one_host_copy_per_flush_with_quantiles_and_denominators(make_worker):
     handle, cfg = make_worker()
     (c,) = clients_for(cfg, 1)
-    with HostTransferCounter() as counter:
+    with accelerator_path_on_cpu(), HostTransferCounter() as counter:
         mask = torch.rand(8, 16) > 0.5
         c.denominator(valid=mask)
         for i in range(20):

@@ -11,6 +11,7 @@ import torch
 
 import metricsvc
 from clients import MetricClient, ReduceType
+from clients.summarize import accelerator_path_on_cpu
 from clients.synccount import HostTransferCounter
 from metricsvc.records import Batch
 from tests.helpers import RankActor, random_rank_data
@@ -99,7 +100,7 @@ def test_one_message_and_one_host_copy_per_rank_per_step_at_any_key_count(make_w
     for k in (1, 300):
         for _ in range(steps // 2):
             for c in clients:
-                with HostTransferCounter() as counter:
+                with accelerator_path_on_cpu(), HostTransferCounter() as counter:
                     for i in range(k):
                         c.stat(**{f"m/{i}": torch.randn(8)})
                     c.submit_metric({f"plain/{i}": float(i) for i in range(k)})

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from clients.metrics.batch import get, response_info
+from clients.summarize import Difference
 from metricsvc.reduce import ReduceType
 
 
@@ -18,29 +19,33 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     token-level ones (advantages, returns, values) once per valid response
     token. ``critic/vf_explained_var`` is derived by the service from the
     merged moments of returns and returns - values over every valid token.
+
+    Four ``stat`` calls: the per-sequence values together, the token-level ones under the
+    response mask together (each tensor read once: the explained-variance inputs reuse
+    the returns and values gathered for their own keys), the clip ratios, and the lengths
+    of correct and of wrong responses under their own masks.
     """
     torch = __import__("torch")  # the batch is made of torch tensors: it is loaded already
     info = response_info(batch)
-    resp = info.response_mask
     # Sums accumulate in float64 without a float64 copy of the token tensors.
-    scores = batch["token_level_scores"].sum(-1, dtype=torch.float64)
     rewards = batch["token_level_rewards"].sum(-1, dtype=torch.float64)
-    m.stat(**{"critic/score": scores, "critic/rewards": rewards})
-    values = get(batch, "values")
-    token_level = {"critic/advantages": batch["advantages"], "critic/returns": batch["returns"]}
+    length = info.response_length
+    per_sequence = {"critic/score": batch["token_level_scores"].sum(-1, dtype=torch.float64),
+                    "critic/rewards": rewards, "response/length": length,
+                    "prompt/length": info.prompt_length}
+    turns = get(batch, "__num_turns__", get(batch, "num_turns"))
+    if turns is not None:
+        per_sequence["num_turns"] = turns
+    m.stat(**per_sequence)
+    returns, values = batch["returns"], get(batch, "values")
+    token_level = {"critic/advantages": batch["advantages"], "critic/returns": returns}
     if values is not None:
         token_level["critic/values"] = values
-    m.stat(mask=resp, **token_level)  # one mask preparation, one call
-    if values is not None:
-        returns = batch["returns"]
-        m.stat(mask=resp, reduce=ReduceType.AVG, **{
-            "critic/__explained_var/vf_explained_var/target": returns,  # widened exactly
-            # The residual itself in float64: a float32 difference would round.
-            "critic/__explained_var/vf_explained_var/residual":
-                returns.to(torch.float64) - values,
-        })
-    length = info.response_length
-    m.stat(**{"response/length": length, "prompt/length": info.prompt_length})
+        token_level["critic/__explained_var/vf_explained_var/target"] = returns
+        # Over the valid tokens only, in float64: a float32 difference would round.
+        token_level["critic/__explained_var/vf_explained_var/residual"] = Difference(
+            returns, values)
+    m.stat(mask=info.response_mask, **token_level)
     m.stat(reduce=ReduceType.AVG, **{
         "response/clip_ratio/mean": (length == info.max_response_length).double(),
         "prompt/clip_ratio/mean": (info.prompt_length == info.max_prompt_length).double(),
@@ -49,9 +54,6 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     correct = rewards > 0.5
     m.stat(mask=correct, **{"response/correct_length": length})
     m.stat(mask=~correct, **{"response/wrong_length": length})
-    turns = get(batch, "__num_turns__", get(batch, "num_turns"))
-    if turns is not None:
-        m.stat(**{"num_turns": turns})
 
 
 def _rss_gb() -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from clients.metrics.batch import response_info
+from clients.metrics.batch import plain_if_host, response_info
 from metricsvc.reduce import ReduceType
 
 # Which token count a stage's time is divided by (siiRL / verl).
@@ -27,19 +27,20 @@ def record_timing_metrics(
     and ``timing_per_token_ms/<stage>`` = 1000 * sum of times / sum of tokens over ranks."""
     info = response_info(batch)
     response = info.response_length.sum()
-    tokens = {"response": response, "overall": response + info.prompt_length.sum()}
+    tokens = {"response": plain_if_host(response),
+              "overall": plain_if_host(response + info.prompt_length.sum())}
     # Plain numbers stay plain (one vectorised call for every stage); the two token counts
-    # stay on their device (no sync), shared by the stages that divide by them.
+    # are plain on the host and stay on their device elsewhere (no sync), shared by the
+    # stages that divide by them.
     m.stat(reduce=reduce, **{f"timing_s/{stage}": float(s) for stage, s in timing_raw.items()})
     per_token = [(stage, TOKENS_OF_STAGE[stage]) for stage in timing_raw
                  if stage in TOKENS_OF_STAGE]
     if per_token:
-        m.stat(reduce=ReduceType.SUM, **{
-            f"__ratio/timing_per_token_ms/{stage}/num": 1000.0 * float(timing_raw[stage])
-            for stage, _ in per_token})
-        m.stat(reduce=ReduceType.SUM, **{
-            f"__ratio/timing_per_token_ms/{stage}/den": tokens[which]
-            for stage, which in per_token})
+        ratios = {}
+        for stage, which in per_token:
+            ratios[f"__ratio/timing_per_token_ms/{stage}/num"] = 1000.0 * float(timing_raw[stage])
+            ratios[f"__ratio/timing_per_token_ms/{stage}/den"] = tokens[which]
+        m.stat(reduce=ReduceType.SUM, **ratios)
 
 
 def record_throughput_metrics(
@@ -49,7 +50,7 @@ def record_throughput_metrics(
     ``perf/throughput`` = total tokens / (time per step * n_gpus), derived after the merge."""
     if n_gpus < 1:
         raise ValueError(f"n_gpus must be >= 1, got {n_gpus}")
-    tokens = batch["attention_mask"].sum()
+    tokens = plain_if_host(batch["attention_mask"].sum())
     seconds = float(timing_raw["step"])
     m.stat(reduce=ReduceType.SUM, **{"perf/total_num_tokens": tokens,
                                      "__ratio/perf/throughput/num": tokens})
