@@ -26,6 +26,7 @@ import functools
 import logging
 import math
 import numbers
+import operator
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -334,6 +335,7 @@ class _MaskPack:
 
 _CHUNK = 1 << 16  # float64 accumulation in pieces of 512 KiB: no whole-tensor float64 copy
 _SMALL = 4096  # below this, numpy's per-call cost (~1 us) beats torch's (~5 us)
+_TINY = 256  # at most this, plain Python beats numpy's calls
 
 
 @functools.cache
@@ -374,7 +376,9 @@ class _HostPass:
         for key, v in values.items():
             if isinstance(v, Difference):
                 g = self._difference(v)  # a shared buffer: summarised before the next one
-                if 0 < g.numel() < _SMALL:
+                if 0 < g.numel() <= _TINY:
+                    out[key] = self._tiny_row(g)
+                elif 0 < g.numel() < _SMALL:
                     small.setdefault(g.numel(), {})[key] = g.numpy().copy()
                 else:
                     out[key] = self._row(g) if g.numel() else _identity_row()
@@ -383,6 +387,8 @@ class _HostPass:
             n = g.numel()
             if n == 0:
                 out[key] = _identity_row()
+            elif n <= _TINY:
+                out[key] = self._tiny_row(g)
             elif n < _SMALL and g.dtype in _numpy_dtypes(_torch()):
                 small.setdefault(n, {})[key] = g.numpy()
             elif id(g) in done:
@@ -418,6 +424,17 @@ class _HostPass:
         ga, gb = self._gather(d.a), self._gather(d.b)
         res = self.cache.buffer(_torch().float64, "difference", ga.numel())
         return res.copy_(ga).sub_(gb)
+
+    def _tiny_row(self, v: Any) -> Any:
+        """The row of a few values in plain Python floats (float64; ints exact): a numpy or
+        torch call costs more than the arithmetic here."""
+        values = v.tolist()
+        total = float(sum(values))
+        square = float(sum(map(operator.mul, values, values)))
+        if math.isfinite(total) and math.isfinite(square):
+            return _torch().from_numpy(np.array(
+                [total, len(values), float(min(values)), float(max(values)), square, 0.0]))
+        return self._row_nonfinite(v)
 
     def _small_rows(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """Rows of same-length numpy values, stacked: one pass per statistic for all."""

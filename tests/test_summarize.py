@@ -242,15 +242,17 @@ def test_a_difference_is_summarised_exactly_over_the_valid_positions(n, dtype):
                                summarize_array(a.double().numpy(), mask.numpy())[SUM], rtol=1e-12)
 
 
-def test_small_values_of_one_call_are_summarised_together_each_exactly():
+@pytest.mark.parametrize("n", [64, 1000])  # plain Python floats; numpy, stacked
+def test_small_values_of_one_call_are_summarised_together_each_exactly(n):
     g = torch.Generator().manual_seed(5)
     values = {
-        "plain": torch.randn(64, generator=g),
-        "nan": torch.randn(64, generator=g).index_fill_(0, torch.tensor([3, 9]), float("nan")),
-        "huge": torch.full((64,), 1e200, dtype=torch.float64),  # its squares overflow
-        "ints": torch.arange(64),
-        "flags": torch.arange(64) % 3 == 0,
-        "half": torch.randn(64, generator=g).half(),
+        "plain": torch.randn(n, generator=g),
+        "nan": torch.randn(n, generator=g).index_fill_(0, torch.tensor([3, 9]), float("nan")),
+        "huge": torch.full((n,), 1e200, dtype=torch.float64),  # its squares overflow
+        "ints": torch.arange(n),
+        "flags": torch.arange(n) % 3 == 0,
+        "half": torch.randn(n, generator=g).half(),
+        "brain": torch.randn(n, generator=g).bfloat16(),
     }
     rows = summarize_many(values)
     for key, v in values.items():
