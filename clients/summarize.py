@@ -73,8 +73,9 @@ def accelerator_path_on_cpu() -> Iterator[None]:
         _accelerator_path_on_cpu -= 1
 
 
-def _on_host(x: Any) -> bool:
-    return x.device.type == "cpu" and not _accelerator_path_on_cpu
+def _on_host(x: Any, compile: bool | None) -> bool:
+    # compile=True asks for the fused kernel, wherever the tensor is.
+    return x.device.type == "cpu" and not _accelerator_path_on_cpu and compile is not True
 
 
 def compile_default() -> bool:
@@ -239,7 +240,7 @@ def summarize_many(
     m = mask
     for key, (v, m) in prepared.items():
         if isinstance(v, Difference):
-            if _on_host(v.a):
+            if _on_host(v.a, compile):
                 host[key] = v
                 continue
             v = v.tensor()
@@ -249,7 +250,7 @@ def summarize_many(
             else:
                 out[key] = summarize_array(v, m)
             continue
-        if _on_host(v):
+        if _on_host(v, compile):
             host[key] = v
             continue
         torch = _torch()
@@ -345,6 +346,12 @@ def _numpy_dtypes(torch: Any) -> frozenset:
                       torch.int16, torch.int32, torch.int64, torch.bool})
 
 
+def _memory(x: Any) -> tuple:
+    """What identifies a tensor's values within a call: every value arrives as a fresh
+    detached view, so the memory it views, not its id."""
+    return (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+
+
 def _identity_row() -> Any:
     return _torch().tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=_torch().float64)
 
@@ -354,7 +361,8 @@ class _HostPass:
 
     The mask's valid positions are found once per step (``MaskCache``); each distinct
     tensor is gathered once per call (a tensor passed under two keys, or inside a
-    ``Difference``, is read once) into a buffer no larger than itself. Small values (a
+    ``Difference``, is read once) into a scratch buffer no larger than itself, shared
+    by the values of the call one at a time (kept only for a ``Difference``). Small values (a
     value per sequence, say) are then summarised together, one numpy pass per statistic
     over all of them stacked; a large one takes four passes of its own: the float64 sum
     and sum of squares (widened in cache-sized chunks, never a whole float64 copy), and
@@ -366,13 +374,18 @@ class _HostPass:
     def __init__(self, mask: Any, cache: MaskCache) -> None:
         self.cache = cache
         self.index = None if mask is None else cache.index(mask)
-        self._gathered: dict[tuple, tuple[Any, Any]] = {}  # memory viewed -> (tensor, valid)
+        self._kept: dict[tuple, tuple[Any, Any]] = {}  # memory -> (tensor, its valid values)
 
     def rows(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Return ``{key: row}`` for CPU tensors and differences of CPU tensors."""
+        # What a Difference reads stays gathered for the call; every other large value
+        # is gathered into one shared buffer and summarised before the next is gathered.
+        keep = {_memory(t) for v in values.values() if isinstance(v, Difference)
+                for t in (v.a, v.b)}
         out: dict[str, Any] = {}
         small: dict[int, dict[str, Any]] = {}  # length -> {key: numpy array}
-        done: dict[int, Any] = {}  # id(gathered) -> row: a tensor under two keys
+        done: dict[tuple, Any] = {}  # memory -> row: the same tensor under two keys
+        same: dict[str, str] = {}  # key -> the key whose row it repeats
         for key, v in values.items():
             if isinstance(v, Difference):
                 g = self._difference(v)  # a shared buffer: summarised before the next one
@@ -383,7 +396,12 @@ class _HostPass:
                 else:
                     out[key] = self._row(g) if g.numel() else _identity_row()
                 continue
-            g = self._gather(v)
+            where = _memory(v)
+            if where in done:
+                same[key] = done[where]
+                continue
+            done[where] = key
+            g = self._gather(v, where, where in keep)
             n = g.numel()
             if n == 0:
                 out[key] = _identity_row()
@@ -391,37 +409,41 @@ class _HostPass:
                 out[key] = self._tiny_row(g)
             elif n < _SMALL and g.dtype in _numpy_dtypes(_torch()):
                 small.setdefault(n, {})[key] = g.numpy()
-            elif id(g) in done:
-                out[key] = done[id(g)].clone()
             else:
-                out[key] = done[id(g)] = self._row(g)
+                out[key] = self._row(g)
         for group in small.values():
             out.update(self._small_rows(group))
+        for key, first in same.items():
+            out[key] = out[first].clone()
         return out
 
-    def _gather(self, x: Any) -> Any:
-        # The same data under two keys (or in a Difference) is read once; every value
-        # arrives as a fresh detached view, so the memory it views identifies it.
-        where = (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
-        held = self._gathered.get(where)
+    def _gather(self, x: Any, where: tuple, keep: bool) -> Any:
+        """The valid values of ``x``, flat: a view when all are valid; fresh when few
+        (under ``_SMALL``); else in the shared scratch buffer, or a kept one."""
+        held = self._kept.get(where)
         if held is not None:
             return held[1]
+        torch = _torch()
         flat = x.reshape(-1)
         if self.index is not None and self.index.numel() != flat.numel():
             n = self.index.numel()
-            if n < _SMALL and flat.numel() < _SMALL and flat.dtype in _numpy_dtypes(_torch()):
-                flat = _torch().from_numpy(flat.numpy()[self.index.numpy()])
+            if n < _SMALL:
+                flat = (torch.from_numpy(flat.numpy()[self.index.numpy()])
+                        if flat.dtype in _numpy_dtypes(torch)
+                        else torch.index_select(flat, 0, self.index))
             else:
-                slot = f"gathered{len(self._gathered)}"
-                flat = _torch().index_select(flat, 0, self.index,
-                                             out=self.cache.buffer(flat.dtype, slot, n))
-        self._gathered[where] = (x, flat)  # x is held: its memory cannot be reused meanwhile
+                slot = f"kept{len(self._kept)}" if keep else "gathered"
+                flat = torch.index_select(flat, 0, self.index,
+                                          out=self.cache.buffer(flat.dtype, slot, n))
+        if keep:
+            self._kept[where] = (x, flat)  # x is held: its memory cannot be reused meanwhile
         return flat
 
     def _difference(self, d: Difference) -> Any:
         """``a - b`` over the valid positions only, in float64: exact for float32 and
         smaller inputs, and no larger than the two inputs together."""
-        ga, gb = self._gather(d.a), self._gather(d.b)
+        ga = self._gather(d.a, _memory(d.a), True)
+        gb = self._gather(d.b, _memory(d.b), True)
         res = self.cache.buffer(_torch().float64, "difference", ga.numel())
         return res.copy_(ga).sub_(gb)
 
