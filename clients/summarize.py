@@ -232,10 +232,15 @@ def summarize_many(
     Every value is checked before any is summarised, so a bad one raises
     (naming its key) before work is done.
     """
-    prepared = {key: _prepare_value(v, mask, key) for key, v in values.items()}
+    plain: dict[str, Any] = {}
+    rest = values
+    if mask is None:  # plain floats and ints (timings, counters) need no checks
+        plain = {key: v for key, v in values.items() if type(v) in _PLAIN}
+        if plain:
+            rest = {key: v for key, v in values.items() if key not in plain}
+    prepared = {key: _prepare_value(v, mask, key) for key, v in rest.items()}
     out: dict[str, Row] = {}
     host: dict[str, Any] = {}  # CPU tensors and differences: summarised together
-    plain: dict[str, Any] = {}
     packs: dict[Any, Any] = {}
     m = mask
     for key, (v, m) in prepared.items():
@@ -281,13 +286,18 @@ def summarize_many(
     return {key: out[key] for key in values}  # the caller's order
 
 
+_PLAIN = frozenset({float, int, bool})
+
+
 def _plain_rows(plain: Mapping[str, Any]) -> dict[str, Any]:
-    """Rows of plain numbers, all in one vectorised pass."""
+    """Rows of plain numbers: a few one by one, more in one vectorised pass."""
     try:
-        rows = scalar_rows(np.array([float(v) for v in plain.values()], dtype=np.float64))
+        floats = [float(v) for v in plain.values()]
     except OverflowError:  # an int past float64: name it
         return {key: _plain_number_row(key, v) for key, v in plain.items()}
-    return dict(zip(plain, rows))
+    if len(floats) <= 8 and all(-1e150 < x < 1e150 for x in floats):  # finite, no overflow
+        return {key: np.array([x, 1.0, x, x, x * x, 0.0]) for key, x in zip(plain, floats)}
+    return dict(zip(plain, scalar_rows(np.array(floats, dtype=np.float64))))
 
 
 def _prepare_value(v: Any, mask: Any, key: str) -> tuple[Any, Any]:

@@ -83,9 +83,17 @@ def scalar_row(value: float, weight: float = 1.0) -> np.ndarray:
 def scalar_rows(values: np.ndarray) -> np.ndarray:
     """Return one record per plain number (count 1 each; NaN/inf counted as nonfinite)."""
     v = np.asarray(values, dtype=np.float64).ravel()
+    rows = np.empty((v.size, NFIELDS), dtype=np.float64)
+    if v.size and np.isfinite(v).all() and np.abs(v).max() < 1e150:  # the common case
+        rows[:, SUM] = v
+        rows[:, COUNT] = 1.0
+        rows[:, MIN] = v
+        rows[:, MAX] = v
+        np.multiply(v, v, out=rows[:, SUMSQ])  # cannot overflow: checked above
+        rows[:, NONFINITE] = 0.0
+        return rows
     finite = np.isfinite(v)
     z = np.where(finite, v, 0.0)
-    rows = np.empty((v.size, NFIELDS), dtype=np.float64)
     rows[:, SUM] = z
     rows[:, COUNT] = finite
     rows[:, MIN] = np.where(finite, v, np.inf)
