@@ -11,10 +11,13 @@ from clients.rpc import ServiceUnavailable
 from clients.stream import StreamRecorder
 from clients.summarize import summarize
 from clients.tracker import Tracker
+from metricsvc.declare import Derived, Metric
 from metricsvc.reduce import ReduceType
 
 __all__ = [
+    "Derived",
     "LateBatch",
+    "Metric",
     "MetricClient",
     "ReduceType",
     "ServiceNotice",

@@ -22,7 +22,7 @@ from clients.summarize import (
     to_host,
 )
 from clients.tracker import Tracker
-from metricsvc.derive import DERIVATIONS, split_internal
+from metricsvc.declare import Derived, encode_derived, is_internal
 from metricsvc.records import Batch, scalar_row, scalar_rows
 from metricsvc.reduce import AUTO, ReduceType
 from metricsvc.sinks.names import safe_tag
@@ -55,18 +55,6 @@ def _exported(key: str, code: int) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names + tuple(safe_tag(n) for n in names)))
 
 
-def check_reserved(key: str) -> str:
-    """Refuse a key with a ``__`` path segment that names no derivation the service knows."""
-    if "__" in key:
-        parsed = split_internal(key)
-        if parsed is not None and parsed[1] not in DERIVATIONS:
-            raise ValueError(
-                f"key {key!r}: a path segment starting with '__' is reserved for derived "
-                f"metrics ({', '.join(sorted(DERIVATIONS))}); rename it"
-            )
-    return key
-
-
 @dataclass(slots=True)
 class _Entry:
     code: int
@@ -88,6 +76,8 @@ class RecordBuffer:
         self._masks = MaskCache()  # one mask preparation per mask per step
         self._names: dict[str, str] = {}  # exported name (or sink tag) -> the key exporting it
         self._good_keys: set[str] = set()  # names already checked (they recur every step)
+        self._declared: dict[str, Derived] = {}  # derived metrics, for every step
+        self._declared_wire = b""
         self._trackers: dict[str, Tracker] = {}
         self.tracker = Tracker(self, prefix=prefix)
         self.host_copies = 0
@@ -125,10 +115,61 @@ class RecordBuffer:
 
     def _checked(self, key: str) -> str:
         if key not in self._good_keys:
-            check_reserved(check_key(key))
+            self.check_internal(check_key(key))
             if len(self._good_keys) < 100_000:
                 self._good_keys.add(key)
         return key
+
+    def check_internal(self, key: str) -> str:
+        """Refuse an internal key (a ``__`` path segment) that no declared metric reads."""
+        if is_internal(key) and not any(d.reads(key) for d in self._declared.values()):
+            raise ValueError(
+                f"key {key!r}: a path segment starting with '__' marks an input of a derived "
+                f"metric, and no metric declared in this client reads it; declare the metric "
+                f"first (declare(Derived(...))) or rename the key"
+            )
+        return key
+
+    # -- declarations --------------------------------------------------------------------
+    def declare(self, *declarations: Derived) -> None:
+        """Declare derived metrics for every step: sent with each batch, evaluated by the
+        service over the merged records of their inputs. Declaring the same metric again
+        is harmless.
+
+        Raises:
+            TypeError: not a ``Derived``.
+            ValueError: a name declared before with another formula or inputs, or one a
+                key recorded in this step exports (the names are named).
+        """
+        with self.lock:
+            new = {}
+            for decl in declarations:
+                if not isinstance(decl, Derived):
+                    raise TypeError(f"declare() takes Derived metrics, got "
+                                    f"{type(decl).__name__}")
+                held = self._declared.get(decl.name, new.get(decl.name))
+                if held is not None and held != decl:
+                    raise ValueError(
+                        f"derived metric {decl.name!r} is declared with formula "
+                        f"{held.formula!r} over {held.inputs}; it cannot be declared again "
+                        f"as {decl.formula!r} over {decl.inputs}: one exported name, one source"
+                    )
+                owner = self._names.get(decl.name)
+                if owner is not None:
+                    raise ValueError(
+                        f"derived metric {decl.name!r}: key {owner!r} already exports that name "
+                        f"in {self.label}: one exported name, one source (rename one of them)"
+                    )
+                if held is None:
+                    new[decl.name] = decl
+            if new:
+                self._declared.update(new)
+                self._declared_wire = encode_derived(self._declared.values())
+
+    @property
+    def declared(self) -> dict[str, Derived]:
+        """Return the derived metrics declared in this client, by name."""
+        return dict(self._declared)
 
     def _record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
         """Summarise ``{full key: value}`` under one mask and merge into the buffer."""
@@ -174,8 +215,15 @@ class RecordBuffer:
         names = self._names
         new = [key for key in rows if key not in self._entries]
         claimed = {}
+        declared = self._declared
         for key in new:
             for name in _exported(key, code):
+                if name in declared:
+                    raise ValueError(
+                        f"key {key!r} ({_kind_name(code)}) would export {name!r}, which the "
+                        f"derived metric {name!r} declared in this client exports: one "
+                        f"exported name, one source (rename one of them)"
+                    )
                 owner = names.get(name, claimed.get(name, key))
                 if owner != key:
                     raise ValueError(
@@ -234,7 +282,7 @@ class RecordBuffer:
                 step=step, rank=rank, world_size=world_size, seq=seq, final=final, keys=keys,
                 data=parts[:k] if k else [], kinds=[e.code for e in entries],
                 expected=[e.expected for e in entries], sketches=sketches,
-                sketch_alpha=self.sketch_spec.alpha,
+                sketch_alpha=self.sketch_spec.alpha, derived=self._declared_wire,
             )
             self._reset()
             return batch
@@ -276,6 +324,11 @@ class TrackerAPI:
     def denominator(self, **masks: Any) -> None:
         """Register bool masks by name; see ``Tracker.denominator``."""
         self.tracker.denominator(**masks)
+
+    def declare(self, *declarations: Derived) -> None:
+        """Declare derived metrics, computed by the service after every merge; see
+        ``RecordBuffer.declare``."""
+        self.tracker.declare(*declarations)
 
     def scalar(self, **values: Any) -> None:
         """Record rank-identical numbers; see ``Tracker.scalar``."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from clients.summarize import is_tensor
+from metricsvc.declare import Derived
 from metricsvc.reduce import ReduceType
 from metricsvc.validation import check_key
 
@@ -57,9 +58,7 @@ class Tracker:
         """Return the checked full key (name rules, reserved ``__`` segments)."""
         full = self.full_key(key)
         if full not in self._good_keys:  # keys recur every step: each is checked once
-            from clients.buffer import check_reserved  # buffer imports this module
-
-            check_reserved(check_key(full))
+            self._client.check_internal(check_key(full))
             if len(self._good_keys) < 100_000:
                 self._good_keys.add(full)
         return full
@@ -142,6 +141,12 @@ class Tracker:
         elif denominator is not None:
             mask = denominator
         self._client._record(full, mask, kind)
+
+    def declare(self, *declarations: Derived) -> None:
+        """Declare derived metrics (names and inputs under this tracker's prefix and scopes);
+        see ``RecordBuffer.declare``."""
+        prefix = self.full_key("")
+        self._client.declare(*(d.under(prefix) for d in declarations))
 
     def scalar(self, **values: Any) -> None:
         """Record rank-identical numbers (e.g. a learning rate); mismatches are flagged.

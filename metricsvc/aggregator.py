@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from metricsvc.derive import Deriver, split_internal
+from metricsvc.declare import decode_derived, is_internal
+from metricsvc.derive import Deriver
 from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ, Batch
 from metricsvc.reduce import (
     AUTO,
@@ -148,6 +149,10 @@ class Aggregator:
 
     def _checked(self, batch: Batch) -> Batch:
         batch = check_batch(batch, self.limits, self._key_cache)
+        try:
+            decode_derived(batch.derived)  # checked once here; cached for the step
+        except (TypeError, ValueError) as err:
+            raise BatchRejected(f"step {batch.step} rank {batch.rank}: {err}") from None
         if batch.sketch_rows.size and batch.sketch_alpha != self.output.sketch.alpha:
             key = batch.keys[int(batch.sketch_rows[0])]
             raise BatchRejected(
@@ -356,6 +361,7 @@ class Aggregator:
             located = Part(part.order, None, into.locate(keys, codes, f"stream {name!r}"),
                            part.rows)
             into.add(located, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
+            into.declare(window.declared.values(), f"stream {name!r}")
             into.streams.append(name)
 
         fold(target)
@@ -365,7 +371,8 @@ class Aggregator:
         target.stream_only = target.stream_only or close
         self._windows[name] = Window()
         kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(keys, codes)]
-        preview = self._metrics(window.merged(), keys, kinds, _internal_rows(keys), derive=False)
+        preview = self._metrics(window.merged(), keys, kinds, _internal_rows(keys), {},
+                                derive=False)
         return preview, self._emit_ready()
 
     # -- time --------------------------------------------------------------------------
@@ -401,9 +408,9 @@ class Aggregator:
             if self.world_size is None and meta.get("world_size"):
                 self.world_size = int(meta["world_size"])
                 self.world_source = "from the journal"
-            cumulative = meta.get("cumulative")
-            if cumulative:
-                self.deriver.restore(cumulative)
+            totals = meta.get("derived_totals")
+            if isinstance(totals, dict):
+                self.deriver.restore(totals)
         while len(self._emitted) > self._remember_steps:
             self._emitted.popitem(last=False)
 
@@ -427,9 +434,10 @@ class Aggregator:
         return out
 
     def _metrics(self, merged: tuple, keys: list[str], kinds: list[ReduceType],
-                 internal: list[int], derive: bool = True,
+                 internal: list[int], declared: Mapping[str, Any], derive: bool = True,
                  collisions: dict[str, list[str]] | None = None) -> dict[str, float]:
-        """Finalise the public keys; derive metrics from the ``internal`` ones (their rows).
+        """Finalise the public keys; evaluate the ``declared`` derived metrics over every
+        record (the ``internal`` ones are their inputs only).
 
         A name exported twice (two keys, a rename, a derived metric, or two names one sink
         tag) keeps its first source and is listed in ``collisions``.
@@ -447,8 +455,7 @@ class Aggregator:
             collisions=collisions,
         )
         if derive:
-            derived = self.deriver.derive({keys[i]: (kinds[i], data[i]) for i in internal},
-                                          self.output)
+            derived = self.deriver.derive(declared, keys, kinds, data, self.output)
             for key, value in derived.items():
                 name = self._rename(key)
                 if name in metrics:
@@ -467,7 +474,8 @@ class Aggregator:
         merged = p.merged()
         internal = _internal_rows(p.keys)
         collisions: dict[str, list[str]] = {}
-        metrics = self._metrics(merged, p.keys, kinds, internal, collisions=collisions)
+        metrics = self._metrics(merged, p.keys, kinds, internal, p.declared,
+                                collisions=collisions)
         partial = not p.complete
         if partial:
             self.counts["partial"] += 1
@@ -482,13 +490,16 @@ class Aggregator:
         }
         if p.streams:
             meta["streams"] = list(p.streams)
-        if self.deriver.cumulative:
-            meta["cumulative"] = self.deriver.state()
+        totals = self.deriver.state()
+        if totals:
+            meta["derived_totals"] = totals
         meta.update(_anomalies(p, kinds, merged))
         if collisions:  # never overwritten: the first source kept, every source named
             meta["collisions"] = collisions
             self.counts["collisions"] += 1
-        ignored = [p.keys[i] for i in internal if not self.deriver.handles(p.keys[i])]
+        if p.declaration_conflicts:  # two formulas for one name: the first kept
+            meta["declaration_conflicts"] = p.declaration_conflicts
+        ignored = self.deriver.unread(p.declared, [p.keys[i] for i in internal])
         if ignored:
             meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
         return StepResult(p.step, metrics, meta)
@@ -510,8 +521,7 @@ class Aggregator:
 
 def _internal_rows(keys: list[str]) -> list[int]:
     """Return the rows of internal keys (a ``__`` path segment): derivation inputs only."""
-    return [i for i, key in enumerate(keys)
-            if (key.startswith("__") or "/__" in key) and split_internal(key) is not None]
+    return [i for i, key in enumerate(keys) if is_internal(key)]
 
 
 def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[str, Any]:

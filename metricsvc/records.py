@@ -128,6 +128,7 @@ class Batch:
     sketch_codes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     sketch_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
     sketch_alpha: float = 0.01
+    derived: bytes = b""  # the sender's derived-metric declarations (``declare``), encoded
 
     @classmethod
     def build(
@@ -144,6 +145,7 @@ class Batch:
         expected: Sequence[int],
         sketches: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None,
         sketch_alpha: float = 0.01,
+        derived: bytes = b"",
     ) -> Batch:
         """Build a batch, coercing the columns to their wire dtypes.
 
@@ -170,6 +172,7 @@ class Batch:
                 np.float64
             ),
             sketch_alpha=float(sketch_alpha),
+            derived=bytes(derived),
         )
 
     def sketch(self, j: int) -> tuple[np.ndarray, np.ndarray]:
@@ -181,7 +184,7 @@ class Batch:
     def nbytes_without_keys(self) -> int:
         """Return the wire size of the numeric columns in bytes."""
         return int(self.data.nbytes + self.kinds.nbytes + self.expected.nbytes
-                   + self.sketch_codes.nbytes + self.sketch_counts.nbytes)
+                   + self.sketch_codes.nbytes + self.sketch_counts.nbytes + len(self.derived))
 
     @property
     def nbytes(self) -> int:

@@ -8,13 +8,14 @@ the batches arrived in, across retries and actor restarts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from metricsvc import records
+from metricsvc.declare import Derived, decode_derived
 from metricsvc.records import Batch
 from metricsvc.reduce import AUTO, ReduceType
 from metricsvc.sketch import merge_sparse
@@ -50,6 +51,8 @@ class Collection:
         self._from_stream = np.zeros(16, dtype=bool)
         self.parts: list[Part] = []
         self._layouts: dict[tuple[str, ...], np.ndarray] = {}  # key tuple -> rows
+        self.declared: dict[str, Derived] = {}  # derived metrics declared for these records
+        self.declaration_conflicts: dict[str, list[str]] = {}
 
     @property
     def codes(self) -> np.ndarray:
@@ -110,6 +113,18 @@ class Collection:
             self._layouts[keys] = idx.copy()
         part.sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
         self.parts.append(part)
+
+    def declare(self, declarations: Iterable[Derived], who: str) -> None:
+        """Keep each declared derived metric; a second, different one of a name is listed
+        in ``declaration_conflicts`` (the first is kept, never overwritten)."""
+        for decl in declarations:
+            held = self.declared.setdefault(decl.name, decl)
+            if held != decl:
+                seen = self.declaration_conflicts.setdefault(
+                    decl.name, [f"{held.formula} {held.inputs}"])
+                other = f"{who}: {decl.formula} {decl.inputs}"
+                if other not in seen and len(seen) < 8:
+                    seen.append(other)
 
     def _reserve(self, n: int) -> None:
         cap = len(self._codes)
@@ -178,6 +193,7 @@ class PendingStep(Collection):
         """Keep a checked batch as a part; a final batch closes the step for its rank."""
         part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data)
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch))
+        self.declare(decode_derived(batch.derived), f"rank {batch.rank}")
         self.digests[(batch.rank, batch.seq)] = digest
         self.batches += 1
         if batch.final:
@@ -228,6 +244,7 @@ class Window(Collection):
         idx = self.locate(batch.keys, batch.kinds, f"stream client {client}")
         part = Part((client, batch.seq), None, idx, batch.data)
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch), True)
+        self.declare(decode_derived(batch.derived), f"stream client {client}")
         self.seqs.add((client, batch.seq))
         return True
 

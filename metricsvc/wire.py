@@ -6,8 +6,9 @@ own out-of-band buffer). One call per rank per step is the product's whole budge
 so batches travel encoded:
 
     header  <q step, i rank, i world_size, q seq, ? final, d sketch_alpha,
-             I keys, I sketches, I buckets, I key bytes>
+             I keys, I sketches, I buckets, I key bytes, I declaration bytes>
     keys    UTF-8, separated by NUL (a valid key never contains NUL)
+    derived the derived-metric declarations, UTF-8 JSON (``metricsvc.declare``)
     columns data f64[K*6] · kinds i8[K] · expected i32[K] · sketch_rows i32[S]
             · sketch_offsets i64[S+1] · sketch_codes i32[N] · sketch_counts f64[N]
 """
@@ -21,7 +22,7 @@ import numpy as np
 from metricsvc.records import NFIELDS, Batch
 from metricsvc.validation import BatchRejected, Limits
 
-_HEADER = struct.Struct("<qiiq?dIIII")
+_HEADER = struct.Struct("<qiiq?dIIIII")
 _COLUMNS = (  # name, dtype, length as a function of (K, S, N)
     ("data", np.float64, lambda k, s, n: k * NFIELDS),
     ("kinds", np.int8, lambda k, s, n: k),
@@ -38,19 +39,20 @@ def encode(batch: Batch) -> bytes:
     keys = "\x00".join(batch.keys).encode("utf-8")
     k, s, n = len(batch.keys), len(batch.sketch_rows), len(batch.sketch_codes)
     head = _HEADER.pack(batch.step, batch.rank, batch.world_size, batch.seq, batch.final,
-                        batch.sketch_alpha, k, s, n, len(keys))
+                        batch.sketch_alpha, k, s, n, len(keys), len(batch.derived))
     columns = [np.ascontiguousarray(getattr(batch, name), dtype=dtype).tobytes()
                for name, dtype, _ in _COLUMNS]
-    return b"".join([head, keys, *columns])
+    return b"".join([head, keys, batch.derived, *columns])
 
 
-def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, limits: Limits) -> None:
+def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, derived_len: int,
+                  limits: Limits) -> None:
     """Refuse a batch by its header alone, before any per-key work or allocation."""
     if len(blob) > limits.max_batch_bytes:
         raise BatchRejected(f"batch is {len(blob)} bytes; the limit is {limits.max_batch_bytes}")
     if k > limits.max_keys_per_batch:
         raise BatchRejected(f"batch has {k} keys; the limit is {limits.max_keys_per_batch}")
-    size = _HEADER.size + key_len + sum(
+    size = _HEADER.size + key_len + derived_len + sum(
         length(k, s, n) * np.dtype(dtype).itemsize for _, dtype, length in _COLUMNS)
     if size != len(blob):
         raise BatchRejected(
@@ -67,12 +69,15 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         BatchRejected: the bytes are not a well-formed encoded batch, or exceed a limit.
     """
     try:
-        step, rank, world, seq, final, alpha, k, s, n, key_len = _HEADER.unpack_from(blob)
-        _check_header(blob, k, s, n, key_len, limits or Limits())
+        step, rank, world, seq, final, alpha, k, s, n, key_len, derived_len = \
+            _HEADER.unpack_from(blob)
+        _check_header(blob, k, s, n, key_len, derived_len, limits or Limits())
         pos = _HEADER.size
         text = bytes(blob[pos : pos + key_len]).decode("utf-8")
         keys = tuple(text.split("\x00")) if k else ()
         pos += key_len
+        derived = bytes(blob[pos : pos + derived_len])
+        pos += derived_len
         columns = {}
         for name, dtype, length in _COLUMNS:
             count = length(k, s, n)
@@ -90,7 +95,7 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
                  expected=columns["expected"], sketch_rows=columns["sketch_rows"],
                  sketch_offsets=columns["sketch_offsets"],
                  sketch_codes=columns["sketch_codes"], sketch_counts=columns["sketch_counts"],
-                 sketch_alpha=alpha)
+                 sketch_alpha=alpha, derived=derived)
 
 
 def as_batch(item: Batch | bytes, limits: Limits | None = None) -> Batch:

@@ -1,55 +1,150 @@
-"""Derived metrics from merged records: parsing of internal keys and each derivation."""
+"""Derived metrics: declarations checked where they are made, formulas evaluated over merged
+records by a service that knows no domain formula."""
 
 import numpy as np
 import pytest
 
 from metricsvc import records
-from metricsvc.derive import Deriver, split_internal
+from metricsvc.declare import Derived, decode_derived, encode_derived, is_internal
+from metricsvc.derive import Deriver
+from metricsvc.formula import parse
 from metricsvc.reduce import OutputRules, ReduceType
 
 RULES = OutputRules()
+
+
+def derive(deriver, declared, recs):
+    keys = list(recs)
+    kinds = [recs[k][0] for k in keys]
+    data = np.stack([recs[k][1] for k in keys]) if keys else np.zeros((0, 6))
+    return deriver.derive({d.name: d for d in declared}, keys, kinds, data, RULES)
 
 
 def rec(values, kind=ReduceType.SUM):
     return kind, records.summarize_array(np.asarray(values, dtype=float))
 
 
-def test_internal_keys_split_into_prefix_handler_and_rest():
-    assert split_internal("critic/__explained_var/ev/target") == ("critic", "explained_var",
-                                                                  "ev/target")
-    assert split_internal("__ratio/perf/throughput/num") == ("", "ratio", "perf/throughput/num")
-    assert split_internal("plain/key") is None and split_internal("a/__/b") is None
+def test_internal_keys_are_those_with_a_double_underscore_segment():
+    assert is_internal("critic/__ev/residual") and is_internal("__perf/x")
+    assert not is_internal("plain/key") and not is_internal("a/__/b")
+    assert not is_internal("loss__count") and not is_internal("a/b__c")
 
 
-def test_ratio_needs_both_sides_and_a_nonzero_denominator():
-    d = Deriver()
-    out = d.derive({
-        "__ratio/a/num": rec([2.0, 4.0]), "__ratio/a/den": rec([3.0], ReduceType.MAX),
-        "__ratio/b/num": rec([1.0]),
-        "__ratio/c/num": rec([1.0]), "__ratio/c/den": rec([0.0]),
-    }, RULES)
+def test_a_ratio_of_values_is_omitted_where_its_denominator_is_zero_or_missing():
+    ratio = [Derived(n, "value(num) / value(den)", {"num": f"{n}/__num", "den": f"{n}/__den"})
+             for n in ("a", "b", "c")]
+    out = derive(Deriver(), ratio, {
+        "a/__num": rec([2.0, 4.0]), "a/__den": rec([3.0], ReduceType.MAX),
+        "b/__num": rec([1.0]),
+        "c/__num": rec([1.0]), "c/__den": rec([0.0]),
+    })
     assert out == {"a": 2.0}
 
 
-def test_explained_variance_uses_unbiased_merged_variances():
-    target, residual = np.array([1.0, 2.0, 4.0, 7.0]), np.array([0.5, -0.5, 0.2, 0.1])
-    out = Deriver().derive({"x/__explained_var/ev/target": rec(target, ReduceType.AVG),
-                            "x/__explained_var/ev/residual": rec(residual, ReduceType.AVG)},
-                           RULES)
-    expected = 1 - residual.var(ddof=1) / (target.var(ddof=1) + 1e-5)
-    assert out == {"x/ev": pytest.approx(expected, rel=1e-12)}
-    single = Deriver().derive({"__explained_var/ev/target": rec([1.0]),
-                               "__explained_var/ev/residual": rec([0.0])}, RULES)
+def test_explained_variance_declared_by_the_client_uses_unbiased_merged_variances():
+    from clients.metrics.data import EXPLAINED_VARIANCE as ev
+
+    returns, residual = np.array([1.0, 2.0, 4.0, 7.0]), np.array([0.5, -0.5, 0.2, 0.1])
+    out = derive(Deriver(), [ev], {"critic/returns": rec(returns, ReduceType.AVG_MIN_MAX),
+                                   "critic/__vf_explained_var/residual": rec(residual)})
+    expected = 1 - residual.var(ddof=1) / (returns.var(ddof=1) + 1e-5)
+    assert out == {"critic/vf_explained_var": pytest.approx(expected, rel=1e-12)}
+    single = derive(Deriver(), [ev], {"critic/returns": rec([1.0]),
+                                      "critic/__vf_explained_var/residual": rec([0.0])})
     assert single == {}  # a variance of one value is undefined: omitted, not invented
 
 
-def test_cumulative_totals_survive_across_steps_and_unknown_handlers_stay_hidden():
+def test_running_totals_continue_across_steps_and_after_a_restart():
+    from clients.metrics.timing import train_perf
+
+    declared = train_perf("tp")
     d = Deriver()
     for tokens in (100.0, 300.0):
-        out = d.derive({"__cumulative/tp/tokens": rec([tokens]),
-                        "__cumulative/tp/seconds": rec([2.0], ReduceType.MAX),
-                        "__mystery/x": rec([1.0])}, RULES)
-    assert out == {"tp/tokens": 300.0, "tp/seconds": 2.0, "tp/tokens_per_second": 150.0,
-                   "tp/total_tokens": 400.0, "tp/total_seconds": 4.0,
-                   "tp/cumulative_tokens_per_second": 100.0}
-    assert d.state() == {"tp": {"tokens": 400.0, "seconds": 4.0}}
+        out = derive(d, declared, {"tp/tokens": rec([tokens]),
+                                   "tp/seconds": rec([2.0], ReduceType.MAX)})
+    assert out == {"tp/tokens_per_second": 150.0, "tp/total_tokens": 400.0,
+                   "tp/total_seconds": 4.0, "tp/cumulative_tokens_per_second": 100.0}
+    restarted = Deriver()
+    restarted.restore(d.state())
+    out = derive(restarted, declared, {"tp/tokens": rec([100.0]),
+                                       "tp/seconds": rec([1.0], ReduceType.MAX)})
+    assert out["tp/total_tokens"] == 500.0 and out["tp/total_seconds"] == 5.0
+
+
+def test_a_total_keeps_counting_a_step_whose_whole_formula_is_undefined():
+    rate = Derived("rate", "total(value(t)) / total(value(s))", {"t": "t", "s": "s"})
+    d = Deriver()
+    assert derive(d, [rate], {"t": rec([10.0]), "s": rec([0.0])}) == {}  # 10 / 0
+    assert derive(d, [rate], {"t": rec([10.0]), "s": rec([4.0])}) == {"rate": 5.0}
+
+
+def test_group_inputs_read_every_key_they_match_within_one_segment():
+    from clients.metrics.moe import moe_balance
+
+    declared = moe_balance("moe", 0, 3)
+    recs = {f"moe/layer_0/expert_{e}/tokens": rec([float(t)]) for e, t in enumerate((1, 2, 5))}
+    recs["moe/layer_0/expert_9/other/tokens"] = rec([100.0])  # another segment: not matched
+    out = derive(Deriver(), declared, recs)
+    assert out == {"moe/layer_0/expert_0/load_percent": 12.5,
+                   "moe/layer_0/expert_1/load_percent": 25.0,
+                   "moe/layer_0/expert_2/load_percent": 62.5,
+                   "moe/layer_0/max_over_ideal": 5 / (8 / 3)}
+    empty = derive(Deriver(), declared, {k: rec([0.0]) for k in list(recs)[:3]})
+    assert empty["moe/layer_0/max_over_ideal"] == 0.0  # an empty layer: 0, as documented
+
+
+@pytest.mark.parametrize("formula, message", [
+    ("x", "must be read through a statistic"),
+    ("__import__('os')", "unknown function"),
+    ("mean(x).real", "Attribute is not allowed"),
+    ("mean(x) if 1 else 2", "IfExp is not allowed"),
+    ("mean(x, y)", "takes one input name"),
+    ("'text'", "only numbers"),
+    ("mean(x) +", "not an expression"),
+    ("total(total(mean(x)))", "cannot hold another total"),
+    ("mean(y)", "reads \\['y'\\], which inputs= does not map"),
+])
+def test_a_bad_declaration_is_refused_naming_the_metric_and_the_rule(formula, message):
+    with pytest.raises(ValueError, match=f"derived metric 'out': .*{message}"):
+        Derived("out", formula, {"x": "k"})
+
+
+def test_declarations_travel_as_data_and_are_checked_again_on_receipt():
+    ev = Derived("a/ev", "1 - var(r) / (var(t) + 1e-5)", {"r": "a/__ev/r", "t": "a/t"})
+    assert decode_derived(encode_derived([ev])) == (ev,)
+    with pytest.raises(ValueError, match="derived metric 'x': .*unknown function 'open'"):
+        decode_derived(b'[["x", "open(a)", [["a", "k"]]]]')
+    with pytest.raises(ValueError, match="malformed"):
+        decode_derived(b'{"x": 1}')
+
+
+def test_formulas_are_parsed_once_and_their_inputs_listed():
+    f = parse("div0(100 * sum(e), sum_all(layer)) + std(e)")
+    assert f.symbols == {"e", "layer"} and parse("div0(100 * sum(e), sum_all(layer)) + "
+                                                 "std(e)") is f
+
+
+def _batch(rank, derived, **values):
+    keys = list(values)
+    data = np.stack([records.summarize_array(np.asarray(v, dtype=float)) for v in values.values()])
+    return records.Batch.build(step=0, rank=rank, world_size=2, seq=0, final=True, keys=keys,
+                               data=data, kinds=[int(ReduceType.SUM)] * len(keys),
+                               expected=[0] * len(keys), derived=derived)
+
+
+def test_the_service_evaluates_what_ranks_declare_and_refuses_a_bad_declaration():
+    from metricsvc.aggregator import Aggregator
+    from metricsvc.validation import BatchRejected
+
+    agg = Aggregator(world_size=2)
+    share = Derived("a/share", "sum(a) / (sum(a) + sum(b))", {"a": "a/__n", "b": "a/__m"})
+    other = Derived("a/share", "sum(b) / sum(a)", {"a": "a/__n", "b": "a/__m"})
+    with pytest.raises(BatchRejected, match="derived metric 'x': .*unknown function 'open'"):
+        agg.submit(_batch(0, b'[["x", "open(a)", [["a", "k"]]]]', **{"a/__n": [1.0]}))
+    agg.submit(_batch(0, encode_derived([share]), **{"a/__n": [1.0, 2.0], "a/__m": [1.0],
+                                                      "a/__stray": [5.0]}))
+    (done,) = agg.submit(_batch(1, encode_derived([other]), **{"a/__n": [3.0],
+                                                               "a/__m": [3.0]})).finished
+    assert done.metrics == {"a/share": 0.6}  # rank 0's declaration, over both ranks' records
+    assert list(done.meta["declaration_conflicts"]) == ["a/share"]
+    assert done.meta["internal_ignored"] == ["a/__stray"]  # read by nothing: said, not shown

@@ -9,7 +9,16 @@ from typing import Any
 
 from clients.metrics.batch import get, response_info
 from clients.summarize import Difference
+from metricsvc.declare import Derived
 from metricsvc.reduce import ReduceType
+
+EXPLAINED_VARIANCE = Derived(
+    "critic/vf_explained_var",
+    "1 - var(residual) / (var(returns) + 1e-5)",
+    {"residual": "critic/__vf_explained_var/residual", "returns": "critic/returns"},
+    help="verl's explained variance of the value function over every valid response token "
+         "of every rank: unbiased variances of the merged returns - values and returns",
+)
 
 
 def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
@@ -17,8 +26,8 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
 
     Sequence-level values (score, rewards, lengths) count once per sequence;
     token-level ones (advantages, returns, values) once per valid response
-    token. ``critic/vf_explained_var`` is derived by the service from the
-    merged moments of returns and returns - values over every valid token.
+    token. ``critic/vf_explained_var`` is declared (``EXPLAINED_VARIANCE``) and
+    derived by the service from the merged moments of returns and returns - values.
 
     Four ``stat`` calls: the per-sequence values together, the token-level ones under the
     response mask together (each tensor read once: the explained-variance inputs reuse
@@ -40,11 +49,10 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     returns, values = batch["returns"], get(batch, "values")
     token_level = {"critic/advantages": batch["advantages"], "critic/returns": returns}
     if values is not None:
+        m.declare(EXPLAINED_VARIANCE)
         token_level["critic/values"] = values
-        token_level["critic/__explained_var/vf_explained_var/target"] = returns
         # Over the valid tokens only, in float64: a float32 difference would round.
-        token_level["critic/__explained_var/vf_explained_var/residual"] = Difference(
-            returns, values)
+        token_level["critic/__vf_explained_var/residual"] = Difference(returns, values)
     m.stat(mask=info.response_mask, **token_level)
     m.stat(reduce=ReduceType.AVG, **{
         "response/clip_ratio/mean": (length == info.max_response_length).double(),

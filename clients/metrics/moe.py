@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
+from metricsvc.declare import Derived
 from metricsvc.reduce import ReduceType
 
 
+@functools.cache
+def moe_balance(prefix: str, layer: Any, experts: int) -> tuple[Derived, ...]:
+    """Per expert ``…/load_percent`` (its share of the layer's tokens, summed over ranks)
+    and per layer ``…/max_over_ideal`` (the busiest expert over the mean); an empty layer
+    gives 0 for both."""
+    group = f"{prefix}/layer_{layer}/expert_*/tokens"
+    return (
+        *(Derived(f"{prefix}/layer_{layer}/expert_{e}/load_percent",
+                  "div0(100 * sum(expert), sum_all(layer))",
+                  {"expert": f"{prefix}/layer_{layer}/expert_{e}/tokens", "layer": group},
+                  unit="%") for e in range(experts)),
+        Derived(f"{prefix}/layer_{layer}/max_over_ideal",
+                "div0(max_all(layer), sum_all(layer) / size(layer))", {"layer": group}),
+    )
+
+
 def record_moe_balance(m: Any, counts: Mapping[Any, Any], prefix: str = "moe_balance") -> None:
-    """Record per-layer expert token counts; the service derives, from the merged sums,
-    ``<prefix>/layer_<l>/expert_<e>/{tokens,load_percent}`` and ``…/max_over_ideal``.
+    """Record per-layer expert token counts as ``<prefix>/layer_<l>/expert_<e>/tokens``
+    (SUM over ranks); the service derives ``…/load_percent`` and ``…/max_over_ideal``
+    (``moe_balance``) from the merged sums.
 
     ``counts`` maps a layer id to a 1-D tensor/array of routed tokens per expert.
     """
     for layer, per_expert in counts.items():
-        keys = [f"__moe/{prefix}/layer_{layer}/expert_{e}" for e in range(len(per_expert))]
+        m.declare(*moe_balance(prefix, layer, len(per_expert)))
+        keys = [f"{prefix}/layer_{layer}/expert_{e}/tokens" for e in range(len(per_expert))]
         m.record_counts(keys, per_expert, ReduceType.SUM)

@@ -2,11 +2,47 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 from clients.metrics.batch import plain_if_host, response_info
+from metricsvc.declare import Derived
 from metricsvc.reduce import ReduceType
+
+THROUGHPUT = Derived(
+    "perf/throughput", "value(tokens) / value(gpu_seconds)",
+    {"tokens": "perf/total_num_tokens", "gpu_seconds": "__perf/throughput/gpu_seconds"},
+    help="tokens of every rank per second of the slowest rank's step per GPU",
+    unit="tokens/s/GPU",
+)
+
+
+@functools.cache
+def per_token_ms(stage: str) -> Derived:
+    """``timing_per_token_ms/<stage>``: 1000 x the stage's seconds summed over ranks / their
+    tokens summed over ranks."""
+    return Derived(
+        f"timing_per_token_ms/{stage}", "value(ms) / value(tokens)",
+        {"ms": f"__timing_per_token_ms/{stage}/ms",
+         "tokens": f"__timing_per_token_ms/{stage}/tokens"},
+        help=f"milliseconds of the {stage} stage per token, over every rank", unit="ms")
+
+
+@functools.cache
+def train_perf(name: str) -> tuple[Derived, ...]:
+    """AReaL's ``<name>/*`` rates and running totals over ``<name>/tokens`` (SUM) and
+    ``<name>/seconds`` (MAX)."""
+    inputs = {"tokens": f"{name}/tokens", "seconds": f"{name}/seconds"}
+    return (
+        Derived(f"{name}/tokens_per_second", "value(tokens) / value(seconds)", inputs,
+                unit="tokens/s"),
+        Derived(f"{name}/total_tokens", "total(value(tokens))", inputs, unit="tokens"),
+        Derived(f"{name}/total_seconds", "total(value(seconds))", inputs, unit="s"),
+        Derived(f"{name}/cumulative_tokens_per_second",
+                "total(value(tokens)) / total(value(seconds))", inputs, unit="tokens/s"),
+    )
+
 
 # Which token count a stage's time is divided by (siiRL / verl).
 TOKENS_OF_STAGE = {
@@ -38,8 +74,9 @@ def record_timing_metrics(
     if per_token:
         ratios = {}
         for stage, which in per_token:
-            ratios[f"__ratio/timing_per_token_ms/{stage}/num"] = 1000.0 * float(timing_raw[stage])
-            ratios[f"__ratio/timing_per_token_ms/{stage}/den"] = tokens[which]
+            m.declare(per_token_ms(stage))
+            ratios[f"__timing_per_token_ms/{stage}/ms"] = 1000.0 * float(timing_raw[stage])
+            ratios[f"__timing_per_token_ms/{stage}/tokens"] = tokens[which]
         m.stat(reduce=ReduceType.SUM, **ratios)
 
 
@@ -52,14 +89,15 @@ def record_throughput_metrics(
         raise ValueError(f"n_gpus must be >= 1, got {n_gpus}")
     tokens = plain_if_host(batch["attention_mask"].sum())
     seconds = float(timing_raw["step"])
-    m.stat(reduce=ReduceType.SUM, **{"perf/total_num_tokens": tokens,
-                                     "__ratio/perf/throughput/num": tokens})
+    m.declare(THROUGHPUT)
+    m.stat(reduce=ReduceType.SUM, **{"perf/total_num_tokens": tokens})
     m.stat(reduce=ReduceType.MAX, **{"perf/time_per_step": seconds,
-                                     "__ratio/perf/throughput/den": seconds * n_gpus})
+                                     "__perf/throughput/gpu_seconds": seconds * n_gpus})
 
 
 def record_train_perf(m: Any, tokens: Any, seconds: float, name: str = "train_perf") -> None:
     """Record AReaL's ``train_perf/*``: tokens summed over ranks, seconds the max over ranks,
     rates and cumulative totals (kept by the service across steps) derived after the merge."""
-    m.stat(reduce=ReduceType.SUM, **{f"__cumulative/{name}/tokens": tokens})
-    m.stat(reduce=ReduceType.MAX, **{f"__cumulative/{name}/seconds": float(seconds)})
+    m.declare(*train_perf(name))
+    m.stat(reduce=ReduceType.SUM, **{f"{name}/tokens": tokens})
+    m.stat(reduce=ReduceType.MAX, **{f"{name}/seconds": float(seconds)})

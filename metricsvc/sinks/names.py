@@ -7,15 +7,9 @@ import math
 import re
 from collections.abc import Mapping
 
-from metricsvc.derive import split_internal
+from metricsvc.declare import is_internal
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_./\-]")
-
-
-def is_internal(key: str) -> bool:
-    """Return True for derivation inputs, which never reach a sink: the same rule the
-    service uses (a path segment ``__<name>``), so nothing a user can see vanishes."""
-    return "__" in key and split_internal(key) is not None
 
 
 def public_metrics(metrics: Mapping[str, float], allow_nan: bool) -> dict[str, float]:

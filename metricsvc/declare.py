@@ -1,0 +1,181 @@
+"""Metric declarations: what a metric is called, how it reduces, and what it means.
+
+A ``Metric`` names a recorded key, its reduce kind, its help text and unit; it owns
+the names the key exports (``/mean``, ``/min``, ...). A ``Derived`` metric is a
+formula (``metricsvc.formula``) over the merged records of other keys, evaluated by
+the service after every merge; it owns its one exported name. Declarations live
+next to the code that records their inputs; the service knows no domain formula.
+
+Inputs of a derived metric may be public keys (exported as well) or internal ones
+(a path segment starting with ``__``: recorded only to be read by a formula, never
+exported). An input holding ``*`` is a group: every key of the step it matches, ``*``
+within one path segment (``moe/layer_0/expert_*/tokens``), read with ``sum_all``,
+``max_all``, ``min_all`` or ``size``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from metricsvc.formula import Formula, parse
+from metricsvc.reduce import ReduceType, output_names
+from metricsvc.validation import check_key
+
+MAX_DECLARATIONS = 20_000
+
+
+def is_internal(key: str) -> bool:
+    """Return True for a key with a path segment ``__<name>``: an input of derived
+    metrics only, never exported."""
+    if "__" not in key:
+        return False
+    return any(part.startswith("__") and len(part) > 2 for part in key.split("/"))
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A recorded metric: its key, reduce kind, help text and unit."""
+
+    name: str
+    kind: ReduceType = ReduceType.AVG_MIN_MAX
+    help: str = ""
+    unit: str = ""
+
+    def __post_init__(self) -> None:
+        check_key(self.name)
+        object.__setattr__(self, "kind", ReduceType.parse(self.kind))
+
+    def exported(self) -> tuple[str, ...]:
+        """Return the names this metric exports (with the default output rules)."""
+        return output_names(self.name, self.kind)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A metric computed after the merge: ``formula`` over the merged records of ``inputs``.
+
+    ``inputs`` maps each name the formula reads to a recorded key (or a key pattern
+    with ``*`` in its last segment: a group).
+
+    Raises:
+        ValueError: a bad name, formula or input (the metric and the rule are named).
+    """
+
+    name: str
+    formula: str
+    inputs: Mapping[str, str] = field(default_factory=dict)
+    help: str = ""
+    unit: str = ""
+
+    def __post_init__(self) -> None:
+        try:
+            check_key(self.name)
+            if is_internal(self.name):
+                raise ValueError("a derived metric is exported: its name cannot have a "
+                                 "segment starting with '__'")
+            parsed = parse(self.formula)
+            inputs = dict(self.inputs)
+            missing = sorted(parsed.symbols - set(inputs))
+            if missing:
+                raise ValueError(f"formula {self.formula!r} reads {missing}, which "
+                                 f"inputs= does not map to keys")
+            for symbol, key in inputs.items():
+                if not isinstance(symbol, str) or not symbol.isidentifier():
+                    raise ValueError(f"input name {symbol!r} is not an identifier")
+                check_key(key)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"derived metric {self.name!r}: {err}") from None
+        object.__setattr__(self, "inputs", dict(sorted(inputs.items())))
+
+    @property
+    def parsed(self) -> Formula:
+        return parse(self.formula)
+
+    def under(self, prefix: str) -> Derived:
+        """Return this declaration with its name and input keys under ``prefix``."""
+        if not prefix:
+            return self
+        return Derived(prefix + self.name, self.formula,
+                       {s: prefix + k for s, k in self.inputs.items()}, self.help, self.unit)
+
+    def reads(self, key: str) -> bool:
+        """Return True if ``key`` is one of this metric's inputs (or in one of its groups)."""
+        return any(key == k or ("*" in k and _in_group(key, k)) for k in self.inputs.values())
+
+    def wire(self) -> list[Any]:
+        """Return the part of the declaration the service needs, as JSON-ready lists."""
+        return [self.name, self.formula, sorted(self.inputs.items())]
+
+
+@functools.lru_cache(maxsize=4096)
+def _group(pattern: str) -> re.Pattern[str]:
+    """A group pattern as a regex: ``*`` matches within one path segment."""
+    return re.compile("/".join(".*".join(re.escape(p) for p in seg.split("*")).replace(
+        ".*", "[^/]*") for seg in pattern.split("/")) + r"\Z")
+
+
+def _in_group(key: str, pattern: str) -> bool:
+    return _group(pattern).match(key) is not None
+
+
+def encode_derived(declarations: Iterable[Derived]) -> bytes:
+    """Return declarations in their wire form (UTF-8 JSON; empty for none)."""
+    items = [d.wire() for d in declarations]
+    return json.dumps(items, separators=(",", ":")).encode("utf-8") if items else b""
+
+
+@functools.lru_cache(maxsize=256)  # ranks send the same declarations every step
+def decode_derived(blob: bytes) -> tuple[Derived, ...]:
+    """Return the declarations a batch carries, each checked as the client checked it.
+
+    Raises:
+        ValueError: malformed, or a declaration breaks a rule (it is named).
+    """
+    if not blob:
+        return ()
+    try:
+        items = json.loads(bytes(blob).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"malformed derived-metric declarations: {err}") from None
+    if not isinstance(items, list) or len(items) > MAX_DECLARATIONS:
+        raise ValueError(f"malformed derived-metric declarations: expected a list of at most "
+                         f"{MAX_DECLARATIONS}")
+    out = []
+    for item in items:
+        if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[2], list)
+                or not all(isinstance(p, list) and len(p) == 2 for p in item[2])):
+            raise ValueError(f"malformed derived-metric declaration {str(item)[:200]}")
+        name, formula, inputs = item
+        if not isinstance(name, str) or not isinstance(formula, str):
+            raise ValueError(f"malformed derived-metric declaration {str(item)[:200]}")
+        out.append(Derived(name, formula, {s: k for s, k in inputs}))
+    return tuple(out)
+
+
+class KeyIndex:
+    """The keys of one step, sorted, to resolve group inputs by their literal prefix."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.rows: dict[str, int] = {key: i for i, key in enumerate(keys)}
+        self.sorted = sorted(self.rows)
+
+    def resolve(self, key: str) -> int | list[int] | None:
+        """Return the row of ``key``, the rows of a group pattern (in key order), or None."""
+        if "*" not in key:
+            return self.rows.get(key)
+        prefix = key[: key.index("*")]
+        start = bisect.bisect_left(self.sorted, prefix)
+        group = _group(key)
+        out = []
+        for k in self.sorted[start:]:
+            if not k.startswith(prefix):
+                break
+            if group.match(k):
+                out.append(self.rows[k])
+        return out

@@ -1,0 +1,237 @@
+"""Formulas of derived metrics: a small expression language over merged records (pure).
+
+A derived metric is declared with a formula over named inputs, each input a
+recorded key (or, with ``*``, a group of keys). The service evaluates the formula
+once per finished step over the merged records of its inputs; it knows no domain
+formula itself. Grammar (Python expression syntax, nothing else):
+
+- numbers, ``+ - * / **``, parentheses, unary ``-``;
+- a statistic of one input: ``sum(x) count(x) mean(x) min(x) max(x) var(x)``
+  (unbiased) ``std(x)`` (population) ``value(x)`` (the input's own reduced value:
+  the mean of an AVG key, the max of a MAX key, ...);
+- over a group input (a key pattern with ``*``): ``sum_all(g) max_all(g)
+  min_all(g) size(g)`` (the sums of its keys added, their largest and smallest
+  sum, and how many keys it matched);
+- ``maximum(a, b, ...)``, ``minimum(a, b, ...)``, ``div0(a, b)`` (a / b, and 0 where
+  b is 0);
+- ``total(e)``: the running sum of ``e`` over every finished step of the run.
+
+A formula is undefined for a step (the metric is omitted, never a made-up number)
+when an input has no record or no values, or the result is not a finite number.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metricsvc.records import COUNT, MAX, MIN, SUM, SUMSQ
+
+MAX_FORMULA_LENGTH = 1000
+MAX_NODES = 200
+
+
+class Undefined(Exception):
+    """A formula has no value for this step (an input missing or empty, 0/0, ...)."""
+
+
+def _n(row: np.ndarray) -> float:
+    n = float(row[COUNT])
+    if n <= 0:
+        raise Undefined
+    return n
+
+
+def _var(row: np.ndarray) -> float:
+    n = _n(row)
+    if n < 2:
+        raise Undefined
+    mean = row[SUM] / n
+    return max(float(row[SUMSQ]) - n * mean * mean, 0.0) / (n - 1)
+
+
+def _std(row: np.ndarray) -> float:
+    n = _n(row)
+    mean = row[SUM] / n
+    return math.sqrt(max(float(row[SUMSQ]) / n - mean * mean, 0.0))
+
+
+# statistic name -> f(row); ``value`` is resolved with the input's kind at evaluation.
+STATISTICS: dict[str, Callable[[np.ndarray], float]] = {
+    "sum": lambda row: float(row[SUM]),
+    "count": lambda row: float(row[COUNT]),
+    "mean": lambda row: float(row[SUM]) / _n(row),
+    "min": lambda row: _n(row) and float(row[MIN]),
+    "max": lambda row: _n(row) and float(row[MAX]),
+    "var": _var,
+    "std": _std,
+}
+GROUP_STATISTICS = ("sum_all", "max_all", "min_all", "size")
+FUNCTIONS = ("maximum", "minimum", "div0", "total")
+_OPERATORS: dict[type, Callable[[float, float], float]] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+    ast.Pow: lambda a, b: a**b,
+}
+
+
+@dataclass(frozen=True)
+class Formula:
+    """A parsed, checked formula: evaluate it with ``Formula.evaluate``."""
+
+    text: str
+    tree: ast.expr
+    symbols: frozenset[str]  # the inputs it reads
+    totals: tuple[ast.Call, ...]  # its total(...) calls, each with a running sum
+
+    def evaluate(self, inputs: Mapping[str, Any], value_of: Callable[[str], float],
+                 totals: list[float] | None = None) -> float | None:
+        """Return the formula's value, or None where it is undefined for this step.
+
+        ``inputs`` maps each symbol to a merged row (or, for a group, a list of rows);
+        ``value_of(symbol)`` returns the input's own reduced value. ``totals`` holds the
+        running sums of the ``total(...)`` calls: each adds its argument's value for
+        this step where that is defined, whatever the rest of the formula gives.
+        """
+        sums = totals if totals is not None else [0.0] * len(self.totals)
+        index = {id(node): i for i, node in enumerate(self.totals)}
+        for i, node in enumerate(self.totals):
+            try:
+                step_value = float(_eval(node.args[0], inputs, value_of, sums, index))
+            except (Undefined, ZeroDivisionError, OverflowError, ValueError):
+                continue
+            if math.isfinite(step_value):
+                sums[i] += step_value
+        try:
+            value = float(_eval(self.tree, inputs, value_of, sums, index))
+        except (Undefined, ZeroDivisionError, OverflowError, ValueError):
+            return None
+        return value if math.isfinite(value) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(text: str) -> Formula:
+    """Return the checked formula of ``text``.
+
+    Raises:
+        ValueError: it is not a formula of this grammar (the rule it breaks is named).
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("a formula must be a non-empty string")
+    if len(text) > MAX_FORMULA_LENGTH:
+        raise ValueError(f"formula is {len(text)} characters; the limit is "
+                         f"{MAX_FORMULA_LENGTH}")
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as err:
+        raise ValueError(f"formula {text!r} is not an expression: {err.msg}") from None
+    nodes = list(ast.walk(tree))
+    if len(nodes) > MAX_NODES:
+        raise ValueError(f"formula {text!r} has {len(nodes)} parts; the limit is {MAX_NODES}")
+    symbols: set[str] = set()
+    names_ok: set[int] = set()  # Name nodes that are a function or a statistic's input
+    totals: list[ast.Call] = []
+    for node in nodes:
+        if isinstance(node, ast.Call):
+            _check_call(text, node)
+            names_ok.add(id(node.func))
+            if node.func.id in INPUT_FUNCTIONS:  # type: ignore[attr-defined]
+                symbols.add(node.args[0].id)  # type: ignore[attr-defined]
+                names_ok.add(id(node.args[0]))
+            elif node.func.id == "total":  # type: ignore[attr-defined]
+                if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                       and n.func.id == "total" for n in ast.walk(node.args[0])):
+                    raise ValueError(f"formula {text!r}: total() cannot hold another total()")
+                totals.append(node)
+    for node in nodes:
+        if isinstance(node, ast.Name):
+            if id(node) not in names_ok:
+                raise ValueError(f"formula {text!r}: input {node.id!r} must be read through "
+                                 f"a statistic, e.g. mean({node.id}) or value({node.id})")
+        elif isinstance(node, ast.Constant):
+            if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+                raise ValueError(f"formula {text!r}: only numbers are allowed as constants")
+        elif isinstance(node, ast.BinOp):
+            if type(node.op) not in _OPERATORS:
+                raise ValueError(f"formula {text!r}: operator {type(node.op).__name__} is "
+                                 f"not allowed (+ - * / **)")
+        elif isinstance(node, ast.UnaryOp):
+            if not isinstance(node.op, (ast.USub, ast.UAdd)):
+                raise ValueError(f"formula {text!r}: only unary - and + are allowed")
+        elif not isinstance(node, (ast.Call, ast.operator, ast.unaryop, ast.Load)):
+            raise ValueError(f"formula {text!r}: {type(node).__name__} is not allowed")
+    return Formula(text, tree, frozenset(symbols), tuple(totals))
+
+
+INPUT_FUNCTIONS = frozenset({*STATISTICS, "value", *GROUP_STATISTICS})
+
+
+def _check_call(text: str, node: ast.Call) -> None:
+    name = node.func.id if isinstance(node.func, ast.Name) else None
+    if node.keywords or name is None:
+        raise ValueError(f"formula {text!r}: only plain calls like sum(x) are allowed")
+    if name in INPUT_FUNCTIONS:
+        if len(node.args) != 1 or not isinstance(node.args[0], ast.Name):
+            raise ValueError(f"formula {text!r}: {name}() takes one input name, e.g. {name}(x)")
+    elif name == "total":
+        if len(node.args) != 1:
+            raise ValueError(f"formula {text!r}: total() takes one expression")
+    elif name in ("maximum", "minimum"):
+        if not node.args:
+            raise ValueError(f"formula {text!r}: {name}() needs arguments")
+    elif name == "div0":
+        if len(node.args) != 2:
+            raise ValueError(f"formula {text!r}: div0() takes two expressions")
+    else:
+        known = ", ".join([*STATISTICS, "value", *GROUP_STATISTICS, *FUNCTIONS])
+        raise ValueError(f"formula {text!r}: unknown function {name!r}; known: {known}")
+
+
+def _eval(node: ast.expr, inputs: Mapping[str, Any], value_of: Callable[[str], float],
+          totals: list[float], index: dict[int, int]) -> float:
+    if isinstance(node, ast.Constant):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp):
+        operand = _eval(node.operand, inputs, value_of, totals, index)
+        return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.BinOp):
+        left = _eval(node.left, inputs, value_of, totals, index)
+        right = _eval(node.right, inputs, value_of, totals, index)
+        return _OPERATORS[type(node.op)](left, right)
+    assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    name = node.func.id
+    if name in INPUT_FUNCTIONS:
+        symbol = node.args[0].id  # type: ignore[attr-defined]
+        held = inputs.get(symbol)
+        if held is None:
+            raise Undefined
+        if name == "value":
+            return value_of(symbol)
+        if name in STATISTICS:
+            if isinstance(held, list):
+                raise Undefined  # a statistic of one key, given a group
+            return STATISTICS[name](held)
+        if not isinstance(held, list):
+            raise Undefined  # a group statistic, given one key: declare it with '*'
+        if name == "size":
+            return float(len(held))
+        sums = [float(r[SUM]) for r in held]
+        if not sums:
+            raise Undefined
+        return {"sum_all": sum, "max_all": max, "min_all": min}[name](sums)
+    if name == "total":
+        return totals[index[id(node)]]
+    args = [_eval(a, inputs, value_of, totals, index) for a in node.args]
+    if name == "maximum":
+        return max(args)
+    if name == "minimum":
+        return min(args)
+    return 0.0 if args[1] == 0 else args[0] / args[1]  # div0
