@@ -24,7 +24,7 @@ from clients.summarize import (
 from clients.tracker import Tracker
 from metricsvc.declare import Derived, encode_derived, is_internal
 from metricsvc.records import Batch, scalar_row, scalar_rows
-from metricsvc.reduce import AUTO, ReduceType
+from metricsvc.reduce import AUTO, KINDS, OutputRules, ReduceType, output_names
 from metricsvc.sinks.names import safe_tag
 from metricsvc.sketch import SketchSpec, dense_to_sparse
 from metricsvc.validation import check_key
@@ -44,15 +44,18 @@ def _exported(key: str, code: int) -> tuple[str, ...]:
     Both mean suffixes count (the service's is configured there); quantile names depend
     on the service's list, so the service checks those (meta ``collisions``).
     """
-    if code == int(ReduceType.AVG_MIN_MAX):
-        names: tuple[str, ...] = (f"{key}/mean", f"{key}/avg", f"{key}/min", f"{key}/max")
-    elif code == int(ReduceType.STD):
-        names = (f"{key}/std",)
-    elif code == int(ReduceType.QUANTILES):
+    if code == AUTO:
+        names: tuple[str, ...] = (key,)
+    elif KINDS[ReduceType(code)].suffixes_vary:
         names = ()
     else:
-        names = (key,)
+        names = tuple(dict.fromkeys(
+            name for suffix in _MEAN_SUFFIXES
+            for name in output_names(key, ReduceType(code), OutputRules(mean_suffix=suffix))))
     return tuple(dict.fromkeys(names + tuple(safe_tag(n) for n in names)))
+
+
+_MEAN_SUFFIXES = ("mean", "avg")
 
 
 @dataclass(slots=True)
@@ -176,7 +179,7 @@ class RecordBuffer:
         with self.lock:  # the mask cache's scratch buffers serve one summary at a time
             rows = summarize_many(values, mask, compile=self.compile, cache=self._masks)
         sketches = None
-        if kind is ReduceType.QUANTILES:
+        if KINDS[kind].sketch:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
         self._record_all(rows, int(kind), 0, sketches)
 

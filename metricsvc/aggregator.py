@@ -23,9 +23,10 @@ import numpy as np
 
 from metricsvc.declare import decode_derived, is_internal
 from metricsvc.derive import Deriver
-from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ, Batch
+from metricsvc.records import COUNT, NONFINITE, SUM, SUMSQ, Batch
 from metricsvc.reduce import (
     AUTO,
+    KINDS,
     KindResolver,
     OutputRules,
     ReduceType,
@@ -538,13 +539,10 @@ def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[s
     off = np.flatnonzero((contributors != want) & ~p.from_stream)
     if off.size:
         out["contributors"] = {p.keys[i]: [int(contributors[i]), int(want[i])] for i in off}
-    scalar_clash = [
-        p.keys[i]
-        for i, kind in enumerate(kinds)
-        if kind is ReduceType.SCALAR and data[i, COUNT] > 0 and data[i, MIN] != data[i, MAX]
-    ]
-    if scalar_clash:
-        out["scalar_mismatch"] = scalar_clash
+    for i, kind in enumerate(kinds):  # what a kind's own check marks (KINDS[kind].flag)
+        flag = KINDS[kind].flag
+        if flag is not None and data[i, COUNT] > 0 and flag[1](data[i]):
+            out.setdefault(flag[0], []).append(p.keys[i])
     approx = [k for k, c in zip(p.keys, p.codes) if c == AUTO and is_approximate_plain_key(k)]
     if approx:
         out["approximate"] = approx

@@ -12,7 +12,7 @@ import fnmatch
 import functools
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Literal
@@ -127,15 +127,8 @@ class OutputRules:
     sketch: SketchSpec = SketchSpec()
 
 
-def output_names(key: str, kind: ReduceType, rules: OutputRules = OutputRules()) -> tuple[str, ...]:
-    """Return the exported names of a key recorded with ``kind``."""
-    if kind is ReduceType.AVG_MIN_MAX:
-        return (f"{key}/{rules.mean_suffix}", f"{key}/min", f"{key}/max")
-    if kind is ReduceType.STD:
-        return (f"{key}/std",)
-    if kind is ReduceType.QUANTILES:
-        return tuple(f"{key}/{quantile_name(q)}" for q in rules.quantiles)
-    return (key,)
+def _mean(row: np.ndarray) -> float:
+    return float(row[SUM] / row[COUNT])
 
 
 def _std(row: np.ndarray) -> float:
@@ -145,6 +138,60 @@ def _std(row: np.ndarray) -> float:
 
 
 Sketch = tuple[np.ndarray, np.ndarray]
+Finalise = Callable[[np.ndarray, "Sketch | None", OutputRules], "tuple[float, ...] | None"]
+
+
+def _quantiles(row: np.ndarray, sketch: Sketch | None, rules: OutputRules) -> tuple | None:
+    if sketch is None:
+        return None
+    qs = quantiles(*sketch, rules.quantiles, rules.sketch, float(row[MIN]), float(row[MAX]))
+    return None if qs is None else tuple(qs)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Everything one reduce kind means, in one entry of ``KINDS``.
+
+    Records of every kind merge the same way (sums, counts, squares and non-finite
+    counts add; min of mins, max of maxes); ``sketch`` kinds also merge quantile
+    buckets. ``suffixes`` are the exported names (``""``: the key itself), ``finalise``
+    turns a merged record with at least one value into them; an empty population
+    exports ``empty`` (None: nothing). ``weighted``: counts may be fractional weights.
+    ``flag``: a meta entry naming the keys whose merged record it marks.
+    """
+
+    suffixes: Callable[[OutputRules], tuple[str, ...]]
+    finalise: Finalise
+    sketch: bool = False
+    empty: tuple[float, ...] | None = None
+    weighted: bool = False
+    flag: tuple[str, Callable[[np.ndarray], bool]] | None = None
+    suffixes_vary: bool = False  # set by service config (the client cannot check them)
+
+
+KINDS: dict[ReduceType, Kind] = {
+    ReduceType.AVG_MIN_MAX: Kind(lambda r: (r.mean_suffix, "min", "max"),
+                                 lambda row, _, r: (_mean(row), float(row[MIN]),
+                                                    float(row[MAX]))),
+    ReduceType.AVG: Kind(lambda r: ("",), lambda row, _, r: (_mean(row),), weighted=True),
+    ReduceType.SUM: Kind(lambda r: ("",), lambda row, _, r: (float(row[SUM]),), empty=(0.0,)),
+    ReduceType.MIN: Kind(lambda r: ("",), lambda row, _, r: (float(row[MIN]),)),
+    ReduceType.MAX: Kind(lambda r: ("",), lambda row, _, r: (float(row[MAX]),)),
+    ReduceType.SCALAR: Kind(lambda r: ("",), lambda row, _, r: (_mean(row),),
+                            flag=("scalar_mismatch", lambda row: row[MIN] != row[MAX])),
+    ReduceType.STD: Kind(lambda r: ("std",), lambda row, _, r: (_std(row),)),
+    ReduceType.QUANTILES: Kind(lambda r: tuple(quantile_name(q) for q in r.quantiles),
+                               _quantiles, sketch=True, suffixes_vary=True),
+}
+_missing = set(ReduceType) - set(KINDS)
+if _missing:  # an enum member without its entry would fail at the first step instead
+    raise RuntimeError(f"reduce kinds without a KINDS entry: {sorted(k.name for k in _missing)}")
+
+
+@functools.lru_cache(maxsize=65536)  # keys recur every step
+def output_names(key: str, kind: ReduceType, rules: OutputRules = OutputRules()) -> tuple[str, ...]:
+    """Return the exported names of a key recorded with ``kind``."""
+    return tuple(f"{key}/{s}" if s else key for s in KINDS[kind].suffixes(rules))
 
 
 def finalize_row(
@@ -158,29 +205,12 @@ def finalize_row(
     SUM of an empty population is 0 (the empty sum); every other kind omits it.
     With ``rules.nonfinite == "propagate"`` a key that saw NaN/inf exports NaN.
     """
+    spec = KINDS[kind]
     if rules.nonfinite == "propagate" and row[NONFINITE] > 0:
-        return (math.nan,) * len(output_names("", kind, rules))
-    if kind is ReduceType.SUM:
-        return (float(row[SUM]),)
+        return (math.nan,) * len(spec.suffixes(rules))
     if row[COUNT] <= 0:
-        return None
-    mean = float(row[SUM] / row[COUNT])
-    if kind is ReduceType.AVG_MIN_MAX:
-        return (mean, float(row[MIN]), float(row[MAX]))
-    if kind in (ReduceType.AVG, ReduceType.SCALAR):
-        return (mean,)
-    if kind is ReduceType.MIN:
-        return (float(row[MIN]),)
-    if kind is ReduceType.MAX:
-        return (float(row[MAX]),)
-    if kind is ReduceType.STD:
-        return (_std(row),)
-    if kind is ReduceType.QUANTILES:
-        if sketch is None:
-            return None
-        qs = quantiles(*sketch, rules.quantiles, rules.sketch, float(row[MIN]), float(row[MAX]))
-        return None if qs is None else tuple(qs)
-    raise ValueError(f"no finaliser for reduce kind {kind!r}")
+        return spec.empty
+    return spec.finalise(row, sketch, rules)
 
 
 def finalize(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metricsvc.records import COUNT, NFIELDS, Batch
-from metricsvc.reduce import VALID_CODES, ReduceType
+from metricsvc.reduce import KINDS, VALID_CODES
 
 # Counts up to 2**53 are exact in float64; merged over any world size they stay finite,
 # so turning them into ints when a step finishes cannot overflow.
@@ -149,6 +149,10 @@ def _check_columns(batch: Batch, k: int) -> None:
 
 _VALID_CODE = np.zeros(256, dtype=bool)  # indexed by a kind code's byte
 _VALID_CODE[[code & 0xFF for code in VALID_CODES]] = True
+_WEIGHTED_CODE = np.zeros(256, dtype=bool)  # kinds whose counts may be fractional weights
+_WEIGHTED_CODE[[int(k) for k, spec in KINDS.items() if spec.weighted]] = True
+_SKETCH_CODE = np.zeros(256, dtype=bool)  # kinds that merge quantile sketches
+_SKETCH_CODE[[int(k) for k, spec in KINDS.items() if spec.sketch]] = True
 
 
 def _check_values(batch: Batch) -> None:
@@ -181,7 +185,7 @@ def _check_records(batch: Batch) -> None:
         rules = (
             ("count must be finite, in [0, 2**53]", (count >= 0) & (count <= MAX_COUNT)),
             ("count must be a whole number",
-             (np.floor(count) == count) | (batch.kinds == int(ReduceType.AVG))),
+             (np.floor(count) == count) | _WEIGHTED_CODE[batch.kinds.view(np.uint8)]),
             ("nonfinite must be a whole number in [0, 2**53]",
              (nonfinite >= 0) & (nonfinite <= MAX_COUNT) & (np.floor(nonfinite) == nonfinite)),
             ("sumsq must be >= 0", squares >= 0),
@@ -214,7 +218,7 @@ def _check_sketches(batch: Batch) -> None:
         return
     if rows.min() < 0 or rows.max() >= len(batch.keys) or len(np.unique(rows)) != len(rows):
         raise BatchRejected("batch sketch rows must name distinct keys of the batch")
-    not_q = batch.kinds[rows] != int(ReduceType.QUANTILES)
+    not_q = ~_SKETCH_CODE[batch.kinds[rows].view(np.uint8)]
     if not_q.any():
         key = batch.keys[int(rows[np.flatnonzero(not_q)[0]])]
         raise BatchRejected(f"key {key!r}: a quantile sketch was sent for a non-QUANTILES key")

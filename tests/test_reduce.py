@@ -89,3 +89,36 @@ def test_renamer_rewrites_prefixes_longest_first():
     assert r("timing_s/ref") == "perf/delta_time/ref"
     assert r("timing_s/gen") == "gen_time"
     assert r("other") == "other"
+
+
+def test_a_kinds_table_entry_is_the_one_place_a_kind_is_defined(monkeypatch):
+    """Names, values, batch checks and the client's name claims all read KINDS: changing
+    an entry changes every one of them (here STD exporting ``/sd`` as a variance)."""
+    import numpy as np
+
+    from clients import buffer
+    from metricsvc import reduce
+    from metricsvc.records import summarize_array
+
+    def clear():
+        reduce.output_names.cache_clear()
+        buffer._exported.cache_clear()
+
+    clear()
+    monkeypatch.setitem(reduce.KINDS, reduce.ReduceType.STD, reduce.Kind(
+        lambda r: ("sd",), lambda row, _, r: (float(row[4] / row[1] - (row[0] / row[1]) ** 2),)))
+    try:
+        row = summarize_array(np.array([1.0, 3.0]))
+        assert reduce.output_names("k", reduce.ReduceType.STD) == ("k/sd",)
+        assert reduce.finalize(["k"], [reduce.ReduceType.STD], row[None]) == {"k/sd": 1.0}
+        assert "k/sd" in buffer._exported("k", int(reduce.ReduceType.STD))
+    finally:
+        monkeypatch.undo()
+        clear()
+    assert reduce.output_names("k", reduce.ReduceType.STD) == ("k/std",)
+
+
+def test_every_reduce_kind_has_its_table_entry():
+    from metricsvc.reduce import KINDS, ReduceType
+
+    assert set(KINDS) == set(ReduceType)
