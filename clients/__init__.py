@@ -11,8 +11,7 @@ from clients.rpc import ServiceUnavailable
 from clients.stream import StreamRecorder
 from clients.summarize import summarize
 from clients.tracker import Tracker
-from metricsvc.declare import Derived, Metric
-from metricsvc.reduce import ReduceType
+from metricsvc.protocol import Derived, Metric, ReduceType
 
 __all__ = [
     "Derived",

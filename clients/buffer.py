@@ -22,12 +22,23 @@ from clients.summarize import (
     to_host,
 )
 from clients.tracker import Tracker
-from metricsvc.declare import Derived, encode_derived, is_internal
-from metricsvc.records import Batch, scalar_row, scalar_rows
-from metricsvc.reduce import AUTO, KINDS, OutputRules, ReduceType, output_names
-from metricsvc.sinks.names import safe_tag
-from metricsvc.sketch import SketchSpec, dense_to_sparse
-from metricsvc.validation import check_key
+from metricsvc.protocol import (
+    AUTO,
+    KINDS,
+    Batch,
+    Derived,
+    OutputRules,
+    ReduceType,
+    SketchSpec,
+    check_key,
+    dense_to_sparse,
+    encode_derived,
+    is_internal,
+    output_names,
+    safe_tag,
+    scalar_row,
+    scalar_rows,
+)
 
 _PLAIN_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64,
                             np.int32, np.int16, np.int8, np.uint8, np.bool_})
@@ -81,20 +92,25 @@ class RecordBuffer:
         self._good_keys: set[str] = set()  # names already checked (they recur every step)
         self._declared: dict[str, Derived] = {}  # derived metrics, for every step
         self._declared_wire = b""
-        self._trackers: dict[str, Tracker] = {}
-        self.tracker = Tracker(self, prefix=prefix)
+        self._trackers: dict[str, Tracker] = {}  # named trackers, by prefix
+        self._attached: list[Tracker] = []  # every tracker recording here (step-scoped state)
         self.host_copies = 0
         self.label = "this step"  # how errors name the open window
         self.on_record: Any = None  # called after each successful recording (auto-flush)
 
     # -- trackers ------------------------------------------------------------------------
-    def get(self, name: str) -> Tracker:
-        """Return the named tracker ``name``: keys prefixed ``name/``, scopes of its own."""
-        check_key(name)
+    def attach(self, tracker: Tracker) -> None:
+        """Let ``tracker`` record here; its step-scoped state ends with each step."""
         with self.lock:
-            tracker = self._trackers.get(name)
+            self._attached.append(tracker)
+
+    def named(self, prefix: str) -> Tracker:
+        """Return the tracker whose keys start with ``prefix/`` (made on first use)."""
+        check_key(prefix)
+        with self.lock:
+            tracker = self._trackers.get(prefix)
             if tracker is None:
-                tracker = self._trackers[name] = Tracker(self, prefix=f"{self.prefix}{name}/")
+                tracker = self._trackers[prefix] = Tracker(self, prefix=f"{prefix}/")
             return tracker
 
     # -- recording -----------------------------------------------------------------------
@@ -174,7 +190,7 @@ class RecordBuffer:
         """Return the derived metrics declared in this client, by name."""
         return dict(self._declared)
 
-    def _record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
+    def record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
         """Summarise ``{full key: value}`` under one mask and merge into the buffer."""
         with self.lock:  # the mask cache's scratch buffers serve one summary at a time
             rows = summarize_many(values, mask, compile=self.compile, cache=self._masks)
@@ -183,14 +199,14 @@ class RecordBuffer:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
         self._record_all(rows, int(kind), 0, sketches)
 
-    def _record_elements(self, keys: list[str], values: Any, kind: ReduceType) -> None:
+    def record_elements(self, keys: list[str], values: Any, kind: ReduceType) -> None:
         """Record element ``i`` of ``values`` as one value (count 1) of ``keys[i]``."""
         rows = element_rows(values, key=keys[0] if keys else "value")
         if len(rows) != len(keys):
             raise ValueError(f"{len(keys)} keys for {len(rows)} values (first key {keys[0]!r})")
         self._record_all(dict(zip(keys, rows)), int(kind), 0)
 
-    def _record_weighted(self, key: str, value: float, weight: float) -> None:
+    def record_weighted(self, key: str, value: float, weight: float) -> None:
         if not weight >= 0:
             raise ValueError(f"weight for key {key!r} must be >= 0, got {weight}")
         self._record_all({key: scalar_row(float(value), float(weight))}, int(ReduceType.AVG), 0)
@@ -301,67 +317,5 @@ class RecordBuffer:
         self._masks.clear()  # a mask is prepared once per step; the scratch buffers stay
         self._entries = {}
         self._names = {}
-        for tracker in (self.tracker, *self._trackers.values()):
-            tracker._reset()
-
-
-class TrackerAPI:
-    """AReaL's recording calls, forwarded to the default tracker of ``self.buffer``."""
-
-    buffer: RecordBuffer
-
-    @property
-    def tracker(self) -> Tracker:
-        return self.buffer.tracker
-
-    def stat(self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX,
-             **kwargs: Any) -> None:
-        """Record masked summaries; see ``Tracker.stat``.
-
-        Raises:
-            TypeError: a non-numeric value or a non-bool mask (the key is named).
-            ValueError: a mask whose shape differs from the value's, an unknown denominator.
-        """
-        self.tracker.stat(mask, reduce, **kwargs)
-
-    def denominator(self, **masks: Any) -> None:
-        """Register bool masks by name; see ``Tracker.denominator``."""
-        self.tracker.denominator(**masks)
-
-    def declare(self, *declarations: Derived) -> None:
-        """Declare derived metrics, computed by the service after every merge; see
-        ``RecordBuffer.declare``."""
-        self.tracker.declare(*declarations)
-
-    def scalar(self, **values: Any) -> None:
-        """Record rank-identical numbers; see ``Tracker.scalar``."""
-        self.tracker.scalar(**values)
-
-    def weighted_mean(self, key: str, value: float, weight: float) -> None:
-        """Record ``value`` counted ``weight`` times into the mean of ``key``."""
-        self.tracker.weighted_mean(key, value, weight)
-
-    def record_counts(self, keys: list[str], counts: Any, kind: ReduceType) -> None:
-        """Record element ``i`` of a 1-D tensor/array as one value of ``keys[i]``."""
-        self.tracker.record_counts(keys, counts, kind)
-
-    def scope(self, name: str) -> Any:
-        """Nest keys under ``name/``; a context manager and a decorator."""
-        return self.tracker.scope(name)
-
-    def record_timing(self, name: str) -> Any:
-        """Time a block into ``timing_s/<name>`` (MAX across ranks)."""
-        return self.tracker.record_timing(name)
-
-    def get(self, name: str) -> Tracker:
-        """Return the named tracker ``name``: keys prefixed ``name/``, scopes of its own."""
-        return self.buffer.get(name)
-
-    def pending_keys(self) -> list[str]:
-        """Return the keys recorded since the last flush."""
-        return self.buffer.keys()
-
-    @property
-    def host_copies(self) -> int:
-        """Device-to-host copies made by flushes so far."""
-        return self.buffer.host_copies
+        for tracker in self._attached:
+            tracker.end_step()

@@ -12,16 +12,20 @@ from typing import Any
 import ray
 
 from clients import metrics
-from clients.buffer import RecordBuffer, TrackerAPI
+from clients.buffer import RecordBuffer
 from clients.rpc import ServiceUnavailable, call
 from clients.stream import StreamRecorder
-from metricsvc.combiner import combiner_name
-from metricsvc.config import DEFAULT_NAME
-from metricsvc.records import Batch
-from metricsvc.resend import Outbox, deliver
-from metricsvc.sketch import SketchSpec
-from metricsvc.validation import check_rank
-from metricsvc.wire import encode
+from clients.tracker import Tracker
+from metricsvc.protocol import (
+    DEFAULT_NAME,
+    Batch,
+    Outbox,
+    SketchSpec,
+    check_rank,
+    combiner_name,
+    deliver,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ class ServiceNotice(UserWarning):
     """The service dropped an earlier batch of this rank (e.g. a world-size disagreement)."""
 
 
-class MetricClient(TrackerAPI):
+class MetricClient(Tracker):
     """A rank's handle on the MetricWorker: record metrics for the open step, then flush.
 
     Recording never syncs a device: tensors are summarised on their device and
@@ -84,7 +88,7 @@ class MetricClient(TrackerAPI):
         self._via = via
         self._name = name or DEFAULT_NAME
         self._namespace = namespace
-        self.buffer = RecordBuffer(sketch_spec, compile)
+        super().__init__(RecordBuffer(sketch_spec, compile))  # the client is its own tracker
         self.buffer.label = f"step {start_step}"
         self.step = int(start_step)
         self.last_closed: int | None = None
@@ -166,22 +170,22 @@ class MetricClient(TrackerAPI):
                                   world_size: int | None = None) -> None:
         """Record the data metrics of a batch (``critic/*``, ``response/*``, ``prompt/*``)."""
         self._expected(world_size, {"critic/score": None})
-        metrics.record_data_metrics(self.tracker, batch)
-        metrics.record_process_memory(self.tracker)
+        metrics.record_data_metrics(self, batch)
+        metrics.record_process_memory(self)
 
     def compute_local_timing_metrics(self, batch: Mapping[str, Any],
                                      timing_raw: Mapping[str, float],
                                      world_size: int | None = None) -> None:
         """Record ``timing_s/*`` and ``timing_per_token_ms/*``."""
         self._expected(world_size, {"timing_s": None})
-        metrics.record_timing_metrics(self.tracker, batch, timing_raw)
+        metrics.record_timing_metrics(self, batch, timing_raw)
 
     def compute_local_throughout_metrics(self, batch: Mapping[str, Any],
                                          timing_raw: Mapping[str, float], n_gpus: int,
                                          world_size: int | None = None) -> None:
         """Record ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput``."""
         self._expected(world_size, {"perf/throughput": None})
-        metrics.record_throughput_metrics(self.tracker, batch, timing_raw, n_gpus)
+        metrics.record_throughput_metrics(self, batch, timing_raw, n_gpus)
 
     compute_local_throughput_metrics = compute_local_throughout_metrics  # the right spelling
 
@@ -190,7 +194,7 @@ class MetricClient(TrackerAPI):
                                          world_size: int | None = None) -> None:
         """Record ``val-core/*``, ``val-aux/*`` and ``val/test_score/*``."""
         self._expected(world_size, {"val-core": None})
-        metrics.record_validation_metrics(self.tracker, data_sources, sample_inputs,
+        metrics.record_validation_metrics(self, data_sources, sample_inputs,
                                           infos_dict, sample_turns)
 
     def _expected(self, world_size: int | None, keys: Mapping[str, Any]) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from metricsvc.retry import ACTOR_ERRORS, backoff
+from metricsvc.protocol import ACTOR_ERRORS, backoff
 
 log = logging.getLogger(__name__)
 

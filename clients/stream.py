@@ -15,15 +15,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from clients.buffer import RecordBuffer, TrackerAPI
+from clients.buffer import RecordBuffer
 from clients.rpc import call
-from metricsvc.records import Batch
-from metricsvc.sketch import SketchSpec
-from metricsvc.validation import check_key
-from metricsvc.wire import encode
+from clients.tracker import Tracker
+from metricsvc.protocol import Batch, SketchSpec, check_key, encode
 
 
-class StreamRecorder(TrackerAPI):
+class StreamRecorder(Tracker):
     """Records for stream ``name`` (keys prefixed ``name/``, like AReaL's ``get(name)``).
 
     Flushes (one actor call) once ``flush_every`` keys are waiting or
@@ -45,7 +43,7 @@ class StreamRecorder(TrackerAPI):
         self.name = check_key(name)
         self.client_id = uuid.uuid4().hex
         self._worker = worker
-        self.buffer = RecordBuffer(sketch_spec, compile, prefix=f"{name}/")
+        super().__init__(RecordBuffer(sketch_spec, compile, prefix=f"{name}/"), prefix=f"{name}/")
         self.buffer.label = f"stream {name!r} before its flush"
         self.buffer.on_record = self._maybe_flush
         self.retry_s = retry_s

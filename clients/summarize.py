@@ -34,8 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.records import merge, scalar_row, scalar_rows, summarize_array
-from metricsvc.sketch import SketchSpec, dense_counts
+from metricsvc.protocol import (
+    SketchSpec,
+    dense_counts,
+    merge,
+    scalar_row,
+    scalar_rows,
+    summarize_array,
+)
 
 log = logging.getLogger(__name__)
 

@@ -19,28 +19,28 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from clients.summarize import is_tensor
-from metricsvc.declare import Derived
-from metricsvc.reduce import ReduceType
-from metricsvc.validation import check_key
+from metricsvc.protocol import Derived, ReduceType, check_key
 
 if TYPE_CHECKING:
-    from clients.client import MetricClient
+    from clients.buffer import RecordBuffer
 
 _ids = itertools.count()
 
 
 class Tracker:
-    """Records into a client's open step under an optional name prefix and scopes."""
+    """The recording API (AReaL's ``stats_tracker``): records into a ``RecordBuffer``'s open
+    step under an optional name prefix and scopes. ``MetricClient`` and ``StreamRecorder``
+    are trackers; ``get(name)`` returns a named one over the same buffer."""
 
     def __init__(
         self,
-        client: MetricClient,
+        buffer: RecordBuffer,
         prefix: str = "",
         *,
         timing_prefix: str = "timing_s/",
         timing_reduce: ReduceType = ReduceType.MAX,
     ) -> None:
-        self._client = client
+        self.buffer = buffer
         self.prefix = prefix
         self.timing_prefix = timing_prefix
         self.timing_reduce = timing_reduce
@@ -48,6 +48,7 @@ class Tracker:
                                                               default=())
         self._denominators: dict[str, Any] = {}
         self._good_keys: set[str] = set()
+        buffer.attach(self)
 
     # -- keys and scopes ---------------------------------------------------------------
     def full_key(self, key: str) -> str:
@@ -58,7 +59,7 @@ class Tracker:
         """Return the checked full key (name rules, reserved ``__`` segments)."""
         full = self.full_key(key)
         if full not in self._good_keys:  # keys recur every step: each is checked once
-            self._client.check_internal(check_key(full))
+            self.buffer.check_internal(check_key(full))
             if len(self._good_keys) < 100_000:
                 self._good_keys.add(full)
         return full
@@ -92,7 +93,7 @@ class Tracker:
                 got = dtype if dtype is not None else type(mask).__name__
                 raise TypeError(f"denominator {name!r} must be a bool tensor or array, got {got}")
             named[self._key(name)] = mask
-        self._client._record(named, None, ReduceType.SUM)
+        self.buffer.record(named, None, ReduceType.SUM)
         self._denominators.update(named)
 
     def _lookup(self, name: str, for_key: str) -> Any:
@@ -140,13 +141,13 @@ class Tracker:
             mask = self._lookup(denominator, next(iter(full), "<none>"))
         elif denominator is not None:
             mask = denominator
-        self._client._record(full, mask, kind)
+        self.buffer.record(full, mask, kind)
 
     def declare(self, *declarations: Derived) -> None:
         """Declare derived metrics (names and inputs under this tracker's prefix and scopes);
         see ``RecordBuffer.declare``."""
         prefix = self.full_key("")
-        self._client.declare(*(d.under(prefix) for d in declarations))
+        self.buffer.declare(*(d.under(prefix) for d in declarations))
 
     def scalar(self, **values: Any) -> None:
         """Record rank-identical numbers (e.g. a learning rate); mismatches are flagged.
@@ -164,16 +165,16 @@ class Tracker:
                     f"use stat() for tensors"
                 )
         full = {self._key(k): v for k, v in values.items()}
-        self._client._record(full, None, ReduceType.SCALAR)
+        self.buffer.record(full, None, ReduceType.SCALAR)
 
     def record_counts(self, keys: list[str], counts: Any, kind: ReduceType) -> None:
         """Record element ``i`` of a 1-D tensor/array as one value of ``keys[i]``."""
         full = [self._key(k) for k in keys]
-        self._client._record_elements(full, counts, kind)
+        self.buffer.record_elements(full, counts, kind)
 
     def weighted_mean(self, key: str, value: float, weight: float) -> None:
         """Record ``value`` counted ``weight`` times into the mean of ``key``."""
-        self._client._record_weighted(self._key(key), value, weight)
+        self.buffer.record_weighted(self._key(key), value, weight)
 
     @contextlib.contextmanager
     def record_timing(self, name: str) -> Iterator[None]:
@@ -183,11 +184,21 @@ class Tracker:
         try:
             yield
         finally:
-            self._client._record({key: time.perf_counter() - start}, None, self.timing_reduce)
+            self.buffer.record({key: time.perf_counter() - start}, None, self.timing_reduce)
 
     def get(self, name: str) -> Tracker:
-        """Return the named tracker ``name`` (keys prefixed ``name/``)."""
-        return self._client.get(self.prefix + name)
+        """Return the named tracker ``name``: keys prefixed ``name/``, scopes of its own."""
+        return self.buffer.named(self.prefix + name)
 
-    def _reset(self) -> None:
+    def pending_keys(self) -> list[str]:
+        """Return the keys recorded since the last flush."""
+        return self.buffer.keys()
+
+    @property
+    def host_copies(self) -> int:
+        """Device-to-host copies made by flushes so far."""
+        return self.buffer.host_copies
+
+    def end_step(self) -> None:
+        """Forget what lives for one step (the registered denominators)."""
         self._denominators.clear()

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
+from metricsvc.protocol import combiner_name
 from metricsvc.records import Batch
 from metricsvc.resend import Outbox, deliver
 from metricsvc.retry import ACTOR_ERRORS, backoff
@@ -27,11 +28,6 @@ from metricsvc.validation import check_batch
 from metricsvc.wire import as_batch, encode
 
 log = logging.getLogger(__name__)
-
-def combiner_name(service: str, label: str) -> str:
-    """Return the Ray actor name of the combiner ``label`` of service ``service``."""
-    return f"{service}--combiner--{label}"
-
 
 @dataclass
 class _Gathering:

@@ -23,11 +23,11 @@ from pydantic import (
     model_validator,
 )
 
+from metricsvc.protocol import DEFAULT_NAME
 from metricsvc.reduce import OutputRules, ReduceType
 from metricsvc.sketch import SketchSpec
 from metricsvc.validation import Limits
 
-DEFAULT_NAME = "metricsvc_worker"
 _SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import ray
 
-from metricsvc.combiner import combiner_name
+from metricsvc.protocol import combiner_name
 from metricsvc.sinks.jsonl import read_journal
 from tests.chaos.test_chaos import calls_for, expected_for
 from tests.helpers import RankActor

@@ -17,6 +17,37 @@ def test_service_package_never_imports_torch_or_clients():
     assert out.stdout.split() == ["False", "False"]
 
 
+def test_clients_depend_on_the_service_only_through_its_protocol_module():
+    """The client library imports one module of the service, ``metricsvc.protocol``
+    (``clients/demo.py`` is a driver: it starts the service through ``metricsvc``)."""
+    import ast
+
+    seen = {}
+    for path in sorted((ROOT / "clients").rglob("*.py")):
+        if path.name == "demo.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                if name == "metricsvc" or name.startswith("metricsvc."):
+                    seen.setdefault(name, []).append(path.relative_to(ROOT).as_posix())
+    assert set(seen) == {"metricsvc.protocol"}, seen
+
+
+def test_the_recording_layer_uses_no_private_method_of_the_buffer():
+    """One public layer: MetricClient and StreamRecorder are Trackers; a Tracker records
+    through the buffer's public methods (no `_record` forwarding chain)."""
+    import re
+
+    from clients import MetricClient, StreamRecorder, Tracker
+
+    assert issubclass(MetricClient, Tracker) and issubclass(StreamRecorder, Tracker)
+    source = (ROOT / "clients" / "tracker.py").read_text()
+    assert not re.findall(r"self\.buffer\._\w+", source)
+    assert MetricClient.stat is Tracker.stat  # no forwarding layer in between
+
+
 @pytest.mark.slow
 def test_example_driver_runs_and_writes_the_journal(tmp_path):
     config = tmp_path / "demo.yaml"

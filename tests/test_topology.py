@@ -4,7 +4,7 @@ import pytest
 import ray
 
 import metricsvc
-from metricsvc.combiner import combiner_name
+from metricsvc.protocol import combiner_name
 from metricsvc.sinks.jsonl import read_journal
 from tests.chaos.test_chaos import calls_for
 from tests.helpers import RankActor, wait_for_new_incarnation

@@ -9,8 +9,7 @@ from typing import Any
 
 from clients.metrics.batch import get, response_info
 from clients.summarize import Difference
-from metricsvc.declare import Derived
-from metricsvc.reduce import ReduceType
+from metricsvc.protocol import Derived, ReduceType
 
 EXPLAINED_VARIANCE = Derived(
     "critic/vf_explained_var",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from metricsvc.reduce import ReduceType
+from metricsvc.protocol import ReduceType
 
 THRESHOLDS = (1.5, 2.0, 3.0, 5.0, 10.0)
 

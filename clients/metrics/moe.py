@@ -6,8 +6,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from metricsvc.declare import Derived
-from metricsvc.reduce import ReduceType
+from metricsvc.protocol import Derived, ReduceType
 
 
 @functools.cache

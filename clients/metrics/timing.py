@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from clients.metrics.batch import plain_if_host, response_info
-from metricsvc.declare import Derived
-from metricsvc.reduce import ReduceType
+from metricsvc.protocol import Derived, ReduceType
 
 THROUGHPUT = Derived(
     "perf/throughput", "value(tokens) / value(gpu_seconds)",

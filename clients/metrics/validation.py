@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.reduce import ReduceType
+from metricsvc.protocol import ReduceType
 
 N_BOOTSTRAP = 1000
 

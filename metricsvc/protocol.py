@@ -1,0 +1,70 @@
+"""The client/service protocol: everything a client needs from the service, and nothing else.
+
+A client (``clients/``) imports only this module: the record and its algebra, the
+batch and its wire encoding, the reduce kinds and the names they export, metric
+declarations, the quantile sketch layout, the key rules, the restart protocol both
+clients and combiners speak, how actors are named, and the errors a service raises.
+The rest of ``metricsvc`` (aggregation, the actor, sinks, config) may change freely
+behind it; the service never imports torch or ``clients``.
+"""
+
+from __future__ import annotations
+
+from metricsvc.declare import Derived, Metric, encode_derived, is_internal
+from metricsvc.records import (
+    FIELDS,
+    NFIELDS,
+    Batch,
+    merge,
+    scalar_row,
+    scalar_rows,
+    summarize_array,
+)
+from metricsvc.reduce import AUTO, KINDS, OutputRules, ReduceType, output_names
+from metricsvc.resend import Outbox, deliver
+from metricsvc.retry import ACTOR_ERRORS, backoff
+from metricsvc.sinks.names import safe_tag
+from metricsvc.sketch import SketchSpec, dense_counts, dense_to_sparse
+from metricsvc.validation import BatchRejected, check_key, check_rank
+from metricsvc.wire import encode
+
+DEFAULT_NAME = "metricsvc_worker"  # the MetricWorker's Ray actor name unless configured
+
+
+def combiner_name(service: str, label: str) -> str:
+    """Return the Ray actor name of the combiner ``label`` of service ``service``."""
+    return f"{service}--combiner--{label}"
+
+
+__all__ = [
+    "ACTOR_ERRORS",
+    "AUTO",
+    "DEFAULT_NAME",
+    "FIELDS",
+    "KINDS",
+    "NFIELDS",
+    "Batch",
+    "BatchRejected",
+    "Derived",
+    "Metric",
+    "Outbox",
+    "OutputRules",
+    "ReduceType",
+    "SketchSpec",
+    "backoff",
+    "check_key",
+    "check_rank",
+    "combiner_name",
+    "deliver",
+    "dense_counts",
+    "dense_to_sparse",
+    "encode",
+    "encode_derived",
+    "is_internal",
+    "merge",
+    "output_names",
+    "safe_tag",
+    "scalar_row",
+    "scalar_rows",
+    "summarize_array",
+]
