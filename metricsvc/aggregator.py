@@ -23,7 +23,7 @@ import numpy as np
 
 from metricsvc.declare import decode_derived, is_internal
 from metricsvc.derive import Deriver
-from metricsvc.records import COUNT, NONFINITE, SUM, SUMSQ, Batch
+from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ, Batch
 from metricsvc.reduce import (
     AUTO,
     KINDS,
@@ -35,6 +35,7 @@ from metricsvc.reduce import (
     is_approximate_plain_key,
 )
 from metricsvc.sinks.names import safe_tag
+from metricsvc.sketch import histogram
 from metricsvc.step import Part, PendingStep, Window
 from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
 from metricsvc.wire import as_batch, encode
@@ -495,6 +496,9 @@ class Aggregator:
         if totals:
             meta["derived_totals"] = totals
         meta.update(_anomalies(p, kinds, merged))
+        histograms = self._histograms(p.keys, kinds, merged)
+        if histograms:
+            meta["histograms"] = histograms
         if collisions:  # never overwritten: the first source kept, every source named
             meta["collisions"] = collisions
             self.counts["collisions"] += 1
@@ -504,6 +508,28 @@ class Aggregator:
         if ignored:
             meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
         return StepResult(p.step, metrics, meta)
+
+    def _histograms(self, keys: list[str], kinds: list[ReduceType],
+                    merged: tuple) -> dict[str, dict[str, Any]]:
+        """Return the merged histogram of every public QUANTILES key of a step, by its
+        (renamed) key: bin edges and counts, with the exact count, sum, sum of squares,
+        min and max (what TensorBoard's histogram holds)."""
+        data, _, sketches = merged
+        bins = self.output.histogram_bins
+        out: dict[str, dict[str, Any]] = {}
+        if not bins:
+            return out
+        for i, sk in sketches.items():
+            if not KINDS[kinds[i]].sketch or is_internal(keys[i]) or data[i, COUNT] <= 0:
+                continue
+            row = data[i]
+            hist = histogram(*sk, self.output.sketch, float(row[MIN]), float(row[MAX]), bins)
+            if hist is not None:
+                out[self._rename(keys[i])] = {
+                    "edges": hist[0].tolist(), "counts": hist[1].tolist(),
+                    "count": float(row[COUNT]), "sum": float(row[SUM]),
+                    "sumsq": float(row[SUMSQ]), "min": float(row[MIN]), "max": float(row[MAX])}
+        return out
 
     # -- introspection -----------------------------------------------------------------
     def pending_summary(self) -> dict[int, dict[str, Any]]:

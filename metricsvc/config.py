@@ -224,6 +224,10 @@ class OutputConfig(_Strict):
         "exclude", description="exclude NaN/inf (counted in meta) or export NaN for that key"
     )
     sketch_alpha: float = Field(0.01, gt=0, lt=1, description="quantile relative accuracy")
+    histogram_bins: int = Field(
+        64, ge=0, le=512,
+        description="bins of the merged histogram of each QUANTILES key, sent to the sinks "
+                    "that draw histograms and kept in the journal (0: none)")
 
     @field_validator("quantiles")
     @classmethod
@@ -240,6 +244,7 @@ class OutputConfig(_Strict):
             quantiles=tuple(self.quantiles),
             nonfinite=self.nonfinite,
             sketch=SketchSpec(alpha=self.sketch_alpha),
+            histogram_bins=self.histogram_bins,
         )
 
 

@@ -125,6 +125,7 @@ class OutputRules:
     quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)
     nonfinite: Literal["exclude", "propagate"] = "exclude"
     sketch: SketchSpec = SketchSpec()
+    histogram_bins: int = 64  # of each QUANTILES key's merged histogram (0: none)
 
 
 def _mean(row: np.ndarray) -> float:

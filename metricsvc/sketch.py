@@ -143,3 +143,45 @@ def quantiles(
 def quantile_name(q: float) -> str:
     """Return the output suffix of a quantile: 0.5 -> 'p50', 0.999 -> 'p99.9'."""
     return f"p{q * 100:g}"
+
+
+def _lower_bounds(codes: np.ndarray, spec: SketchSpec) -> np.ndarray:
+    """Return each bucket's lower bound: positive ``(g^(i-1), g^i]``, negative
+    ``[-g^i, -g^(i-1))``, zero ``(-min_value, min_value)``."""
+    idx = (np.abs(codes) - BIAS).astype(np.float64)
+    gamma = spec.gamma
+    return np.where(codes > 0, gamma ** (idx - 1),
+                    np.where(codes < 0, -(gamma ** idx), -spec.min_value))
+
+
+def histogram(
+    codes: np.ndarray,
+    counts: np.ndarray,
+    spec: SketchSpec,
+    lo: float,
+    hi: float,
+    max_bins: int = 64,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Return a merged sketch as a histogram ``(edges, counts)`` of at most ``max_bins``
+    bins, or None if it is empty.
+
+    Each bin is a run of adjacent occupied buckets; every interior edge is a bucket
+    boundary (so a bin holds exactly the values of its buckets), the outer edges are the
+    exact merged ``lo`` and ``hi``. Empty buckets between runs are folded into the bin
+    below, which holds no value there.
+    """
+    keep = counts > 0
+    codes, counts = codes[keep], counts[keep]
+    if codes.size == 0 or max_bins < 1:
+        return None
+    order = np.argsort(codes, kind="stable")  # codes sort as their values do
+    codes, counts = codes[order], counts[order]
+    groups = np.array_split(np.arange(codes.size), min(max_bins, codes.size))
+    firsts = np.array([g[0] for g in groups])
+    bin_counts = np.add.reduceat(counts, firsts)
+    lower = _lower_bounds(codes[firsts], spec)
+    edges = np.concatenate([[lo], lower[1:], [hi]]).astype(np.float64)
+    edges = np.maximum.accumulate(edges)  # float rounding at a boundary never reverses them
+    if edges[-1] <= edges[0]:  # one value: a bin of no width cannot be drawn
+        edges[-1] = np.nextafter(edges[0], np.inf)
+    return edges, bin_counts

@@ -55,6 +55,19 @@ def _one_run(paths: list[Path], what: str) -> None:
     assert len(ids) == 1, f"{what}: expected one run, found ids {sorted(ids)} in {paths}"
 
 
+def _wandb_row(record) -> dict:
+    """A history record as ``{key: value}``; wandb stores a logged dict (a histogram) as
+    one item per field, ``nested_key = [key, field]``: they are put back together."""
+    row: dict = {}
+    for item in record.history.item:
+        value = json.loads(item.value_json)
+        if len(item.nested_key) > 1:
+            row.setdefault(item.nested_key[0], {})[item.nested_key[-1]] = value
+        else:
+            row[item.nested_key[0] if item.nested_key else item.key] = value
+    return row
+
+
 def wandb_history(root: Path) -> dict[int, dict[str, float]]:
     """Return the history rows of the one offline wandb run under ``root`` (all of its
     transaction logs: one per incarnation); a step logged twice fails."""
@@ -69,14 +82,47 @@ def wandb_history(root: Path) -> dict[int, dict[str, float]]:
             record.ParseFromString(data)
             if record.WhichOneof("record_type") != "history":
                 continue
-            row = {}
-            for item in record.history.item:
-                key = "/".join(item.nested_key) if item.nested_key else item.key
-                row[key] = json.loads(item.value_json)
+            row = _wandb_row(record)
             step = int(row.pop("_step"))
             assert step not in out, f"wandb: step {step} logged twice ({path})"
-            out[step] = {k: v for k, v in row.items() if not k.startswith("_")}
+            out[step] = {k: v for k, v in row.items() if not k.startswith("_")
+                         and not isinstance(v, dict)}  # histograms: wandb_histograms
     return out
+
+
+def wandb_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
+    """Return ``{step: {key: (edges, counts)}}`` of the ``wandb.Histogram`` values of the one
+    offline wandb run under ``root``."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    out: dict[int, dict[str, tuple[list, list]]] = defaultdict(dict)
+    for path in sorted(root.rglob("run-*.wandb")):
+        for data in leveldb_log_records(path, b":W&B"):
+            record = pb.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            row = _wandb_row(record)
+            for key, value in row.items():
+                if isinstance(value, dict) and value.get("_type") == "histogram":
+                    out[int(row["_step"])][key] = (value["bins"], value["values"])
+    return dict(out)
+
+
+def tensorboard_histograms(logdir: Path) -> dict[int, dict[str, tuple[list, list]]]:
+    """Return ``{step: {tag: (edges, counts)}}`` of the histograms in ``logdir``'s event files
+    (EventAccumulator; a bucket's lower edge is the previous limit, the first one's the min)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"histograms": 0})
+    acc.Reload()
+    out: dict[int, dict[str, tuple[list, list]]] = defaultdict(dict)
+    for tag in acc.Tags()["histograms"]:
+        for event in acc.Histograms(tag):
+            h = event.histogram_value
+            assert tag not in out[event.step], f"tensorboard: histogram {tag} at {event.step} twice"
+            out[event.step][tag] = ([h.min, *h.bucket_limit], list(h.bucket))
+    return dict(out)
 
 
 def swanlab_scalars(root: Path) -> dict[int, dict[str, float]]:
@@ -95,6 +141,28 @@ def swanlab_scalars(root: Path) -> dict[int, dict[str, float]]:
                 step, key = record.scalar.step, record.scalar.key
                 assert key not in out[step], f"swanlab: {key} at step {step} logged twice"
                 out[step][key] = record.scalar.value.number
+    return dict(out)
+
+
+def swanlab_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
+    """Return ``{step: {key: (edges, counts)}}`` of the histogram charts of the one SwanLab
+    run under ``root``: media records naming ECharts JSON files, each bar with its edges."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+
+    out: dict[int, dict[str, tuple[list, list]]] = defaultdict(dict)
+    for path in sorted(root.rglob("run-*.swanlab")):
+        for data in leveldb_log_records(path, b":SWL"):
+            record = Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") != "media":
+                continue
+            (item,) = record.media.value.items
+            chart = json.loads((path.parent / "media" / "echarts" / item.filename).read_text())
+            bars = chart["series"][0]["data"]
+            step, key = int(record.media.step), record.media.key
+            assert key not in out[step], f"swanlab: chart {key} at step {step} logged twice"
+            out[step][key] = ([bars[0]["lo"], *(b["hi"] for b in bars)],
+                              [b["value"] for b in bars])
     return dict(out)
 
 

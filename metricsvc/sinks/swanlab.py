@@ -20,14 +20,15 @@ from typing import Any
 
 from metricsvc.config import SwanlabSinkConfig
 from metricsvc.sinks.logfiles import LevelDBLogTail
-from metricsvc.sinks.names import tagged
+from metricsvc.sinks.names import safe_tag, tagged
 from metricsvc.sinks.state import SinkState
 
 _MODES = {"cloud": "online", "local": "local", "offline": "offline", "disabled": "disabled"}
 
 
 class SwanlabSink:
-    """Log each finished step to a SwanLab run."""
+    """Log each finished step to a SwanLab run: its metrics, and per QUANTILES key its
+    merged histogram as a bar chart."""
 
     name = "swanlab"
     supports_nan = False
@@ -75,14 +76,22 @@ class SwanlabSink:
         for path in sorted(self.logdir.rglob(f"run-{self.run_id}.swanlab")):
             for data in LevelDBLogTail(path, b":SWL").read_new():
                 record = Record.FromString(data)
-                if record.WhichOneof("record_type") == "scalar":
-                    step = int(record.scalar.step)
+                kind = record.WhichOneof("record_type")
+                if kind in ("scalar", "media"):  # numbers, and histograms (charts)
+                    item = getattr(record, kind)
+                    step = int(item.step)
                     if after is None or step > after:
-                        self._held.setdefault(step, set()).add(record.scalar.key)
+                        self._held.setdefault(step, set()).add(item.key)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
         held = self._held.pop(step, ())
-        values = {k: v for k, v in tagged(metrics).items() if k not in held}
+        values: dict[str, Any] = {k: v for k, v in tagged(metrics).items() if k not in held}
+        for name, hist in meta.get("histograms", {}).items():
+            tag = safe_tag(name)
+            if tag not in held and tag not in values:
+                chart = _histogram_chart(tag, hist)
+                if chart is not None:
+                    values[tag] = chart
         if values:
             self.run.log(values, step=step)
 
@@ -90,6 +99,22 @@ class SwanlabSink:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def _histogram_chart(tag: str, hist: Mapping[str, Any]) -> Any:
+    """A merged histogram as a SwanLab ECharts bar chart (SwanLab has no histogram type):
+    one bar per bin, labelled by its range, each bar carrying its exact edges."""
+    import swanlab
+
+    try:
+        from pyecharts.charts import Bar  # installed with swanlab (its ECharts type)
+    except ImportError:
+        return None
+
+    edges, counts = list(hist["edges"]), list(hist["counts"])
+    labels = [f"{a:.4g}..{b:.4g}" for a, b in zip(edges, edges[1:])]
+    bars = [{"value": c, "lo": a, "hi": b} for c, a, b in zip(counts, edges, edges[1:])]
+    return swanlab.ECharts(Bar().add_xaxis(labels).add_yaxis(tag, bars))
 
 
 def _quiet_settings(mode: str, logdir: Path) -> Any:

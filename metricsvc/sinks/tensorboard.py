@@ -17,11 +17,21 @@ from typing import Any
 
 from metricsvc.config import TensorboardSinkConfig
 from metricsvc.sinks.logfiles import tfrecords
-from metricsvc.sinks.names import tagged
+from metricsvc.sinks.names import safe_tag, tagged
+
+
+def _histogram(tag: str, hist: Mapping[str, Any]) -> Any:
+    """A merged histogram (``meta["histograms"]``) as TensorBoard's histogram summary: its
+    bucket limits are the upper edges, the first bucket starts at the exact min."""
+    from tensorboardX.summary import histogram_raw
+
+    return histogram_raw(tag, hist["min"], hist["max"], hist["count"], hist["sum"],
+                         hist["sumsq"], list(hist["edges"][1:]), list(hist["counts"]))
 
 
 class TensorboardSink:
-    """One scalar per key and step under ``<run folder>/<subdir>``."""
+    """One scalar per key and step under ``<run folder>/<subdir>``, and a histogram per
+    QUANTILES key (its merged buckets across ranks)."""
 
     name = "tensorboard"
     supports_nan = True
@@ -70,6 +80,12 @@ class TensorboardSink:
             if tag not in held:
                 self._writer.write_event(Event(wall_time=now, step=step,
                                                summary=scalar(tag, value)))
+                self._dirty = True
+        for name, hist in meta.get("histograms", {}).items():
+            tag = safe_tag(name)
+            if tag not in held:
+                self._writer.write_event(Event(wall_time=now, step=step,
+                                               summary=_histogram(tag, hist)))
                 self._dirty = True
         if self.config.flush_every_step or time.monotonic() - self._last_flush > \
                 self.config.flush_secs:

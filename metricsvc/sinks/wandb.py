@@ -44,7 +44,8 @@ def _history_steps(records: list[bytes]) -> list[int]:
 
 
 class WandbSink:
-    """Log each finished step as one wandb history row at ``step``."""
+    """Log each finished step as one wandb history row at ``step``: its metrics, and a
+    ``wandb.Histogram`` per QUANTILES key (its merged buckets across ranks)."""
 
     name = "wandb"
     supports_nan = True
@@ -110,7 +111,15 @@ class WandbSink:
         if step in self._held:
             self._held.discard(step)
             return
-        self.run.log(dict(metrics), step=step, commit=True)
+        row: dict[str, Any] = dict(metrics)
+        histograms = meta.get("histograms")
+        if histograms:
+            import wandb
+
+            for name, hist in histograms.items():  # merged buckets of every rank
+                row.setdefault(name, wandb.Histogram(
+                    np_histogram=(list(hist["counts"]), list(hist["edges"]))))
+        self.run.log(row, step=step, commit=True)
 
     def commit(self) -> int | None:
         """Return the newest step wandb has written to its transaction log (its own flush,
