@@ -27,14 +27,13 @@ from metricsvc.protocol import (
     KINDS,
     Batch,
     Derived,
-    OutputRules,
+    Metric,
     ReduceType,
     SketchSpec,
     check_key,
     dense_to_sparse,
     encode_derived,
     is_internal,
-    output_names,
     safe_tag,
     scalar_row,
     scalar_rows,
@@ -50,23 +49,11 @@ def _kind_name(code: int) -> str:
 
 @functools.lru_cache(maxsize=65536)  # keys recur every step
 def _exported(key: str, code: int) -> tuple[str, ...]:
-    """Return every name ``key`` may export under ``code``, as written and as a sink tag.
+    """Return every name ``key`` may export under ``code``: its declaration's claims."""
+    if code == AUTO:  # a plain number exports its key (its kind is the service's to pick)
+        return tuple(dict.fromkeys((key, safe_tag(key))))
+    return Metric(key, ReduceType(code)).claims()
 
-    Both mean suffixes count (the service's is configured there); quantile names depend
-    on the service's list, so the service checks those (meta ``collisions``).
-    """
-    if code == AUTO:
-        names: tuple[str, ...] = (key,)
-    elif KINDS[ReduceType(code)].suffixes_vary:
-        names = ()
-    else:
-        names = tuple(dict.fromkeys(
-            name for suffix in _MEAN_SUFFIXES
-            for name in output_names(key, ReduceType(code), OutputRules(mean_suffix=suffix))))
-    return tuple(dict.fromkeys(names + tuple(safe_tag(n) for n in names)))
-
-
-_MEAN_SUFFIXES = ("mean", "avg")
 
 
 @dataclass(slots=True)

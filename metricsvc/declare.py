@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metricsvc.formula import Formula, parse
-from metricsvc.reduce import ReduceType, output_names
+from metricsvc.reduce import KINDS, OutputRules, ReduceType, output_names
 from metricsvc.validation import check_key
 
 MAX_DECLARATIONS = 20_000
@@ -38,9 +38,17 @@ def is_internal(key: str) -> bool:
     return any(part.startswith("__") and len(part) > 2 for part in key.split("/"))
 
 
+MEAN_SUFFIXES = ("mean", "avg")  # the service's is configured: a client claims both
+
+
 @dataclass(frozen=True)
 class Metric:
-    """A recorded metric: its key, reduce kind, help text and unit."""
+    """A recorded metric: its key, reduce kind, help text and unit.
+
+    The declaration owns the names the key exports: ``claims`` lists them (as written and
+    as a sink tag), and a client refuses a second source of any of them. A ``<name>`` in
+    the key stands for one path segment (``timing_s/<stage>``): a family of keys.
+    """
 
     name: str
     kind: ReduceType = ReduceType.AVG_MIN_MAX
@@ -51,9 +59,38 @@ class Metric:
         check_key(self.name)
         object.__setattr__(self, "kind", ReduceType.parse(self.kind))
 
-    def exported(self) -> tuple[str, ...]:
-        """Return the names this metric exports (with the default output rules)."""
-        return output_names(self.name, self.kind)
+    def exported(self, rules: OutputRules | None = None) -> tuple[str, ...]:
+        """Return the names this metric exports under the service's output ``rules``."""
+        return output_names(self.name, self.kind, rules or OutputRules())
+
+    def claims(self) -> tuple[str, ...]:
+        """Return every name this metric may export, as written and as a sink tag (both
+        mean suffixes; quantile names depend on the service's list: it checks those)."""
+        return _claims(self.name, self.kind)
+
+    def matches(self, key: str) -> bool:
+        """Return True if ``key`` is this metric's key (or one of its family's)."""
+        return key == self.name or ("<" in self.name and _template(self.name).match(key)
+                                    is not None)
+
+
+@functools.lru_cache(maxsize=65536)  # keys recur every step
+def _claims(name: str, kind: ReduceType) -> tuple[str, ...]:
+    from metricsvc.sinks.names import safe_tag  # sinks import this module
+
+    if KINDS[kind].suffixes_vary:
+        names: tuple[str, ...] = ()
+    else:
+        names = tuple(dict.fromkeys(n for suffix in MEAN_SUFFIXES
+                                    for n in output_names(name, kind,
+                                                          OutputRules(mean_suffix=suffix))))
+    return tuple(dict.fromkeys(names + tuple(safe_tag(n) for n in names)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _template(name: str) -> re.Pattern[str]:
+    return re.compile(re.sub(r"<[^>/]*>", "[^/]+", re.escape(name).replace(r"\<", "<")
+                             .replace(r"\>", ">")) + r"\Z")
 
 
 @dataclass(frozen=True)
@@ -103,6 +140,17 @@ class Derived:
             return self
         return Derived(prefix + self.name, self.formula,
                        {s: prefix + k for s, k in self.inputs.items()}, self.help, self.unit)
+
+    def claims(self) -> tuple[str, ...]:
+        """Return the name this metric exports, as written and as a sink tag."""
+        from metricsvc.sinks.names import safe_tag  # sinks import this module
+
+        return tuple(dict.fromkeys((self.name, safe_tag(self.name))))
+
+    def matches(self, key: str) -> bool:
+        """Return True if ``key`` is this metric's name (or one of its family's)."""
+        return key == self.name or ("<" in self.name and _template(self.name).match(key)
+                                    is not None)
 
     def reads(self, key: str) -> bool:
         """Return True if ``key`` is one of this metric's inputs (or in one of its groups)."""

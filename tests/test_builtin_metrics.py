@@ -331,3 +331,54 @@ def test_siirl_methods_read_each_token_tensor_once_without_float64_copies():
     assert ops.calls.count("index_select") == 3  # advantages, returns, values: once each
     assert ops.widened == 0 and "nonzero" not in ops.calls
     assert len(c.pending_keys()) >= 20
+
+
+def test_every_built_in_family_records_exactly_what_it_declares():
+    """The family declarations (name, kind, help) are the source of truth: every key a
+    recorder records matches one declared Metric of its family, with that kind, and every
+    derived metric it declares matches a declared Derived; every declaration is used."""
+    from clients import Derived, Metric
+    from clients.metrics import (
+        FAMILIES,
+        record_logp_diagnostics,
+        record_moe_balance,
+        record_process_memory,
+        record_throughput_metrics,
+        record_timing_metrics,
+        record_train_perf,
+        record_validation_metrics,
+    )
+
+    b = make_batch(0, 6)
+    timing = {"gen": 1.0, "update_actor": 0.5, "step": 4.0, "other": 0.1}
+    g = torch.Generator().manual_seed(0)
+    recorders = {
+        "data": lambda c: (c.compute_local_data_metric(b), record_process_memory(c)),
+        "timing": lambda c: (record_timing_metrics(c, b, timing),
+                             record_throughput_metrics(c, b, timing, 2),
+                             record_train_perf(c, torch.tensor(100.0), 2.0)),
+        "validation": lambda c: record_validation_metrics(
+            c, ["gsm8k"] * 4, ["p1", "p1", "p2", "p2"],
+            {"reward": [1.0, 0.0, 1.0, 1.0], "acc": [1.0, 0.0, 1.0, 1.0]}, [1, 2, 1, 3]),
+        "diagnostics": lambda c: record_logp_diagnostics(
+            c, torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g),
+            torch.rand(3, 5, generator=g) > 0.3),
+        "moe": lambda c: record_moe_balance(c, {0: torch.tensor([3, 1, 0]), 1: [2, 2, 2]}),
+    }
+    for family, record in recorders.items():
+        declared = FAMILIES[family]
+        c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+        record(c)
+        used = set()
+        for key, entry in c.buffer._entries.items():
+            found = [d for d in declared if isinstance(d, Metric) and d.matches(key)]
+            assert len(found) == 1, (family, key, found)
+            assert int(found[0].kind) == entry.code, (family, key)
+            used.add(found[0].name)
+        for name in c.buffer.declared:
+            found = [d for d in declared if isinstance(d, Derived) and d.matches(name)]
+            assert len(found) == 1, (family, name)
+            used.add(found[0].name)
+        unused = [d.name for d in declared if d.name not in used]
+        assert not unused, (family, unused)
+        assert all(d.help for d in declared), family

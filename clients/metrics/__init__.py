@@ -6,6 +6,7 @@ syncs a device. Values that the peers compute per rank and then average
 the merge, so they equal the value computed on the whole global batch.
 """
 
+from clients.metrics import data, diagnostics, moe, timing, validation
 from clients.metrics.data import record_data_metrics, record_process_memory
 from clients.metrics.diagnostics import record_logp_diagnostics
 from clients.metrics.moe import record_moe_balance
@@ -17,7 +18,18 @@ from clients.metrics.timing import (
 )
 from clients.metrics.validation import record_validation_metrics, validation_metrics
 
+# Every built-in family's declarations (name, kind, help, unit; formulas of derived ones),
+# next to the code that records them. ``<name>`` stands for one path segment.
+FAMILIES = {
+    "data": data.METRICS,
+    "timing": timing.METRICS,
+    "validation": validation.METRICS,
+    "diagnostics": diagnostics.METRICS,
+    "moe": moe.METRICS,
+}
+
 __all__ = [
+    "FAMILIES",
     "TOKENS_OF_STAGE",
     "record_data_metrics",
     "record_logp_diagnostics",

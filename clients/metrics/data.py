@@ -9,7 +9,7 @@ from typing import Any
 
 from clients.metrics.batch import get, response_info
 from clients.summarize import Difference
-from metricsvc.protocol import Derived, ReduceType
+from metricsvc.protocol import Derived, Metric, ReduceType
 
 EXPLAINED_VARIANCE = Derived(
     "critic/vf_explained_var",
@@ -17,6 +17,29 @@ EXPLAINED_VARIANCE = Derived(
     {"residual": "critic/__vf_explained_var/residual", "returns": "critic/returns"},
     help="verl's explained variance of the value function over every valid response token "
          "of every rank: unbiased variances of the merged returns - values and returns",
+)
+
+
+AMM, AVG = ReduceType.AVG_MIN_MAX, ReduceType.AVG
+METRICS = (  # what record_data_metrics and record_process_memory record (tested)
+    Metric("critic/score", AMM, "sum of a sequence's token-level scores, per sequence"),
+    Metric("critic/rewards", AMM, "sum of a sequence's token-level rewards, per sequence"),
+    Metric("critic/advantages", AMM, "advantages of every valid response token"),
+    Metric("critic/returns", AMM, "returns of every valid response token"),
+    Metric("critic/values", AMM, "value estimates of every valid response token"),
+    Metric("critic/__vf_explained_var/residual", AMM,
+           "returns - values per valid token, in float64 (an input of vf_explained_var)"),
+    EXPLAINED_VARIANCE,
+    Metric("response/length", AMM, "valid response tokens per sequence", "tokens"),
+    Metric("prompt/length", AMM, "valid prompt tokens per sequence", "tokens"),
+    Metric("num_turns", AMM, "turns per sequence (when the batch has them)"),
+    Metric("response/clip_ratio/mean", AVG, "share of responses at the maximum length"),
+    Metric("prompt/clip_ratio/mean", AVG, "share of prompts at the maximum length"),
+    Metric("response/correct_length", AMM, "length of responses with reward > 0.5", "tokens"),
+    Metric("response/wrong_length", AMM, "length of responses with reward <= 0.5", "tokens"),
+    Metric("perf/process_cpu_mem_used_gb", ReduceType.MAX,
+           "resident memory of the largest rank process", "GB"),
+    Metric("perf/process_cpu_mem_used_gb/mean", AVG, "mean resident memory of a rank", "GB"),
 )
 
 

@@ -5,9 +5,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from metricsvc.protocol import ReduceType
+from metricsvc.protocol import Metric, ReduceType
 
 THRESHOLDS = (1.5, 2.0, 3.0, 5.0, 10.0)
+_AVG = ReduceType.AVG
+METRICS = (  # what record_logp_diagnostics records (tested); d = log p_trainer - log p_rollout
+    Metric("logp_diff", ReduceType.AVG_MIN_MAX, "d over masked tokens with finite log-probs"),
+    Metric("logp_abs_diff", ReduceType.AVG_MIN_MAX, "|d|"),
+    Metric("logp_diff_squared", _AVG, "d^2"),
+    Metric("trainer_nll", _AVG, "-log p_trainer"),
+    Metric("rollout_nll", _AVG, "-log p_rollout"),
+    Metric("kl_k1", _AVG, "-d"),
+    Metric("kl_k2", _AVG, "d^2 / 2"),
+    Metric("kl_k3", _AVG, "exp(d) - 1 - d"),
+    Metric("ratio_outside_<t>", _AVG, "share of tokens with |d| > log t"),
+    Metric("nonfinite_logp_fraction", _AVG, "share of masked tokens where a log-prob is NaN/inf"),
+)
 
 
 def record_logp_diagnostics(

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from metricsvc.protocol import Derived, ReduceType
+from metricsvc.protocol import Derived, Metric, ReduceType
 
 
 @functools.cache
@@ -23,6 +23,21 @@ def moe_balance(prefix: str, layer: Any, experts: int) -> tuple[Derived, ...]:
         Derived(f"{prefix}/layer_{layer}/max_over_ideal",
                 "div0(max_all(layer), sum_all(layer) / size(layer))", {"layer": group}),
     )
+
+
+METRICS = (  # what record_moe_balance records and declares (tested)
+    Metric("moe_balance/layer_<l>/expert_<e>/tokens", ReduceType.SUM,
+           "tokens routed to an expert, summed over ranks", "tokens"),
+    Derived("moe_balance/layer_<l>/expert_<e>/load_percent",
+            "div0(100 * sum(expert), sum_all(layer))",
+            {"expert": "moe_balance/layer_<l>/expert_<e>/tokens",
+             "layer": "moe_balance/layer_<l>/expert_*/tokens"},
+            help="an expert's share of its layer's tokens", unit="%"),
+    Derived("moe_balance/layer_<l>/max_over_ideal",
+            "div0(max_all(layer), sum_all(layer) / size(layer))",
+            {"layer": "moe_balance/layer_<l>/expert_*/tokens"},
+            help="the busiest expert's tokens over the layer's mean (1: balanced)"),
+)
 
 
 def record_moe_balance(m: Any, counts: Mapping[Any, Any], prefix: str = "moe_balance") -> None:

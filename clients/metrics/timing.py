@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from clients.metrics.batch import plain_if_host, response_info
-from metricsvc.protocol import Derived, ReduceType
+from metricsvc.protocol import Derived, Metric, ReduceType
 
 THROUGHPUT = Derived(
     "perf/throughput", "value(tokens) / value(gpu_seconds)",
@@ -35,13 +35,34 @@ def train_perf(name: str) -> tuple[Derived, ...]:
     inputs = {"tokens": f"{name}/tokens", "seconds": f"{name}/seconds"}
     return (
         Derived(f"{name}/tokens_per_second", "value(tokens) / value(seconds)", inputs,
-                unit="tokens/s"),
-        Derived(f"{name}/total_tokens", "total(value(tokens))", inputs, unit="tokens"),
-        Derived(f"{name}/total_seconds", "total(value(seconds))", inputs, unit="s"),
+                help="this step's tokens over its slowest rank's seconds", unit="tokens/s"),
+        Derived(f"{name}/total_tokens", "total(value(tokens))", inputs,
+                help="tokens of every step so far", unit="tokens"),
+        Derived(f"{name}/total_seconds", "total(value(seconds))", inputs,
+                help="seconds of every step so far", unit="s"),
         Derived(f"{name}/cumulative_tokens_per_second",
-                "total(value(tokens)) / total(value(seconds))", inputs, unit="tokens/s"),
+                "total(value(tokens)) / total(value(seconds))", inputs,
+                help="tokens over seconds of every step so far", unit="tokens/s"),
     )
 
+
+METRICS = (  # what the timing, throughput and train_perf recorders record (tested)
+    Metric("timing_s/<stage>", ReduceType.MAX, "seconds of a stage on the slowest rank", "s"),
+    Metric("__timing_per_token_ms/<stage>/ms", ReduceType.SUM,
+           "1000 x a stage's seconds, summed over ranks (an input of timing_per_token_ms)"),
+    Metric("__timing_per_token_ms/<stage>/tokens", ReduceType.SUM,
+           "tokens a stage's time is divided by, summed over ranks"),
+    per_token_ms("<stage>"),
+    Metric("perf/total_num_tokens", ReduceType.SUM, "attention-mask tokens of every rank",
+           "tokens"),
+    Metric("perf/time_per_step", ReduceType.MAX, "seconds of the slowest rank's step", "s"),
+    Metric("__perf/throughput/gpu_seconds", ReduceType.MAX,
+           "the slowest step's seconds x n_gpus (an input of perf/throughput)"),
+    THROUGHPUT,
+    Metric("train_perf/tokens", ReduceType.SUM, "tokens of every rank this step", "tokens"),
+    Metric("train_perf/seconds", ReduceType.MAX, "seconds of the slowest rank", "s"),
+    *train_perf("train_perf"),
+)
 
 # Which token count a stage's time is divided by (siiRL / verl).
 TOKENS_OF_STAGE = {

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.protocol import ReduceType
+from metricsvc.protocol import Metric, ReduceType
 
 N_BOOTSTRAP = 1000
 
@@ -100,6 +100,15 @@ def validation_metrics(
                 section = "val-core" if is_core else "val-aux"
                 per_key[f"{section}/{source}/{var}/{name}"].append(value)
     return dict(per_key)
+
+
+METRICS = (  # what record_validation_metrics records (tested)
+    *(Metric(f"{section}/<source>/<var>/<stat>{moment}", ReduceType.AVG,
+             "per prompt group, averaged over groups (bootstrapped @k statistics)")
+      for section in ("val-core", "val-aux") for moment in ("", "/<moment>")),
+    Metric("val/test_score/<source>", ReduceType.AVG, "score of the source's samples"),
+    Metric("val-aux/num_turns", ReduceType.AVG_MIN_MAX, "turns per sample"),
+)
 
 
 def record_validation_metrics(
