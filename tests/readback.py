@@ -68,44 +68,41 @@ def _wandb_row(record) -> dict:
     return row
 
 
-def wandb_history(root: Path) -> dict[int, dict[str, float]]:
-    """Return the history rows of the one offline wandb run under ``root`` (all of its
-    transaction logs: one per incarnation); a step logged twice fails."""
+def _wandb_rows(root: Path):
+    """Yield ``(path, row)`` for every history record of the one offline wandb run under
+    ``root`` (all of its transaction logs: one per incarnation)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     paths = sorted(root.rglob("run-*.wandb"))
     _one_run(paths, "wandb")
-    out: dict[int, dict[str, float]] = {}
     for path in paths:
         for data in leveldb_log_records(path, b":W&B"):
             record = pb.Record()
             record.ParseFromString(data)
-            if record.WhichOneof("record_type") != "history":
-                continue
-            row = _wandb_row(record)
-            step = int(row.pop("_step"))
-            assert step not in out, f"wandb: step {step} logged twice ({path})"
-            out[step] = {k: v for k, v in row.items() if not k.startswith("_")
-                         and not isinstance(v, dict)}  # histograms: wandb_histograms
+            if record.WhichOneof("record_type") == "history":
+                yield path, _wandb_row(record)
+
+
+def wandb_history(root: Path) -> dict[int, dict[str, float]]:
+    """Return the scalar history rows of the one offline wandb run under ``root``; a step
+    logged twice fails."""
+    out: dict[int, dict[str, float]] = {}
+    for path, row in _wandb_rows(root):
+        step = int(row.pop("_step"))
+        assert step not in out, f"wandb: step {step} logged twice ({path})"
+        out[step] = {k: v for k, v in row.items() if not k.startswith("_")
+                     and not isinstance(v, dict)}  # histograms: wandb_histograms
     return out
 
 
 def wandb_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
     """Return ``{step: {key: (edges, counts)}}`` of the ``wandb.Histogram`` values of the one
     offline wandb run under ``root``."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
     out: dict[int, dict[str, tuple[list, list]]] = defaultdict(dict)
-    for path in sorted(root.rglob("run-*.wandb")):
-        for data in leveldb_log_records(path, b":W&B"):
-            record = pb.Record()
-            record.ParseFromString(data)
-            if record.WhichOneof("record_type") != "history":
-                continue
-            row = _wandb_row(record)
-            for key, value in row.items():
-                if isinstance(value, dict) and value.get("_type") == "histogram":
-                    out[int(row["_step"])][key] = (value["bins"], value["values"])
+    for _, row in _wandb_rows(root):
+        for key, value in row.items():
+            if isinstance(value, dict) and value.get("_type") == "histogram":
+                out[int(row["_step"])][key] = (value["bins"], value["values"])
     return dict(out)
 
 
