@@ -78,6 +78,7 @@ class RecordBuffer:
         self._names: dict[str, str] = {}  # exported name (or sink tag) -> the key exporting it
         self._good_keys: set[str] = set()  # names already checked (they recur every step)
         self._declared: dict[str, Derived] = {}  # derived metrics, for every step
+        self._declared_names: dict[str, str] = {}  # a name (or sink tag) one of them exports
         self._declared_wire = b""
         self._trackers: dict[str, Tracker] = {}  # named trackers, by prefix
         self._attached: list[Tracker] = []  # every tracker recording here (step-scoped state)
@@ -160,15 +161,21 @@ class RecordBuffer:
                         f"{held.formula!r} over {held.inputs}; it cannot be declared again "
                         f"as {decl.formula!r} over {decl.inputs}: one exported name, one source"
                     )
-                owner = self._names.get(decl.name)
-                if owner is not None:
-                    raise ValueError(
-                        f"derived metric {decl.name!r}: key {owner!r} already exports that name "
-                        f"in {self.label}: one exported name, one source (rename one of them)"
-                    )
-                if held is None:
-                    new[decl.name] = decl
+                if held is not None:
+                    continue
+                for name in decl.claims():
+                    owner = self._names.get(name)
+                    other = self._declared_names.get(name)
+                    if owner is not None or (other is not None and other != decl.name):
+                        raise ValueError(
+                            f"derived metric {decl.name!r} would export {name!r}, which "
+                            f"{f'key {owner!r}' if owner else f'derived metric {other!r}'} "
+                            f"already exports in {self.label}: one exported name, one source "
+                            f"(rename one of them)")
+                new[decl.name] = decl
             if new:
+                for decl in new.values():
+                    self._declared_names.update(dict.fromkeys(decl.claims(), decl.name))
                 self._declared.update(new)
                 self._declared_wire = encode_derived(self._declared.values())
 
@@ -221,14 +228,14 @@ class RecordBuffer:
         names = self._names
         new = [key for key in rows if key not in self._entries]
         claimed = {}
-        declared = self._declared
+        declared = self._declared_names
         for key in new:
             for name in _exported(key, code):
                 if name in declared:
                     raise ValueError(
                         f"key {key!r} ({_kind_name(code)}) would export {name!r}, which the "
-                        f"derived metric {name!r} declared in this client exports: one "
-                        f"exported name, one source (rename one of them)"
+                        f"derived metric {declared[name]!r} declared in this client exports: "
+                        f"one exported name, one source (rename one of them)"
                     )
                 owner = names.get(name, claimed.get(name, key))
                 if owner != key:

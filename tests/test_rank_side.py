@@ -162,3 +162,23 @@ def test_a_user_key_ending_in_double_underscore_count_reaches_every_output(make_
     assert read_journal(run / "metrics.jsonl")[0]["metrics"] == {"rollout/reward__count": 3.0}
     assert health["sinks"]["tensorboard"]["written"] == 1
     assert json.loads((run / "run.json").read_text())["service"] == cfg.name
+
+
+def test_a_derived_metric_owns_its_name_and_its_sink_tag(ray_cluster):
+    from clients import Derived
+
+    c = MetricClient(object(), rank=0, world_size=1)  # never flushed: no service needed
+    c.declare(Derived("eval/acc rate", "mean(x)", {"x": "eval/__acc"}))
+    c.declare(Derived("eval/acc rate", "mean(x)", {"x": "eval/__acc"}))  # again: harmless
+    with pytest.raises(ValueError, match="'eval/acc rate' is declared with formula"):
+        c.declare(Derived("eval/acc rate", "max(x)", {"x": "eval/__acc"}))
+    with pytest.raises(ValueError, match="would export 'eval/acc_rate', which the derived "
+                                         "metric 'eval/acc rate'"):
+        c.submit_metric({"eval/acc_rate": 1.0})  # the same sink tag: one would be lost
+    with pytest.raises(ValueError, match="derived metric 'eval/acc_rate' would export "
+                                         "'eval/acc_rate', which derived metric 'eval/acc rate'"):
+        c.declare(Derived("eval/acc_rate", "mean(x)", {"x": "eval/__acc"}))
+    c.stat(**{"eval/__acc": torch.ones(3)})  # the input: read by the declared metric
+    with pytest.raises(ValueError, match="key 'eval/__other': a path segment"):
+        c.stat(**{"eval/__other": torch.ones(3)})
+    assert c.pending_keys() == ["eval/__acc"] and c.rpc_count == 0
