@@ -97,8 +97,10 @@ def _template(name: str) -> re.Pattern[str]:
 class Derived:
     """A metric computed after the merge: ``formula`` over the merged records of ``inputs``.
 
-    ``inputs`` maps each name the formula reads to a recorded key (or a key pattern
-    with ``*`` in its last segment: a group).
+    ``inputs`` maps each name the formula reads to a recorded key, or a key pattern with
+    ``*`` (a group: every key it matches). A name with ``<name>`` segments declares a
+    family: each binding of its placeholders found in the step's keys (through the input
+    that holds them all) is one metric, e.g. ``timing_per_token_ms/<stage>``.
 
     Raises:
         ValueError: a bad name, formula or input (the metric and the rule are named).
@@ -126,6 +128,14 @@ class Derived:
                 if not isinstance(symbol, str) or not symbol.isidentifier():
                     raise ValueError(f"input name {symbol!r} is not an identifier")
                 check_key(key)
+            wanted = set(placeholders(self.name))
+            if wanted and self.anchor(inputs) is None:
+                raise ValueError(f"the placeholders {sorted(wanted)} of the name must all "
+                                 f"appear in one input without '*' (the keys that bind them)")
+            unbound = {p for k in inputs.values() for p in placeholders(k)} - wanted
+            if unbound:
+                raise ValueError(f"inputs use placeholders {sorted(unbound)} the name does "
+                                 f"not have")
         except (TypeError, ValueError) as err:
             raise type(err)(f"derived metric {self.name!r}: {err}") from None
         object.__setattr__(self, "inputs", dict(sorted(inputs.items())))
@@ -133,6 +143,20 @@ class Derived:
     @property
     def parsed(self) -> Formula:
         return parse(self.formula)
+
+    @property
+    def templated(self) -> bool:
+        """True for a family of metrics: ``<name>`` segments bound from recorded keys."""
+        return "<" in self.name and bool(placeholders(self.name))
+
+    def anchor(self, inputs: Mapping[str, str] | None = None) -> str | None:
+        """Return the input key (no ``*``) holding every placeholder of the name: the keys
+        of a step it matches bind the placeholders, one metric per binding."""
+        wanted = set(placeholders(self.name))
+        for key in sorted((inputs if inputs is not None else self.inputs).values()):
+            if "*" not in key and wanted <= set(placeholders(key)):
+                return key
+        return None
 
     def under(self, prefix: str) -> Derived:
         """Return this declaration with its name and input keys under ``prefix``."""
@@ -142,9 +166,12 @@ class Derived:
                        {s: prefix + k for s, k in self.inputs.items()}, self.help, self.unit)
 
     def claims(self) -> tuple[str, ...]:
-        """Return the name this metric exports, as written and as a sink tag."""
+        """Return the name this metric exports, as written and as a sink tag (a family's
+        names are known only once bound: the service checks those)."""
         from metricsvc.sinks.names import safe_tag  # sinks import this module
 
+        if self.templated:
+            return ()
         return tuple(dict.fromkeys((self.name, safe_tag(self.name))))
 
     def matches(self, key: str) -> bool:
@@ -154,22 +181,44 @@ class Derived:
 
     def reads(self, key: str) -> bool:
         """Return True if ``key`` is one of this metric's inputs (or in one of its groups)."""
-        return any(key == k or ("*" in k and _in_group(key, k)) for k in self.inputs.values())
+        return any(key == k or (("*" in k or "<" in k) and _in_group(key, k))
+                   for k in self.inputs.values())
 
     def wire(self) -> list[Any]:
         """Return the part of the declaration the service needs, as JSON-ready lists."""
         return [self.name, self.formula, sorted(self.inputs.items())]
 
 
+_PLACEHOLDER = re.compile(r"<([A-Za-z_][A-Za-z0-9_]*)>")
+
+
+def placeholders(text: str) -> list[str]:
+    """Return the ``<name>`` placeholders of a key template, in order."""
+    return _PLACEHOLDER.findall(text)
+
+
 @functools.lru_cache(maxsize=4096)
-def _group(pattern: str) -> re.Pattern[str]:
-    """A group pattern as a regex: ``*`` matches within one path segment."""
-    return re.compile("/".join(".*".join(re.escape(p) for p in seg.split("*")).replace(
-        ".*", "[^/]*") for seg in pattern.split("/")) + r"\Z")
+def key_pattern(pattern: str) -> re.Pattern[str]:
+    """A key pattern as a regex: ``*`` and each ``<name>`` (a named group, the same value
+    wherever it repeats) match within one path segment."""
+    out, seen, pos = [], set(), 0
+    for m in _PLACEHOLDER.finditer(pattern):
+        out.append(re.escape(pattern[pos:m.start()]).replace(r"\*", "[^/]*"))
+        name = m.group(1)
+        out.append(f"(?P={name})" if name in seen else f"(?P<{name}>[^/]+)")
+        seen.add(name)
+        pos = m.end()
+    out.append(re.escape(pattern[pos:]).replace(r"\*", "[^/]*"))
+    return re.compile("".join(out) + r"\Z")
+
+
+def fill(template: str, binding: Mapping[str, str]) -> str:
+    """Return ``template`` with each ``<name>`` replaced by its value in ``binding``."""
+    return _PLACEHOLDER.sub(lambda m: binding[m.group(1)], template)
 
 
 def _in_group(key: str, pattern: str) -> bool:
-    return _group(pattern).match(key) is not None
+    return key_pattern(pattern).match(key) is not None
 
 
 def encode_derived(declarations: Iterable[Derived]) -> bytes:
@@ -212,18 +261,29 @@ class KeyIndex:
     def __init__(self, keys: Iterable[str]) -> None:
         self.rows: dict[str, int] = {key: i for i, key in enumerate(keys)}
         self.sorted = sorted(self.rows)
+        self._groups: dict[str, list[int]] = {}  # patterns recur across declarations
 
     def resolve(self, key: str) -> int | list[int] | None:
         """Return the row of ``key``, the rows of a group pattern (in key order), or None."""
         if "*" not in key:
             return self.rows.get(key)
-        prefix = key[: key.index("*")]
+        rows = self._groups.get(key)
+        if rows is None:
+            rows = self._groups[key] = [self.rows[k] for k in self.matching(key)]
+        return rows
+
+    def matching(self, pattern: str, prefix: str | None = None) -> list[str]:
+        """Return the keys ``pattern`` matches (``*`` and ``<name>`` within a segment)."""
+        if prefix is None:
+            cut = min((i for i in (pattern.find("*"), pattern.find("<")) if i >= 0),
+                      default=len(pattern))
+            prefix = pattern[:cut]
         start = bisect.bisect_left(self.sorted, prefix)
-        group = _group(key)
+        group = key_pattern(pattern)
         out = []
         for k in self.sorted[start:]:
             if not k.startswith(prefix):
                 break
             if group.match(k):
-                out.append(self.rows[k])
+                out.append(k)
         return out

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.declare import Derived, KeyIndex, is_internal
+from metricsvc.declare import Derived, KeyIndex, fill, is_internal, key_pattern
 from metricsvc.formula import Undefined
 from metricsvc.reduce import OutputRules, ReduceType, finalize_row
 
@@ -28,42 +28,60 @@ class Deriver:
     def derive(self, declared: Mapping[str, Derived], keys: Sequence[str],
                kinds: Sequence[ReduceType], data: np.ndarray,
                rules: OutputRules) -> dict[str, float]:
-        """Return ``{name: value}`` of every declared metric defined for this step."""
+        """Return ``{name: value}`` of every declared metric defined for this step (a
+        templated declaration gives one per binding of its placeholders)."""
         if not declared:
             return {}
         index = KeyIndex(keys)
         out: dict[str, float] = {}
-        for name, decl in declared.items():
-            inputs: dict[str, Any] = {}
-            rows: dict[str, int] = {}
-            for symbol, key in decl.inputs.items():
-                found = index.resolve(key)
-                if isinstance(found, list):
-                    inputs[symbol] = [data[i] for i in found]
-                elif found is not None:
-                    inputs[symbol], rows[symbol] = data[found], found
-
-            def value_of(symbol: str, rows: dict[str, int] = rows) -> float:
-                if symbol not in rows:
-                    raise Undefined  # value() of a group
-                values = finalize_row(data[rows[symbol]], kinds[rows[symbol]], None, rules)
-                if values is None:
-                    raise Undefined
-                return values[0]
-
-            parsed = decl.parsed
-            totals = self.totals.setdefault(name, [0.0] * len(parsed.totals))
-            if len(totals) != len(parsed.totals):  # redeclared with another formula
-                totals[:] = [0.0] * len(parsed.totals)
-            value = parsed.evaluate(inputs, value_of, totals)
-            if value is not None:
-                out[name] = value
+        for decl in declared.values():
+            if not decl.templated:
+                self._evaluate(decl.name, decl, decl.inputs, index, kinds, data, rules, out)
+                continue
+            anchor = decl.anchor()
+            assert anchor is not None  # checked when it was declared
+            pattern = key_pattern(anchor)
+            for key in index.matching(anchor):
+                binding = pattern.match(key).groupdict()  # type: ignore[union-attr]
+                inputs = {s: fill(k, binding) for s, k in decl.inputs.items()}
+                self._evaluate(fill(decl.name, binding), decl, inputs, index, kinds, data,
+                               rules, out)
         return out
+
+    def _evaluate(self, name: str, decl: Derived, keys: Mapping[str, str], index: KeyIndex,
+                  kinds: Sequence[ReduceType], data: np.ndarray, rules: OutputRules,
+                  out: dict[str, float]) -> None:
+        inputs: dict[str, Any] = {}
+        rows: dict[str, int] = {}
+        for symbol, key in keys.items():
+            found = index.resolve(key)
+            if isinstance(found, list):
+                inputs[symbol] = [data[i] for i in found]
+            elif found is not None:
+                inputs[symbol], rows[symbol] = data[found], found
+
+        def value_of(symbol: str) -> float:
+            if symbol not in rows:
+                raise Undefined  # value() of a group
+            values = finalize_row(data[rows[symbol]], kinds[rows[symbol]], None, rules)
+            if values is None:
+                raise Undefined
+            return values[0]
+
+        parsed = decl.parsed
+        totals = self.totals.setdefault(name, [0.0] * len(parsed.totals))
+        if len(totals) != len(parsed.totals):  # redeclared with another formula
+            totals[:] = [0.0] * len(parsed.totals)
+        value = parsed.evaluate(inputs, value_of, totals)
+        if value is not None and name not in out:
+            out[name] = value
 
     def unread(self, declared: Mapping[str, Derived], keys: Sequence[str]) -> list[str]:
         """Return the internal keys of a step that no declaration reads (never exported)."""
-        exact = {k for d in declared.values() for k in d.inputs.values() if "*" not in k}
-        groups = [d for d in declared.values() if any("*" in k for k in d.inputs.values())]
+        exact = {k for d in declared.values() for k in d.inputs.values()
+                 if "*" not in k and "<" not in k}
+        groups = [d for d in declared.values()
+                  if any("*" in k or "<" in k for k in d.inputs.values())]
         return [k for k in keys if is_internal(k) and k not in exact
                 and not any(d.reads(k) for d in groups)]
 

@@ -382,3 +382,13 @@ def test_every_built_in_family_records_exactly_what_it_declares():
         unused = [d.name for d in declared if d.name not in used]
         assert not unused, (family, unused)
         assert all(d.help for d in declared), family
+
+
+def test_moe_balance_declares_two_metrics_whatever_the_number_of_layers_and_experts():
+    from clients.metrics import record_moe_balance
+
+    c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+    record_moe_balance(c, {layer: torch.arange(16) for layer in range(8)})
+    batch = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    assert len(batch.keys) == 8 * 16 and len(c.buffer.declared) == 2
+    assert len(batch.derived) < 600  # bytes per batch for 128 load_percent and 8 layers

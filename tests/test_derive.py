@@ -81,7 +81,7 @@ def test_a_total_keeps_counting_a_step_whose_whole_formula_is_undefined():
 def test_group_inputs_read_every_key_they_match_within_one_segment():
     from clients.metrics.moe import moe_balance
 
-    declared = moe_balance("moe", 0, 3)
+    declared = moe_balance("moe")
     recs = {f"moe/layer_0/expert_{e}/tokens": rec([float(t)]) for e, t in enumerate((1, 2, 5))}
     recs["moe/layer_0/expert_9/other/tokens"] = rec([100.0])  # another segment: not matched
     out = derive(Deriver(), declared, recs)
@@ -91,6 +91,26 @@ def test_group_inputs_read_every_key_they_match_within_one_segment():
                    "moe/layer_0/max_over_ideal": 5 / (8 / 3)}
     empty = derive(Deriver(), declared, {k: rec([0.0]) for k in list(recs)[:3]})
     assert empty["moe/layer_0/max_over_ideal"] == 0.0  # an empty layer: 0, as documented
+    two = derive(Deriver(), declared, {f"moe/layer_{layer}/expert_{e}/tokens": rec([1.0 + e])
+                                       for layer in (0, 7) for e in range(2)})
+    assert two == {f"moe/layer_{layer}/{name}": value for layer in (0, 7) for name, value in
+                   (("expert_0/load_percent", 100 / 3), ("expert_1/load_percent", 200 / 3),
+                    ("max_over_ideal", 2 / 1.5))}  # two declarations, every layer and expert
+
+
+def test_a_templated_declaration_binds_its_placeholders_from_the_recorded_keys():
+    from clients.metrics.timing import PER_TOKEN_MS
+
+    recs = {f"__timing_per_token_ms/{stage}/{part}": rec([v])
+            for stage, ms, tokens in (("gen", 500.0, 100.0), ("ref", 90.0, 30.0))
+            for part, v in (("ms", ms), ("tokens", tokens))}
+    recs["__timing_per_token_ms/odd/ms"] = rec([1.0])  # no tokens: undefined, omitted
+    assert derive(Deriver(), [PER_TOKEN_MS], recs) == {"timing_per_token_ms/gen": 5.0,
+                                                       "timing_per_token_ms/ref": 3.0}
+    with pytest.raises(ValueError, match="placeholders \\['s'\\] of the name must all appear"):
+        Derived("a/<s>", "mean(x)", {"x": "a/*/x"})
+    with pytest.raises(ValueError, match="inputs use placeholders \\['t'\\]"):
+        Derived("a/<s>", "mean(x) + mean(y)", {"x": "a/<s>/x", "y": "b/<t>"})
 
 
 @pytest.mark.parametrize("formula, message", [

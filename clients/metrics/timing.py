@@ -17,15 +17,10 @@ THROUGHPUT = Derived(
 )
 
 
-@functools.cache
-def per_token_ms(stage: str) -> Derived:
-    """``timing_per_token_ms/<stage>``: 1000 x the stage's seconds summed over ranks / their
-    tokens summed over ranks."""
-    return Derived(
-        f"timing_per_token_ms/{stage}", "value(ms) / value(tokens)",
-        {"ms": f"__timing_per_token_ms/{stage}/ms",
-         "tokens": f"__timing_per_token_ms/{stage}/tokens"},
-        help=f"milliseconds of the {stage} stage per token, over every rank", unit="ms")
+PER_TOKEN_MS = Derived(
+    "timing_per_token_ms/<stage>", "value(ms) / value(tokens)",
+    {"ms": "__timing_per_token_ms/<stage>/ms", "tokens": "__timing_per_token_ms/<stage>/tokens"},
+    help="milliseconds of a stage per token, over every rank", unit="ms")
 
 
 @functools.cache
@@ -52,7 +47,7 @@ METRICS = (  # what the timing, throughput and train_perf recorders record (test
            "1000 x a stage's seconds, summed over ranks (an input of timing_per_token_ms)"),
     Metric("__timing_per_token_ms/<stage>/tokens", ReduceType.SUM,
            "tokens a stage's time is divided by, summed over ranks"),
-    per_token_ms("<stage>"),
+    PER_TOKEN_MS,
     Metric("perf/total_num_tokens", ReduceType.SUM, "attention-mask tokens of every rank",
            "tokens"),
     Metric("perf/time_per_step", ReduceType.MAX, "seconds of the slowest rank's step", "s"),
@@ -92,9 +87,9 @@ def record_timing_metrics(
     per_token = [(stage, TOKENS_OF_STAGE[stage]) for stage in timing_raw
                  if stage in TOKENS_OF_STAGE]
     if per_token:
+        m.declare(PER_TOKEN_MS)
         ratios = {}
         for stage, which in per_token:
-            m.declare(per_token_ms(stage))
             ratios[f"__timing_per_token_ms/{stage}/ms"] = 1000.0 * float(timing_raw[stage])
             ratios[f"__timing_per_token_ms/{stage}/tokens"] = tokens[which]
         m.stat(reduce=ReduceType.SUM, **ratios)
