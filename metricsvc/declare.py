@@ -70,8 +70,7 @@ class Metric:
 
     def matches(self, key: str) -> bool:
         """Return True if ``key`` is this metric's key (or one of its family's)."""
-        return key == self.name or ("<" in self.name and _template(self.name).match(key)
-                                    is not None)
+        return key == self.name or ("<" in self.name and _in_group(key, self.name))
 
 
 @functools.lru_cache(maxsize=65536)  # keys recur every step
@@ -85,12 +84,6 @@ def _claims(name: str, kind: ReduceType) -> tuple[str, ...]:
                                     for n in output_names(name, kind,
                                                           OutputRules(mean_suffix=suffix))))
     return tuple(dict.fromkeys(names + tuple(safe_tag(n) for n in names)))
-
-
-@functools.lru_cache(maxsize=1024)
-def _template(name: str) -> re.Pattern[str]:
-    return re.compile(re.sub(r"<[^>/]*>", "[^/]+", re.escape(name).replace(r"\<", "<")
-                             .replace(r"\>", ">")) + r"\Z")
 
 
 @dataclass(frozen=True)
@@ -176,8 +169,7 @@ class Derived:
 
     def matches(self, key: str) -> bool:
         """Return True if ``key`` is this metric's name (or one of its family's)."""
-        return key == self.name or ("<" in self.name and _template(self.name).match(key)
-                                    is not None)
+        return key == self.name or (self.templated and _in_group(key, self.name))
 
     def reads(self, key: str) -> bool:
         """Return True if ``key`` is one of this metric's inputs (or in one of its groups)."""
@@ -260,8 +252,12 @@ class KeyIndex:
 
     def __init__(self, keys: Iterable[str]) -> None:
         self.rows: dict[str, int] = {key: i for i, key in enumerate(keys)}
-        self.sorted = sorted(self.rows)
         self._groups: dict[str, list[int]] = {}  # patterns recur across declarations
+
+    @functools.cached_property
+    def sorted(self) -> list[str]:
+        """The keys in order: sorted only when a pattern is first resolved."""
+        return sorted(self.rows)
 
     def resolve(self, key: str) -> int | list[int] | None:
         """Return the row of ``key``, the rows of a group pattern (in key order), or None."""
@@ -272,12 +268,11 @@ class KeyIndex:
             rows = self._groups[key] = [self.rows[k] for k in self.matching(key)]
         return rows
 
-    def matching(self, pattern: str, prefix: str | None = None) -> list[str]:
+    def matching(self, pattern: str) -> list[str]:
         """Return the keys ``pattern`` matches (``*`` and ``<name>`` within a segment)."""
-        if prefix is None:
-            cut = min((i for i in (pattern.find("*"), pattern.find("<")) if i >= 0),
-                      default=len(pattern))
-            prefix = pattern[:cut]
+        cut = min((i for i in (pattern.find("*"), pattern.find("<")) if i >= 0),
+                  default=len(pattern))
+        prefix = pattern[:cut]
         start = bisect.bisect_left(self.sorted, prefix)
         group = key_pattern(pattern)
         out = []

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from metricsvc.records import COUNT, MAX, MIN, SUM, SUMSQ
+from metricsvc.reduce import population_std
 
 MAX_FORMULA_LENGTH = 1000
 MAX_NODES = 200
@@ -56,12 +57,6 @@ def _var(row: np.ndarray) -> float:
     return max(float(row[SUMSQ]) - n * mean * mean, 0.0) / (n - 1)
 
 
-def _std(row: np.ndarray) -> float:
-    n = _n(row)
-    mean = row[SUM] / n
-    return math.sqrt(max(float(row[SUMSQ]) / n - mean * mean, 0.0))
-
-
 # statistic name -> f(row); ``value`` is resolved with the input's kind at evaluation.
 STATISTICS: dict[str, Callable[[np.ndarray], float]] = {
     "sum": lambda row: float(row[SUM]),
@@ -70,7 +65,7 @@ STATISTICS: dict[str, Callable[[np.ndarray], float]] = {
     "min": lambda row: _n(row) and float(row[MIN]),
     "max": lambda row: _n(row) and float(row[MAX]),
     "var": _var,
-    "std": _std,
+    "std": lambda row: _n(row) and population_std(row),
 }
 GROUP_STATISTICS = ("sum_all", "max_all", "min_all", "size")
 FUNCTIONS = ("maximum", "minimum", "div0", "total")

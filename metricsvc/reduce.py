@@ -132,7 +132,8 @@ def _mean(row: np.ndarray) -> float:
     return float(row[SUM] / row[COUNT])
 
 
-def _std(row: np.ndarray) -> float:
+def population_std(row: np.ndarray) -> float:
+    """Return the population std of a record with values, from its sum and sum of squares."""
     n = row[COUNT]
     mean = row[SUM] / n
     return math.sqrt(max(row[SUMSQ] / n - mean * mean, 0.0))
@@ -180,7 +181,7 @@ KINDS: dict[ReduceType, Kind] = {
     ReduceType.MAX: Kind(lambda r: ("",), lambda row, _, r: (float(row[MAX]),)),
     ReduceType.SCALAR: Kind(lambda r: ("",), lambda row, _, r: (_mean(row),),
                             flag=("scalar_mismatch", lambda row: row[MIN] != row[MAX])),
-    ReduceType.STD: Kind(lambda r: ("std",), lambda row, _, r: (_std(row),)),
+    ReduceType.STD: Kind(lambda r: ("std",), lambda row, _, r: (population_std(row),)),
     ReduceType.QUANTILES: Kind(lambda r: tuple(quantile_name(q) for q in r.quantiles),
                                _quantiles, sketch=True, suffixes_vary=True),
 }
