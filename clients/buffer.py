@@ -107,7 +107,7 @@ class RecordBuffer:
         if not self.prefix and self._good_keys.issuperset(metrics):
             keys = list(metrics)  # every name checked in an earlier step
         else:
-            keys = [self._checked(self.prefix + k if self.prefix else k) for k in metrics]
+            keys = [self.checked(self.prefix + k if self.prefix else k) for k in metrics]
         values = list(metrics.values())
         rows = None
         if _PLAIN_NUMBERS.issuperset(map(type, values)):
@@ -120,7 +120,9 @@ class RecordBuffer:
             rows = [summarize(v, key=k, compile=self.compile) for k, v in metrics.items()]
         self._record_all(dict(zip(keys, rows)), AUTO, expected)
 
-    def _checked(self, key: str) -> str:
+    def checked(self, key: str) -> str:
+        """Return ``key`` if it is a usable name here (key rules; an internal key must be
+        read by a declared metric); each key is checked once (keys recur every step)."""
         if key not in self._good_keys:
             self.check_internal(check_key(key))
             if len(self._good_keys) < 100_000:
@@ -155,6 +157,8 @@ class RecordBuffer:
                     raise TypeError(f"declare() takes Derived metrics, got "
                                     f"{type(decl).__name__}")
                 held = self._declared.get(decl.name, new.get(decl.name))
+                if held is decl:  # declared again each step: the same object
+                    continue
                 if held is not None and held != decl:
                     raise ValueError(
                         f"derived metric {decl.name!r} is declared with formula "

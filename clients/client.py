@@ -273,19 +273,32 @@ class MetricClient(Tracker):
                     return
                 batch, blob = self._outq[0]
             ack, error = None, None
-            with self._send_lock:
-                self._outbox.sent(batch.step, blob)
-                try:
-                    ack = self._deliver(blob, None)
-                except BaseException as err:  # noqa: BLE001  handed to the caller
-                    error = err
-                    if isinstance(err, ValueError):
-                        self._outbox.drop(blob)  # refused: resending cannot help
+            try:  # undelivered stays owed: a restarted actor that lacks it gets it
+                ack = self._send(batch, blob, None, keep_undelivered=True)
+            except BaseException as err:  # noqa: BLE001  handed to the caller
+                error = err
             with self._cv:
                 self._outq.popleft()
                 self._sending -= 1
                 self._answers.append((batch, ack, error))
                 self._cv.notify_all()
+
+    def _send(self, batch: Batch, blob: bytes, timeout_s: float | None, *,
+              keep_undelivered: bool) -> dict[str, Any]:
+        """Deliver one batch (one delivery at a time: batches stay in step order) through
+        the restart protocol. A refused batch leaves the outbox (resending cannot help);
+        an undelivered one too unless ``keep_undelivered``."""
+        with self._send_lock:
+            self._outbox.sent(batch.step, blob)
+            try:
+                return self._deliver(blob, timeout_s)
+            except ValueError:
+                self._outbox.drop(blob)
+                raise
+            except BaseException:
+                if not keep_undelivered:
+                    self._outbox.drop(blob)
+                raise
 
     def _read_answers(self) -> list[dict[str, Any]]:
         """Take the sender's answers, oldest first; raise the first error among them (the
@@ -336,17 +349,11 @@ class MetricClient(Tracker):
         self.wait_acks(timeout_s)  # earlier flushes first: their errors come first
         batch = self._close_step(step)
         blob = encode(batch)
-        with self._send_lock:
-            self._outbox.sent(batch.step, blob)
-            try:
-                ack = self._deliver(blob, timeout_s)
-            except ValueError:
-                self._outbox.drop(blob)
-                self._unacked = None  # rejected by the service: retrying cannot help
-                raise
-            except BaseException:
-                self._outbox.drop(blob)  # kept in _unacked: the next call sends it again
-                raise
+        try:  # undelivered stays in _unacked: the next call sends it again
+            ack = self._send(batch, blob, timeout_s, keep_undelivered=False)
+        except ValueError:
+            self._unacked = None  # rejected by the service: retrying cannot help
+            raise
         self._closed(batch)
         self._after_ack(ack, batch)
         return ack

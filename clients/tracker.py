@@ -47,7 +47,6 @@ class Tracker:
         self._scope: ContextVar[tuple[str, ...]] = ContextVar(f"metricsvc_scope_{next(_ids)}",
                                                               default=())
         self._denominators: dict[str, Any] = {}
-        self._good_keys: set[str] = set()
         buffer.attach(self)
 
     # -- keys and scopes ---------------------------------------------------------------
@@ -57,12 +56,7 @@ class Tracker:
 
     def _key(self, key: str) -> str:
         """Return the checked full key (name rules, reserved ``__`` segments)."""
-        full = self.full_key(key)
-        if full not in self._good_keys:  # keys recur every step: each is checked once
-            self.buffer.check_internal(check_key(full))
-            if len(self._good_keys) < 100_000:
-                self._good_keys.add(full)
-        return full
+        return self.buffer.checked(self.full_key(key))
 
     @contextlib.contextmanager
     def scope(self, name: str) -> Iterator[None]:
