@@ -180,10 +180,6 @@ class Difference:
                              f"{tuple(b.shape)}")
         self.a, self.b = a, b
 
-    @property
-    def shape(self) -> Any:
-        return self.a.shape
-
     def tensor(self) -> Any:
         """The difference as one float64 tensor (the accelerator path)."""
         torch = _torch()
@@ -248,7 +244,6 @@ def summarize_many(
     out: dict[str, Row] = {}
     host: dict[str, Any] = {}  # CPU tensors and differences: summarised together
     packs: dict[Any, Any] = {}
-    m = mask
     for key, (v, m) in prepared.items():
         if isinstance(v, Difference):
             if _on_host(v.a, compile):
@@ -301,8 +296,8 @@ def _plain_rows(plain: Mapping[str, Any]) -> dict[str, Any]:
         floats = [float(v) for v in plain.values()]
     except OverflowError:  # an int past float64: name it
         return {key: _plain_number_row(key, v) for key, v in plain.items()}
-    if len(floats) <= 8 and all(-1e150 < x < 1e150 for x in floats):  # finite, no overflow
-        return {key: np.array([x, 1.0, x, x, x * x, 0.0]) for key, x in zip(plain, floats)}
+    if len(floats) <= 8:
+        return {key: scalar_row(x) for key, x in zip(plain, floats)}
     return dict(zip(plain, scalar_rows(np.array(floats, dtype=np.float64))))
 
 

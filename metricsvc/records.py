@@ -9,6 +9,7 @@ empty population is a documented value, never a fabricated 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -66,18 +67,14 @@ def summarize_array(values: np.ndarray, mask: np.ndarray | None = None) -> np.nd
 
 def scalar_row(value: float, weight: float = 1.0) -> np.ndarray:
     """Return the record of one plain number counted ``weight`` times."""
-    row = _IDENTITY_ROW.copy()
-    if not np.isfinite(value):
+    value, weight = float(value), float(weight)  # Python floats: an overflow is inf, silently
+    if not math.isfinite(value):
+        row = _IDENTITY_ROW.copy()
         row[NONFINITE] = 1.0
         return row
     if weight == 0:  # counted zero times: nothing recorded, not a min or max either
-        return row
-    row[SUM] = value * weight
-    row[COUNT] = weight
-    row[MIN] = value
-    row[MAX] = value
-    row[SUMSQ] = value * value * weight
-    return row
+        return _IDENTITY_ROW.copy()
+    return np.array([value * weight, weight, value, value, value * value * weight, 0.0])
 
 
 def scalar_rows(values: np.ndarray) -> np.ndarray:

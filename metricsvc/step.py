@@ -119,7 +119,7 @@ class Collection:
         in ``declaration_conflicts`` (the first is kept, never overwritten)."""
         for decl in declarations:
             held = self.declared.setdefault(decl.name, decl)
-            if held != decl:
+            if held is not decl and held != decl:
                 seen = self.declaration_conflicts.setdefault(
                     decl.name, [f"{held.formula} {held.inputs}"])
                 other = f"{who}: {decl.formula} {decl.inputs}"

@@ -51,7 +51,7 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     token. ``critic/vf_explained_var`` is declared (``EXPLAINED_VARIANCE``) and
     derived by the service from the merged moments of returns and returns - values.
 
-    Four ``stat`` calls: the per-sequence values together, the token-level ones under the
+    Five ``stat`` calls: the per-sequence values together, the token-level ones under the
     response mask together (each tensor read once: the explained-variance inputs reuse
     the returns and values gathered for their own keys), the clip ratios, and the lengths
     of correct and of wrong responses under their own masks.

@@ -43,7 +43,7 @@ def record_moe_balance(m: Any, counts: Mapping[Any, Any], prefix: str = "moe_bal
 
     ``counts`` maps a layer id to a 1-D tensor/array of routed tokens per expert.
     """
+    m.declare(*moe_balance(prefix))
     for layer, per_expert in counts.items():
-        m.declare(*moe_balance(prefix))
         keys = [f"{prefix}/layer_{layer}/expert_{e}/tokens" for e in range(len(per_expert))]
         m.record_counts(keys, per_expert, ReduceType.SUM)
