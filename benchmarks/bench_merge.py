@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from metricsvc.aggregator import Aggregator
-from metricsvc.records import NFIELDS, Batch
+from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM_LO, Batch
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 
@@ -27,11 +27,12 @@ def make_batches(world: int, keys: int, step: int, rng: np.random.Generator) -> 
     out = []
     for rank in range(world):
         data = rng.normal(size=(keys, NFIELDS))
-        data[:, 1] = rng.integers(1, 100, size=keys)  # counts
-        data[:, 2] = -abs(data[:, 2])  # min <= max
-        data[:, 3] = abs(data[:, 3])
-        data[:, 4] = abs(data[:, 4])  # sumsq >= 0: the service refuses impossible records
-        data[:, 5] = 0
+        data[:, COUNT] = rng.integers(1, 100, size=keys)
+        data[:, MIN] = -abs(data[:, MIN])  # min <= max
+        data[:, MAX] = abs(data[:, MAX])
+        data[:, M2_ROOT] = abs(data[:, M2_ROOT])  # the service refuses impossible records
+        data[:, NONFINITE] = 0
+        data[:, SUM_LO] = 0
         out.append(Batch.build(step=step, rank=rank, world_size=world, seq=step + 1,
                                final=True, keys=names, data=data,
                                kinds=np.zeros(keys, dtype=np.int8),

@@ -13,8 +13,9 @@ import numpy as np
 from clients.summarize import (
     MaskCache,
     Row,
-    add_dense,
+    add_sketches,
     element_rows,
+    is_tensor,
     merge_rows,
     sketch,
     summarize,
@@ -272,7 +273,7 @@ class RecordBuffer:
             entry.row = merge_rows(entry.row, row)
             entry.expected = max(entry.expected, expected)
             if sk is not None:
-                entry.sketch = sk if entry.sketch is None else add_dense(entry.sketch, sk)
+                entry.sketch = sk if entry.sketch is None else add_sketches(entry.sketch, sk)
 
     def keys(self) -> list[str]:
         """Return the keys recorded since the last flush."""
@@ -288,13 +289,15 @@ class RecordBuffer:
         with self.lock:
             keys = tuple(self._entries)
             entries = list(self._entries.values())
-            with_sketch = [i for i, e in enumerate(entries) if e.sketch is not None]
+            dense = [i for i, e in enumerate(entries) if is_tensor(e.sketch)]
             parts, copies = to_host([e.row for e in entries]
-                                    + [entries[i].sketch for i in with_sketch])
+                                    + [entries[i].sketch for i in dense])
             self.host_copies += copies
             k = len(entries)
-            sketches = {i: dense_to_sparse(parts[k + j], self.sketch_spec)
-                        for j, i in enumerate(with_sketch)}
+            sketches = {i: e.sketch for i, e in enumerate(entries)
+                        if e.sketch is not None and not is_tensor(e.sketch)}
+            sketches.update({i: dense_to_sparse(parts[k + j], self.sketch_spec)
+                             for j, i in enumerate(dense)})
             batch = Batch.build(
                 step=step, rank=rank, world_size=world_size, seq=seq, final=final, keys=keys,
                 data=parts[:k] if k else [], kinds=[e.code for e in entries],

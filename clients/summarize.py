@@ -1,17 +1,20 @@
 """Masked tensors and arrays -> summary records, on the value's own device, without syncing.
 
-``summarize`` is pure: it returns a float64 row ``(sum, count, min, max, sumsq,
-nonfinite)`` — a numpy array for host data, a torch tensor on the value's
-device for torch input. ``sketch`` returns the dense quantile-bucket counts the
-same way. Nothing here copies device data to the host; the client stacks every
-row and sketch of a flush and copies them once per device (``to_host``).
+``summarize`` is pure: it returns a float64 record row (``records.FIELDS``: the
+double-double sum, count, min, max, the root of M2 and the non-finite count) — a numpy
+array for host data, a torch tensor on the value's device for torch input. ``sketch``
+returns the quantile-bucket counts (sparse on the host, dense on a device). Nothing here
+copies device data to the host; the client stacks every row and sketch of a flush and
+copies them once per device (``to_host``).
 
 On the CPU the valid positions of a mask are found once (per step, when the
 caller passes a ``MaskCache``: every value recorded under that mask shares them);
 each distinct tensor of a call is gathered once (never larger than itself). Small
 values are summarised together, stacked, one numpy pass per statistic; a large one
-takes four passes (float64 sum and sum of squares, widened in cache-sized chunks,
-and min/max), plus the passes that exclude NaN/inf only when its sum shows some.
+is widened to float64 in cache-sized chunks, each chunk centred on a pivot (the first
+chunk's mean) and its deviations summed and squared while it is in cache (so the second
+moment never cancels), then min/max; the passes that exclude NaN/inf run only when its
+sum shows some.
 Reading a CPU value is not a device sync. A ``Difference(a, b)`` is summarised
 over the valid positions only, in float64. On an accelerator nothing may wait for
 the device, so small tensors take vectorised whole-tensor ops (no ``where``, no
@@ -26,7 +29,6 @@ import functools
 import logging
 import math
 import numbers
-import operator
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,11 +37,26 @@ from typing import Any
 import numpy as np
 
 from metricsvc.protocol import (
+    COUNT,
+    FIELDS,
+    IDENTITY,
+    M2_ROOT,
+    MAX,
+    MIN,
+    NFIELDS,
+    NONFINITE,
+    SCALARS,
+    SUM,
+    SUM_LO,
     SketchSpec,
-    dense_counts,
+    from_pivot,
     merge,
+    merge_pair,
+    merge_sparse,
+    rss,
     scalar_row,
     scalar_rows,
+    sparse_counts,
     summarize_array,
 )
 
@@ -262,8 +279,7 @@ def summarize_many(
         torch = _torch()
         x = v.reshape(-1)
         if x.numel() == 0:
-            out[key] = torch.tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=torch.float64,
-                                    device=x.device)
+            out[key] = _identity_row(x.device)
             continue
         if not x.is_floating_point():
             x = x.to(torch.float64)  # ints and bools: exact in float64, never in float32
@@ -363,8 +379,19 @@ def _memory(x: Any) -> tuple:
     return (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
 
 
-def _identity_row() -> Any:
-    return _torch().tensor([0.0, 0.0, _INF, -_INF, 0.0, 0.0], dtype=_torch().float64)
+def _identity_row(device: Any = "cpu") -> Any:
+    return _torch().tensor(IDENTITY, dtype=_torch().float64, device=device)
+
+
+def _row_of(device: Any = None, **fields: Any) -> Any:
+    """Stack named fields (tensors or floats) into one record row, in ``FIELDS`` order."""
+    torch = _torch()
+    cols = [fields[name] for name in FIELDS]
+    if device is None:
+        return torch.from_numpy(np.array([float(c) for c in cols], dtype=np.float64))
+    return torch.stack([c.to(torch.float64) if is_tensor(c)
+                        else torch.tensor(float(c), dtype=torch.float64, device=device)
+                        for c in cols])
 
 
 class _HostPass:
@@ -461,12 +488,15 @@ class _HostPass:
     def _tiny_row(self, v: Any) -> Any:
         """The row of a few values in plain Python floats (float64; ints exact): a numpy or
         torch call costs more than the arithmetic here."""
-        values = v.tolist()
-        total = float(sum(values))
-        square = float(sum(map(operator.mul, values, values)))
-        if math.isfinite(total) and math.isfinite(square):
-            return _torch().from_numpy(np.array(
-                [total, len(values), float(min(values)), float(max(values)), square, 0.0]))
+        values = [float(x) for x in v.tolist()]
+        n = len(values)
+        c = sum(values) / n
+        dev = [x - c for x in values]
+        q = math.hypot(*dev)  # no overflow or underflow of the squares
+        if math.isfinite(c) and math.isfinite(q):
+            total, low_part, root = from_pivot(float(n), c, sum(dev), q, SCALARS)
+            return _row_of(sum=total, count=n, min=min(values), max=max(values), m2_root=root,
+                           nonfinite=0.0, sum_lo=low_part)
         return self._row_nonfinite(v)
 
     def _small_rows(self, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -475,69 +505,81 @@ class _HostPass:
         arrays = list(group.values())
         stacked = (np.stack(arrays) if len(arrays) > 1 else arrays[0][None]).astype(
             np.float64, copy=False)  # exact widening of small values
-        rows = np.empty((len(arrays), 6))
+        rows = np.zeros((len(arrays), NFIELDS))
         # Checked first, so the sums below can neither overflow nor meet inf - inf (numpy
         # would warn, and its errstate costs more than these passes).
         if np.isfinite(stacked).all():
-            np.minimum.reduce(stacked, axis=1, out=rows[:, 2])
-            np.maximum.reduce(stacked, axis=1, out=rows[:, 3])
-            if max(-rows[:, 2].min(), rows[:, 3].max()) < 1e150:
-                np.add.reduce(stacked, axis=1, out=rows[:, 0])
-                np.einsum("ij,ij->i", stacked, stacked, out=rows[:, 4])
-                rows[:, 1] = stacked.shape[1]
-                rows[:, 5] = 0.0
+            np.minimum.reduce(stacked, axis=1, out=rows[:, MIN])
+            np.maximum.reduce(stacked, axis=1, out=rows[:, MAX])
+            if max(-rows[:, MIN].min(), rows[:, MAX].max()) < 1e150:
+                n = float(stacked.shape[1])
+                pivot = stacked.sum(axis=1) / n
+                dev = stacked - pivot[:, None]
+                squares = np.einsum("ij,ij->i", dev, dev)
+                q = np.sqrt(squares)
+                for i in np.flatnonzero(squares < 1e-280):  # would square to nothing: scaled
+                    q[i] = rss(dev[i])
+                rows[:, COUNT] = n
+                rows[:, SUM], rows[:, SUM_LO], rows[:, M2_ROOT] = from_pivot(
+                    n, pivot, dev.sum(axis=1), q)
                 return dict(zip(group, torch.from_numpy(rows).unbind(0)))
         return {key: self._row_nonfinite(torch.from_numpy(stacked[i]))
                 for i, key in enumerate(group)}
 
-    def _row(self, v: Any) -> Any:
-        """The summary row of flat ``v`` (every position valid, not empty)."""
+    def _row(self, v: Any, clean: bool = False) -> Any:
+        """The summary row of flat ``v`` (every position valid, not empty; ``clean``: every
+        value finite, so a non-finite sum is an overflow to report, not values to drop).
+
+        One pass in cache-sized float64 chunks: each is centred on the pivot (the first
+        chunk's mean), its deviations summed and squared while it is in cache.
+        """
         torch = _torch()
         n = v.numel()
         if not v.is_floating_point():
             v = v.to(torch.float64)  # ints and bools: exact in float64
-        if v.dtype == torch.float64:
-            total, square = v.sum().item(), torch.dot(v, v).item()
+        wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
+        pivot = d1 = squares = 0.0
+        for start in range(0, n, _CHUNK):
+            piece = v[start:start + _CHUNK]
+            # Exact widening; the float64 chunk is then worked on in numpy, whose calls cost
+            # about 1 us against torch's 5 (the chunk is in cache: the passes are cheap).
+            w = wide[: piece.numel()].copy_(piece).numpy()
+            if start == 0:
+                pivot = float(w.sum()) / w.size
+                if not math.isfinite(pivot):
+                    break
+            np.subtract(w, pivot, out=w)
+            d1 += float(w.sum())
+            squares += float(np.dot(w, w))
+        if not (math.isfinite(pivot) and math.isfinite(squares)):
+            if not clean:
+                return self._row_nonfinite(v)
+            return torch.from_numpy(summarize_array(v.numpy()))  # finite, but past 1e308
+        if not 1e-280 < squares < 1e280:  # the squares may have under- or overflowed
+            q = rss(v.to(torch.float64).numpy() - pivot)
         else:
-            total = square = 0.0
-            wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
-            for start in range(0, n, _CHUNK):
-                piece = v[start:start + _CHUNK]
-                w = wide[: piece.numel()].copy_(piece)  # exact widening
-                total += w.sum().item()
-                square += torch.dot(w, w).item()
-        if math.isfinite(total) and math.isfinite(square):
-            low, high = torch.aminmax(v)
-            return torch.from_numpy(np.array([total, n, low.item(), high.item(), square, 0.0]))
-        return self._row_nonfinite(v)
+            q = math.sqrt(squares)
+        total, low_part, root = from_pivot(float(n), pivot, d1, q, SCALARS)
+        low, high = torch.aminmax(v)
+        return _row_of(sum=total, count=n, min=low.item(), max=high.item(), m2_root=root,
+                       nonfinite=0.0, sum_lo=low_part)
 
     def _row_nonfinite(self, v: Any) -> Any:
-        """The row of ``v`` when something in it is not finite (or its squares overflow)."""
+        """The row of ``v`` when something in it is not finite (or its sum overflows)."""
         torch = _torch()
         if not v.is_floating_point():
             v = v.to(torch.float64)
-        n = v.numel()
-        clean = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
-        bad = v - clean  # 0 where finite, NaN/inf where not
-        bad = torch.nan_to_num_(bad, nan=1.0, posinf=1.0, neginf=1.0)  # 1 where not finite
-        nonfinite = float(torch.count_nonzero(bad).item())
-        total = square = 0.0
-        for piece in clean.split(_CHUNK):
-            w = piece.to(torch.float64)  # exact widening, a chunk at a time
-            total += w.sum().item()
-            square += torch.dot(w, w).item()
-        if nonfinite == n:
-            return torch.tensor([0.0, 0.0, _INF, -_INF, 0.0, nonfinite], dtype=torch.float64)
-        low = torch.nan_to_num(v, nan=_INF, posinf=_INF, neginf=_INF).amin().item()
-        high = torch.nan_to_num(v, nan=-_INF, posinf=-_INF, neginf=-_INF).amax().item()
-        return torch.from_numpy(np.array([total, n - nonfinite, low, high, square, nonfinite]))
-
+        good = v[torch.isfinite(v)]  # the rare path: a copy of the finite values is fine
+        row = self._row(good, clean=True) if good.numel() else _identity_row()
+        row[NONFINITE] = float(v.numel() - good.numel())
+        return row
 
 def _eager_row(x: Any, p: _MaskPack) -> Any:
     """Summary row from vectorised whole-tensor ops only: no where, no masked_select, no sync.
 
     Finite-ness comes from ``x - x`` (0, or NaN for NaN/inf); ``nan_to_num``
-    turns excluded positions into values that cannot win a sum, min or max.
+    turns excluded positions into values that cannot win a sum, min or max. The
+    deviations from the pivot (the mean, a device scalar) count at valid positions only.
     """
     torch = _torch()
     s = p.scratch
@@ -546,27 +588,30 @@ def _eager_row(x: Any, p: _MaskPack) -> Any:
     if p.weight is not None:
         s.mul_(p.weight)
     nonfinite = s.sum(dtype=torch.float64)
+    count = p.count - nonfinite
     if p.weight is None:
         s.copy_(x)
     else:
         torch.mul(x, p.weight, out=s)
     torch.nan_to_num_(s, nan=0.0, posinf=0.0, neginf=0.0)
     z = p.scratch64.copy_(s)  # exact widening
-    total, squares = z.sum(), torch.dot(z, z)
+    pivot = z.sum() / count.clamp(min=1.0)
+    valid = torch.sub(x, x, out=s).eq_(0)  # 1 where finite (NaN != 0)
+    if p.weight is not None:
+        valid.mul_(p.weight)
+    z.sub_(pivot).mul_(valid)
+    d1 = z.sum()
+    # Squared at a power-of-2 scale of the largest deviation: no overflow, no underflow.
+    top = z.abs().amax()
+    scale = torch.where(top > 0, torch.ldexp(torch.ones_like(top), -torch.frexp(top)[1]), 1.0)
+    q = torch.linalg.vector_norm(z.mul_(scale)) / scale
+    total, low_part, root = from_pivot(count, pivot, d1, q, torch)
     torch.add(x, p.to_pos, out=s) if p.to_pos is not None else s.copy_(x)
     low = torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF).amin()
     torch.add(x, p.to_neg, out=s) if p.to_neg is not None else s.copy_(x)
     high = torch.nan_to_num_(s, nan=-_INF, posinf=-_INF, neginf=-_INF).amax()
-    return torch.stack(
-        [
-            total,
-            p.count - nonfinite,
-            low.to(torch.float64),
-            high.to(torch.float64),
-            squares,
-            nonfinite,
-        ]
-    )
+    return _row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
+                   nonfinite=nonfinite, sum_lo=low_part)
 
 
 def _use_compiled(x: Any, compile: bool | None) -> bool:
@@ -586,16 +631,22 @@ def _kernel(x: Any, m: Any) -> Any:
     use = finite if m is None else m & finite
     bad = ~finite if m is None else m & ~finite
     z = torch.where(use, x, 0).to(torch.float64)  # exact: selection, then widening
-    return torch.stack(
-        [
-            z.sum(),
-            use.sum(dtype=torch.float64),
-            torch.where(use, x, _INF).amin().to(torch.float64),
-            torch.where(use, x, -_INF).amax().to(torch.float64),
-            (z * z).sum(),
-            bad.sum(dtype=torch.float64),
-        ]
-    )
+    count = use.sum(dtype=torch.float64)
+    pivot = z.sum() / count.clamp(min=1.0)
+    dev = torch.where(use, z - pivot, 0.0)
+    top = dev.abs().amax()
+    scale = torch.where(top > 0, torch.ldexp(torch.ones_like(top), -torch.frexp(top)[1]), 1.0)
+    q = torch.linalg.vector_norm(dev * scale) / scale
+    total, low_part, root = from_pivot(count, pivot, dev.sum(), q, torch)
+    cols = [total] * NFIELDS
+    cols[COUNT], cols[M2_ROOT], cols[SUM_LO] = count, root, low_part
+    cols[MIN] = torch.where(use, x, _INF).amin().to(torch.float64)
+    cols[MAX] = torch.where(use, x, -_INF).amax().to(torch.float64)
+    cols[NONFINITE] = bad.sum(dtype=torch.float64)
+    return torch.stack(cols)
+
+
+_compile_failed = False
 
 
 _compiled: Any = None
@@ -615,7 +666,7 @@ def _run_compiled(x: Any, m: Any) -> Any:
 
 
 def element_rows(values: Any, *, key: str = "value") -> list[Row]:
-    """Return one summary row per element of a 1-D tensor/array (views of one [K, 6] tensor)."""
+    """Return one summary row per element of a 1-D tensor/array (views of one [K, F] tensor)."""
     values, _ = prepare(values, None, key=key)
     if not is_tensor(values):
         return [scalar_row(float(v)) for v in np.asarray(values, dtype=np.float64).ravel()]
@@ -623,12 +674,14 @@ def element_rows(values: Any, *, key: str = "value") -> list[Row]:
     with torch.no_grad():
         v = values.reshape(-1).to(torch.float64)
         finite = torch.isfinite(v)
-        z = torch.where(finite, v, 0.0)
-        rows = torch.stack(
-            [z, finite.double(), torch.where(finite, v, _INF), torch.where(finite, v, -_INF),
-             z * z, (~finite).double()],
-            dim=1,
-        )
+        zero = torch.zeros_like(v)
+        cols = [zero] * NFIELDS
+        cols[SUM] = torch.where(finite, v, 0.0)
+        cols[COUNT] = finite.double()
+        cols[MIN] = torch.where(finite, v, _INF)
+        cols[MAX] = torch.where(finite, v, -_INF)
+        cols[NONFINITE] = (~finite).double()
+        rows = torch.stack(cols, dim=1)
     return list(rows.unbind(0))
 
 
@@ -645,31 +698,41 @@ def merge_rows(a: Row, b: Row) -> Row:
         b = torch.as_tensor(b, device=device)
     elif b.device != device:
         b = b.to(device)  # device -> device, no host round trip
-    out = a + b
-    out[2] = torch.minimum(a[2], b[2])
-    out[3] = torch.maximum(a[3], b[3])
-    return out
+    return merge_pair(a, b, torch)
 
 
-def add_dense(a: Row, b: Row) -> Row:
-    """Add two dense sketches, staying on the device if either is a tensor."""
-    if is_tensor(a) and not is_tensor(b):
-        return a + _torch().as_tensor(b, device=a.device)
-    if is_tensor(b) and not is_tensor(a):
-        return b + _torch().as_tensor(a, device=b.device)
-    if is_tensor(a) and a.device != b.device:
-        return a + b.to(a.device)
-    return a + b
+def add_sketches(a: Any, b: Any) -> Any:
+    """Add two sketches: sparse ``(codes, counts)`` pairs (host data) merge on the host, dense
+    device tensors add on the device, and a sparse one meeting a dense one is scattered
+    into it on that device (a host -> device copy; nothing waits for the device)."""
+    if not is_tensor(a) and not is_tensor(b):
+        return merge_sparse([a, b])
+    if not is_tensor(a):
+        a, b = b, a
+    torch = _torch()
+    if not is_tensor(b):
+        codes, counts = b
+        slots = torch.as_tensor(np.asarray(codes, dtype=np.int64) + _top(a), device=a.device)
+        return a.index_add(0, slots, torch.as_tensor(counts, device=a.device))
+    return a + (b if b.device == a.device else b.to(a.device))
+
+
+def _top(dense: Any) -> int:
+    return (dense.numel() - 1) // 2
 
 
 # -- quantile sketches ---------------------------------------------------------------------
-def sketch(values: Any, mask: Any, spec: SketchSpec, *, key: str = "value") -> Row:
-    """Return dense bucket counts of the valid, finite values (device tensor or numpy)."""
+def sketch(values: Any, mask: Any, spec: SketchSpec, *, key: str = "value") -> Any:
+    """Return the bucket counts of the valid, finite values: sparse ``(codes, counts)`` for
+    host data, a dense tensor of ``spec.size`` counts on the value's device otherwise."""
     values, mask = prepare(values, mask, key=key)
-    if not is_tensor(values):
+    if not is_tensor(values) or _on_host(values, None):
+        if is_tensor(values):
+            values = values.detach().to("cpu", _torch().float64).numpy()
+            mask = None if mask is None else mask.numpy()
         v = np.atleast_1d(np.asarray(values, dtype=np.float64)).ravel()
-        use = np.isfinite(v) if mask is None else mask.ravel() & np.isfinite(v)
-        return dense_counts(v[use], spec)
+        use = np.isfinite(v) if mask is None else np.asarray(mask).ravel() & np.isfinite(v)
+        return sparse_counts(v[use], spec)
     torch = _torch()
     with torch.no_grad():
         x = values.reshape(-1).to(torch.float64)
@@ -678,16 +741,25 @@ def sketch(values: Any, mask: Any, spec: SketchSpec, *, key: str = "value") -> R
             use = use & mask.reshape(-1)
         x = torch.where(use, x, 0.0)  # excluded positions land in the zero slot with weight 0
         mag = x.abs()
-        idx = torch.ceil(torch.log(mag.clamp(min=spec.min_value)) / spec.log_gamma)
-        idx = idx.clamp(spec.lowest, spec.highest).to(torch.int64) - spec.lowest
-        zero = spec.per_sign
-        slot = torch.where(
-            mag < spec.min_value,
-            torch.full_like(idx, zero),
-            torch.where(x > 0, zero + 1 + idx, zero - 1 - idx),
-        )
+        bounds = _device_bounds(spec, x.device)
+        # bounds[b-1] <= v < bounds[b] for a positive v, bounds[b-1] < v <= bounds[b] for -v
+        up = torch.searchsorted(bounds, mag, right=True)
+        down = torch.searchsorted(bounds, mag, right=False)
+        code = torch.where(x > 0, up, torch.where(x < 0, -down, torch.zeros_like(up)))
         dense = torch.zeros(spec.size, dtype=torch.float64, device=x.device)
-        return dense.index_add_(0, slot, use.to(torch.float64))
+        return dense.index_add_(0, code + spec.top, use.to(torch.float64))
+
+
+_BOUNDS: dict[tuple[float, Any], Any] = {}
+
+
+def _device_bounds(spec: SketchSpec, device: Any) -> Any:
+    """The bucket boundaries on ``device``, copied there once per accuracy."""
+    held = _BOUNDS.get((spec.alpha, device))
+    if held is None:
+        held = _BOUNDS[(spec.alpha, device)] = _torch().as_tensor(
+            np.array(spec.bounds), device=device)
+    return held
 
 
 # -- the one host copy ---------------------------------------------------------------------
@@ -719,7 +791,7 @@ def to_host(parts: Sequence[Any]) -> tuple[list[np.ndarray], int]:
 
 
 def rows_to_host(rows: Sequence[Row]) -> tuple[np.ndarray, int]:
-    """Return rows as one ``[K, 6]`` float64 matrix and the number of device copies made."""
+    """Return rows as one ``[K, NFIELDS]`` float64 matrix and the number of device copies."""
     host, copies = to_host(rows)
-    data = np.stack(host) if host else np.zeros((0, 6))
+    data = np.stack(host) if host else np.zeros((0, NFIELDS))
     return data, copies

@@ -23,7 +23,7 @@ import numpy as np
 
 from metricsvc.declare import decode_derived, is_internal
 from metricsvc.derive import Deriver
-from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ, Batch
+from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, Batch
 from metricsvc.reduce import (
     AUTO,
     KINDS,
@@ -502,6 +502,8 @@ class Aggregator:
         if collisions:  # never overwritten: the first source kept, every source named
             meta["collisions"] = collisions
             self.counts["collisions"] += 1
+        if self.deriver.undefined:  # inputs present, but no finite real value: omitted
+            meta["derived_undefined"] = dict(self.deriver.undefined)
         if p.declaration_conflicts:  # two formulas for one name: the first kept
             meta["declaration_conflicts"] = p.declaration_conflicts
         ignored = self.deriver.unread(p.declared, [p.keys[i] for i in internal])
@@ -528,7 +530,8 @@ class Aggregator:
                 out[self._rename(keys[i])] = {
                     "edges": hist[0].tolist(), "counts": hist[1].tolist(),
                     "count": float(row[COUNT]), "sum": float(row[SUM]),
-                    "sumsq": float(row[SUMSQ]), "min": float(row[MIN]), "max": float(row[MAX])}
+                    "sum_squares": _sum_squares(row), "min": float(row[MIN]),
+                    "max": float(row[MAX])}
         return out
 
     # -- introspection -----------------------------------------------------------------
@@ -546,6 +549,13 @@ class Aggregator:
         return {name: len(w.keys) for name, w in self._windows.items()}
 
 
+def _sum_squares(row: np.ndarray) -> float:
+    """The sum of squares TensorBoard's histogram shows (a display figure, not an input)."""
+    n = row[COUNT]
+    with np.errstate(over="ignore"):  # past float64's range it is inf, as the value is
+        return float(row[M2_ROOT] ** 2 + row[SUM] ** 2 / n) if n else 0.0
+
+
 def _internal_rows(keys: list[str]) -> list[int]:
     """Return the rows of internal keys (a ``__`` path segment): derivation inputs only."""
     return [i for i, key in enumerate(keys) if is_internal(key)]
@@ -558,8 +568,8 @@ def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[s
     nonfinite = np.flatnonzero(data[:, NONFINITE] > 0)
     if nonfinite.size:
         out["nonfinite"] = {p.keys[i]: int(data[i, NONFINITE]) for i in nonfinite}
-    overflow = np.flatnonzero((data[:, COUNT] > 0) & ~np.isfinite(data[:, [SUM, SUMSQ]]).all(1))
-    if overflow.size:  # finite values whose sum (or sum of squares) left float64's range
+    overflow = np.flatnonzero((data[:, COUNT] > 0) & ~np.isfinite(data[:, [SUM, M2_ROOT]]).all(1))
+    if overflow.size:  # finite values whose sum (or spread) left float64's range
         out["overflow"] = [p.keys[i] for i in overflow]
     want = np.where(p.expected > 0, p.expected, p.world_size or 0)
     off = np.flatnonzero((contributors != want) & ~p.from_stream)

@@ -25,7 +25,7 @@ from pydantic import (
 
 from metricsvc.protocol import DEFAULT_NAME
 from metricsvc.reduce import OutputRules, ReduceType
-from metricsvc.sketch import SketchSpec
+from metricsvc.sketch import MIN_ALPHA, SketchSpec
 from metricsvc.validation import Limits
 
 _SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -223,7 +223,10 @@ class OutputConfig(_Strict):
     nonfinite: Literal["exclude", "propagate"] = Field(
         "exclude", description="exclude NaN/inf (counted in meta) or export NaN for that key"
     )
-    sketch_alpha: float = Field(0.01, gt=0, lt=1, description="quantile relative accuracy")
+    sketch_alpha: float = Field(
+        0.01, ge=MIN_ALPHA, lt=1,
+        description="quantile relative accuracy (at least 0.001: a device holds 1418 / alpha "
+                    "bucket counts a QUANTILES key)")
     histogram_bins: int = Field(
         64, ge=0, le=512,
         description="bins of the merged histogram of each QUANTILES key, sent to the sinks "

@@ -9,8 +9,8 @@ next to the code that records their inputs; the service knows no domain formula.
 Inputs of a derived metric may be public keys (exported as well) or internal ones
 (a path segment starting with ``__``: recorded only to be read by a formula, never
 exported). An input holding ``*`` is a group: every key of the step it matches, ``*``
-within one path segment (``moe/layer_0/expert_*/tokens``), read with ``sum_all``,
-``max_all``, ``min_all`` or ``size``.
+within one path segment (``moe/layer_0/expert_*/tokens``), read with ``sum_of_sums``,
+``max_of_sums``, ``min_of_sums`` or ``size``.
 """
 
 from __future__ import annotations

@@ -24,12 +24,14 @@ class Deriver:
 
     def __init__(self) -> None:
         self.totals: dict[str, list[float]] = {}  # derived name -> its total(...) sums
+        self.undefined: dict[str, str] = {}  # the last step's omitted metrics -> why
 
     def derive(self, declared: Mapping[str, Derived], keys: Sequence[str],
                kinds: Sequence[ReduceType], data: np.ndarray,
                rules: OutputRules) -> dict[str, float]:
         """Return ``{name: value}`` of every declared metric defined for this step (a
         templated declaration gives one per binding of its placeholders)."""
+        self.undefined = {}
         if not declared:
             return {}
         index = KeyIndex(keys)
@@ -72,9 +74,12 @@ class Deriver:
         totals = self.totals.setdefault(name, [0.0] * len(parsed.totals))
         if len(totals) != len(parsed.totals):  # redeclared with another formula
             totals[:] = [0.0] * len(parsed.totals)
-        value = parsed.evaluate(inputs, value_of, totals)
+        why: list[str] = []
+        value = parsed.evaluate(inputs, value_of, totals, why)
         if value is not None and name not in out:
             out[name] = value
+        elif why and len(self.undefined) < 100:
+            self.undefined[name] = why[0]
 
     def unread(self, declared: Mapping[str, Derived], keys: Sequence[str]) -> list[str]:
         """Return the internal keys of a step that no declaration reads (never exported)."""

@@ -6,12 +6,14 @@ once per finished step over the merged records of its inputs; it knows no domain
 formula itself. Grammar (Python expression syntax, nothing else):
 
 - numbers, ``+ - * / **``, parentheses, unary ``-``;
-- a statistic of one input: ``sum(x) count(x) mean(x) min(x) max(x) var(x)``
-  (unbiased) ``std(x)`` (population) ``value(x)`` (the input's own reduced value:
-  the mean of an AVG key, the max of a MAX key, ...);
-- over a group input (a key pattern with ``*``): ``sum_all(g) max_all(g)
-  min_all(g) size(g)`` (the sums of its keys added, their largest and smallest
-  sum, and how many keys it matched);
+- a statistic of one input: ``sum(x) count(x) mean(x) min(x) max(x)``,
+  ``var(x) std(x)`` (population: divided by n, as numpy's default and the ``STD``
+  reduce kind), ``sample_var(x) sample_std(x)`` (divided by n - 1, as ``torch.var``),
+  ``value(x)`` (the input's own reduced value: the mean of an AVG key, the max of a
+  MAX key, ...);
+- over a group input (a key pattern with ``*``): ``sum_of_sums(g)``,
+  ``max_of_sums(g)``, ``min_of_sums(g)`` (each key's sum, then added, or the largest,
+  or the smallest of them) and ``size(g)`` (how many keys it matched);
 - ``maximum(a, b, ...)``, ``minimum(a, b, ...)``, ``div0(a, b)`` (a / b, and 0 where
   b is 0);
 - ``total(e)``: the running sum of ``e`` over every finished step of the run.
@@ -31,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.records import COUNT, MAX, MIN, SUM, SUMSQ
-from metricsvc.reduce import population_std
+from metricsvc.records import COUNT, MAX, MIN, SUM, mean
+from metricsvc.reduce import population_var
 
 MAX_FORMULA_LENGTH = 1000
 MAX_NODES = 200
@@ -42,6 +44,27 @@ class Undefined(Exception):
     """A formula has no value for this step (an input missing or empty, 0/0, ...)."""
 
 
+class NotReal(Undefined):
+    """A formula's value is a complex number (e.g. a negative number to a power 0.5)."""
+
+
+def _power(a: float, b: float) -> float:
+    out = a**b
+    if isinstance(out, complex):
+        raise NotReal
+    return out
+
+
+# Why a formula with every input present has no value: said in the step's meta.
+_REASONS: tuple[tuple[type, str], ...] = (
+    (NotReal, "not a real number"),
+    (ZeroDivisionError, "division by zero"),
+    (OverflowError, "overflow: past float64's range"),
+    (ValueError, "outside the function's domain"),
+    (TypeError, "not a number"),
+)
+
+
 def _n(row: np.ndarray) -> float:
     n = float(row[COUNT])
     if n <= 0:
@@ -49,32 +72,35 @@ def _n(row: np.ndarray) -> float:
     return n
 
 
-def _var(row: np.ndarray) -> float:
+def _sample_var(row: np.ndarray) -> float:
     n = _n(row)
     if n < 2:
         raise Undefined
-    mean = row[SUM] / n
-    return max(float(row[SUMSQ]) - n * mean * mean, 0.0) / (n - 1)
+    return population_var(row) * (n / (n - 1))
 
 
 # statistic name -> f(row); ``value`` is resolved with the input's kind at evaluation.
 STATISTICS: dict[str, Callable[[np.ndarray], float]] = {
     "sum": lambda row: float(row[SUM]),
     "count": lambda row: float(row[COUNT]),
-    "mean": lambda row: float(row[SUM]) / _n(row),
+    "mean": lambda row: _n(row) and mean(row),
     "min": lambda row: _n(row) and float(row[MIN]),
     "max": lambda row: _n(row) and float(row[MAX]),
-    "var": _var,
-    "std": lambda row: _n(row) and population_std(row),
+    "var": lambda row: _n(row) and population_var(row),
+    "std": lambda row: _n(row) and math.sqrt(population_var(row)),
+    "sample_var": _sample_var,
+    "sample_std": lambda row: math.sqrt(_sample_var(row)),
 }
-GROUP_STATISTICS = ("sum_all", "max_all", "min_all", "size")
+GROUP_STATISTICS = ("sum_of_sums", "max_of_sums", "min_of_sums", "size")
+# Names of an earlier grammar, refused with what to write instead.
+RENAMED = {"sum_all": "sum_of_sums", "max_all": "max_of_sums", "min_all": "min_of_sums"}
 FUNCTIONS = ("maximum", "minimum", "div0", "total")
 _OPERATORS: dict[type, Callable[[float, float], float]] = {
     ast.Add: lambda a, b: a + b,
     ast.Sub: lambda a, b: a - b,
     ast.Mult: lambda a, b: a * b,
     ast.Div: lambda a, b: a / b,
-    ast.Pow: lambda a, b: a**b,
+    ast.Pow: _power,
 }
 
 
@@ -88,28 +114,37 @@ class Formula:
     totals: tuple[ast.Call, ...]  # its total(...) calls, each with a running sum
 
     def evaluate(self, inputs: Mapping[str, Any], value_of: Callable[[str], float],
-                 totals: list[float] | None = None) -> float | None:
+                 totals: list[float] | None = None,
+                 why: list[str] | None = None) -> float | None:
         """Return the formula's value, or None where it is undefined for this step.
 
         ``inputs`` maps each symbol to a merged row (or, for a group, a list of rows);
         ``value_of(symbol)`` returns the input's own reduced value. ``totals`` holds the
         running sums of the ``total(...)`` calls: each adds its argument's value for
-        this step where that is defined, whatever the rest of the formula gives.
+        this step where that is defined, whatever the rest of the formula gives. Where
+        the inputs are there but the value is not a finite real, ``why`` gets the reason.
         """
         sums = totals if totals is not None else [0.0] * len(self.totals)
         index = {id(node): i for i, node in enumerate(self.totals)}
         for i, node in enumerate(self.totals):
             try:
                 step_value = float(_eval(node.args[0], inputs, value_of, sums, index))
-            except (Undefined, ZeroDivisionError, OverflowError, ValueError):
+            except (Undefined, ArithmeticError, ValueError, TypeError):
                 continue
             if math.isfinite(step_value):
                 sums[i] += step_value
         try:
             value = float(_eval(self.tree, inputs, value_of, sums, index))
-        except (Undefined, ZeroDivisionError, OverflowError, ValueError):
+        except (Undefined, ArithmeticError, ValueError, TypeError) as err:
+            reason = next((r for kind, r in _REASONS if isinstance(err, kind)), None)
+            if why is not None and reason is not None:
+                why.append(reason)
             return None
-        return value if math.isfinite(value) else None
+        if not math.isfinite(value):
+            if why is not None:
+                why.append(f"not finite ({value})")
+            return None
+        return value
 
 
 @functools.lru_cache(maxsize=4096)
@@ -185,6 +220,9 @@ def _check_call(text: str, node: ast.Call) -> None:
     elif name == "div0":
         if len(node.args) != 2:
             raise ValueError(f"formula {text!r}: div0() takes two expressions")
+    elif name in RENAMED:
+        raise ValueError(f"formula {text!r}: {name}() is now {RENAMED[name]}() (the same "
+                         f"statistic, named for what it computes)")
     else:
         known = ", ".join([*STATISTICS, "value", *GROUP_STATISTICS, *FUNCTIONS])
         raise ValueError(f"formula {text!r}: unknown function {name!r}; known: {known}")
@@ -221,7 +259,7 @@ def _eval(node: ast.expr, inputs: Mapping[str, Any], value_of: Callable[[str], f
         sums = [float(r[SUM]) for r in held]
         if not sums:
             raise Undefined
-        return {"sum_all": sum, "max_all": max, "min_all": min}[name](sums)
+        return {"sum_of_sums": sum, "max_of_sums": max, "min_of_sums": min}[name](sums)
     if name == "total":
         return totals[index[id(node)]]
     args = [_eval(a, inputs, value_of, totals, index) for a in node.args]

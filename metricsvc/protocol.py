@@ -12,10 +12,22 @@ from __future__ import annotations
 
 from metricsvc.declare import Derived, Metric, encode_derived, is_internal
 from metricsvc.records import (
+    COUNT,
     FIELDS,
+    IDENTITY,
+    M2_ROOT,
+    MAX,
+    MIN,
     NFIELDS,
+    NONFINITE,
+    SCALARS,
+    SUM,
+    SUM_LO,
     Batch,
+    from_pivot,
     merge,
+    merge_pair,
+    rss,
     scalar_row,
     scalar_rows,
     summarize_array,
@@ -24,7 +36,7 @@ from metricsvc.reduce import AUTO, KINDS, OutputRules, ReduceType, output_names
 from metricsvc.resend import Outbox, deliver
 from metricsvc.retry import ACTOR_ERRORS, backoff
 from metricsvc.sinks.names import safe_tag
-from metricsvc.sketch import SketchSpec, dense_counts, dense_to_sparse
+from metricsvc.sketch import SketchSpec, dense_to_sparse, merge_sparse, sparse_counts
 from metricsvc.validation import BatchRejected, check_key, check_rank
 from metricsvc.wire import encode
 
@@ -39,6 +51,18 @@ def combiner_name(service: str, label: str) -> str:
 __all__ = [
     "ACTOR_ERRORS",
     "AUTO",
+    "COUNT",
+    "IDENTITY",
+    "M2_ROOT",
+    "MAX",
+    "MIN",
+    "NONFINITE",
+    "SCALARS",
+    "SUM",
+    "SUM_LO",
+    "from_pivot",
+    "merge_pair",
+    "rss",
     "DEFAULT_NAME",
     "FIELDS",
     "KINDS",
@@ -56,8 +80,9 @@ __all__ = [
     "check_rank",
     "combiner_name",
     "deliver",
-    "dense_counts",
     "dense_to_sparse",
+    "merge_sparse",
+    "sparse_counts",
     "encode",
     "encode_derived",
     "is_internal",

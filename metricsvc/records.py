@@ -1,10 +1,25 @@
 """Summary records and their merge algebra (pure numpy: no Ray, no I/O, no torch).
 
 A record is one float64 row of sufficient statistics per key:
-``(sum, count, min, max, sumsq, nonfinite)``. Merging adds sums, counts,
-squares and non-finite counts, and takes the min of mins and the max of maxes.
-The identity record (count 0, min +inf, max -inf) merges as a no-op, so an
-empty population is a documented value, never a fabricated 0.
+``(sum, count, min, max, m2_root, nonfinite, sum_lo)``.
+
+- ``sum + sum_lo`` is the sum of the values as a double-double (``sum`` rounded,
+  ``sum_lo`` the rest, ``|sum_lo| <= ulp(sum) / 2``): means stay exact to the last bit
+  even when the values sit far from 0 (1e12 + N(0, 1), timestamps, byte counts).
+- ``m2_root`` is ``sqrt(M2)``, the root of the sum of squared deviations from the
+  record's own mean. It is built around a pivot near the mean (no ``sumsq/n - mean**2``
+  cancellation) and merged with Chan et al.'s pairwise formula through ``hypot``, so the
+  squares of values near 1e300 never overflow and those near 1e-300 never underflow.
+- ``nonfinite`` counts the NaN/inf values seen in valid positions and excluded.
+
+Merging adds counts and non-finite counts, adds sums exactly (``two_sum``), takes the
+min of mins and the max of maxes, and combines ``M2``s with the offset of the two
+means. The identity record (count 0, min +inf, max -inf) merges as a no-op, so an empty
+population is a documented value, never a fabricated 0.
+
+The algebra is written in plain arithmetic plus ``where/isfinite/sqrt/hypot`` of an
+array namespace ``xp`` (numpy, or torch on a client's device, or ``SCALARS`` for plain
+floats): one formula serves every place a record is built or merged.
 """
 
 from __future__ import annotations
@@ -12,14 +27,32 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-SUM, COUNT, MIN, MAX, SUMSQ, NONFINITE = range(6)
-FIELDS = ("sum", "count", "min", "max", "sumsq", "nonfinite")
+SUM, COUNT, MIN, MAX, M2_ROOT, NONFINITE, SUM_LO = range(7)
+FIELDS = ("sum", "count", "min", "max", "m2_root", "nonfinite", "sum_lo")
 NFIELDS = len(FIELDS)
+IDENTITY = (0.0, 0.0, math.inf, -math.inf, 0.0, 0.0, 0.0)  # in FIELDS order
 
-_IDENTITY_ROW = np.array([0.0, 0.0, np.inf, -np.inf, 0.0, 0.0], dtype=np.float64)
+_IDENTITY_ROW = np.array(IDENTITY, dtype=np.float64)
+_SPLITTER = 134217729.0  # 2**27 + 1: Dekker's split of a float64 into two 26-bit halves
+
+
+class _Scalars:
+    """The array functions the algebra uses, for plain Python floats."""
+
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> Any:
+        return a if cond else b
+
+    isfinite = staticmethod(math.isfinite)
+    sqrt = staticmethod(math.sqrt)
+    hypot = staticmethod(math.hypot)
+
+
+SCALARS = _Scalars()
 
 
 def identity(n: int = 1) -> np.ndarray:
@@ -27,18 +60,150 @@ def identity(n: int = 1) -> np.ndarray:
     return np.tile(_IDENTITY_ROW, (n, 1))
 
 
+# -- exact float arithmetic (error-free transformations) ------------------------------------
+def two_sum(a: Any, b: Any) -> tuple[Any, Any]:
+    """Return ``(s, e)`` with ``s = fl(a + b)`` and ``a + b = s + e`` exactly (Knuth)."""
+    s = a + b
+    t = s - a
+    return s, (a - (s - t)) + (b - t)
+
+
+def two_prod(a: Any, b: Any) -> tuple[Any, Any]:
+    """Return ``(p, e)`` with ``p = fl(a * b)`` and ``a * b = p + e`` exactly (Dekker).
+
+    Beyond about 1e300 the split overflows and ``e`` is not finite: callers drop it
+    (a sum that large has no room for a low part anyway).
+    """
+    p = a * b
+    t = _SPLITTER * a
+    ah = t - (t - a)
+    t = _SPLITTER * b
+    bh = t - (t - b)
+    al, bl = a - ah, b - bh
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def _finite(x: Any, xp: Any) -> Any:
+    return xp.where(xp.isfinite(x), x, 0.0)
+
+
+def _normalised(hi: Any, lo: Any, xp: Any) -> tuple[Any, Any]:
+    hi, lo = two_sum(hi, _finite(lo, xp))
+    return hi, _finite(lo, xp)
+
+
+def mean_parts(total: Any, total_lo: Any, n: Any, xp: Any = np) -> tuple[Any, Any]:
+    """Return the mean of a double-double sum as ``(m, r)``: ``m + r`` exact to ~1e-32."""
+    m = total / n
+    p, e = two_prod(m, n)
+    return m, ((total - p) - _finite(e, xp) + total_lo) / n
+
+
+def mean(row: np.ndarray) -> float:
+    """Return a populated record's mean, from its double-double sum."""
+    m, r = mean_parts(float(row[SUM]), float(row[SUM_LO]), float(row[COUNT]), SCALARS)
+    return m + r if math.isfinite(r) else m
+
+
+def _half_plus(x: Any) -> Any:
+    return x * 0.5 + abs(x) * 0.5  # max(x, 0) in arithmetic only, for any namespace
+
+
+def from_pivot(n: Any, c: Any, d1: Any, q: Any, xp: Any = np) -> tuple[Any, Any, Any]:
+    """Return ``(sum, sum_lo, m2_root)`` of ``n`` values from sums around a pivot ``c``.
+
+    ``d1 = sum(x - c)`` and ``q = sqrt(sum((x - c)**2))``. With ``c`` near the mean,
+    ``M2 = q**2 - d1**2 / n`` loses nothing to cancellation; it is taken as
+    ``(q - r)(q + r)`` with ``r = |d1| / sqrt(n)``, so nothing is squared on the way.
+    The sum is ``n * c + d1``, carried exactly as a double-double. ``n`` may be 0 (then
+    ``c``, ``d1`` and ``q`` are 0, and so is everything returned).
+    """
+    p, e = two_prod(n, c)
+    hi, lo = two_sum(p, d1)
+    hi, lo = _normalised(hi, lo + _finite(e, xp), xp)
+    r = abs(d1) / xp.sqrt(n + (n == 0))
+    near = (q > 1e-150) * (q < 1e150)  # (q - r)(q + r) stays in range: one rounding less
+    root = xp.where(near, xp.sqrt(_half_plus((q - r) * (q + r))),
+                    xp.sqrt(_half_plus(q - r)) * xp.sqrt(q + r))
+    return hi, lo, root
+
+
+def merge_pair(a: Any, b: Any, xp: Any = np) -> Any:
+    """Return the merge of two record arrays of one shape (``[..., NFIELDS]``); neither is
+    changed. Works for numpy and for torch (``xp=torch``) alike."""
+    na, nb = a[..., COUNT], b[..., COUNT]
+    n = na + nb
+    hi, lo = two_sum(a[..., SUM], b[..., SUM])
+    hi, lo = _normalised(hi, lo + a[..., SUM_LO] + b[..., SUM_LO], xp)
+    ma, ra = mean_parts(a[..., SUM], a[..., SUM_LO], na + (na == 0), xp)
+    mb, rb = mean_parts(b[..., SUM], b[..., SUM_LO], nb + (nb == 0), xp)
+    both = na * nb
+    cross = abs((ma - mb) + (ra - rb)) * xp.sqrt(both / (n + (n == 0)))
+    cross = xp.where(both > 0, cross, 0.0)
+    root = xp.hypot(xp.hypot(a[..., M2_ROOT], b[..., M2_ROOT]), cross)
+    low = xp.where(a[..., MIN] < b[..., MIN], a[..., MIN], b[..., MIN])
+    high = xp.where(a[..., MAX] > b[..., MAX], a[..., MAX], b[..., MAX])
+    cols = (hi, n, low, high, root, a[..., NONFINITE] + b[..., NONFINITE], lo)
+    return xp.stack(cols, -1)
+
+
 def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Return the merge of two record matrices of equal shape; neither is changed."""
-    out = a + b  # sum, count, sumsq and nonfinite add; min/max fixed below
-    out[..., MIN] = np.minimum(a[..., MIN], b[..., MIN])
-    out[..., MAX] = np.maximum(a[..., MAX], b[..., MAX])
-    return out
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        return merge_pair(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
 
 
 def merge_into(acc: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> None:
     """Merge ``rows`` into ``acc[idx]`` in place; ``idx`` must hold unique row numbers."""
-    cur = acc[idx]
-    acc[idx] = merge(cur, rows)
+    acc[idx] = merge(acc[idx], rows)
+
+
+def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
+    """Return ``n`` records, record ``k`` the merge of every ``rows[i]`` with ``idx[i] == k``.
+
+    One vectorised pass for any number of contributions: each key's values are
+    re-centred on a common pivot (the plain mean of its sums), every contribution adds
+    its offset from the pivot exactly, and ``from_pivot`` rebuilds the record.
+    """
+    out = identity(n)
+    if not len(rows):
+        return out
+    rows = np.asarray(rows, dtype=np.float64)
+    out[:, NONFINITE] = np.bincount(idx, rows[:, NONFINITE], n)
+    np.minimum.at(out[:, MIN], idx, rows[:, MIN])
+    np.maximum.at(out[:, MAX], idx, rows[:, MAX])
+    has = rows[:, COUNT] > 0
+    if not has.all():
+        rows, idx = rows[has], idx[has]
+    count = rows[:, COUNT]
+    total = np.bincount(idx, count, n)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        pivot = np.bincount(idx, rows[:, SUM], n) / np.where(total > 0, total, 1.0)
+        m, r = mean_parts(rows[:, SUM], rows[:, SUM_LO], count)
+        offset = (m - pivot[idx]) + r  # this contribution's mean minus the pivot
+        d1 = np.bincount(idx, offset * count, n)
+        shift = np.abs(offset) * np.sqrt(count)  # its values' mean offset, as a norm
+        scale = np.zeros(n)
+        np.maximum.at(scale, idx, np.maximum(rows[:, M2_ROOT], shift))
+        scale = np.where(scale > 0, scale, 1.0)
+        s = scale[idx]
+        q = scale * np.sqrt(np.bincount(idx, (rows[:, M2_ROOT] / s) ** 2 + (shift / s) ** 2, n))
+        out[:, SUM], out[:, SUM_LO], out[:, M2_ROOT] = from_pivot(total, pivot, d1, q)
+    out[:, COUNT] = total
+    return out
+
+
+def rss(values: np.ndarray) -> float:
+    """Return ``sqrt(sum(values**2))`` without overflow or underflow of the squares."""
+    if not values.size:
+        return 0.0
+    top = float(np.max(np.abs(values)))
+    if not 1e-140 < top < 1e140:  # the squares would leave float64's range: scale first
+        if top == 0 or not math.isfinite(top):
+            return top
+        scale = math.ldexp(1.0, -math.frexp(top)[1])  # a power of 2: exact
+        return math.sqrt(float(np.dot(values * scale, values * scale))) / scale
+    return math.sqrt(float(np.dot(values, values)))
 
 
 def summarize_array(values: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
@@ -55,14 +220,22 @@ def summarize_array(values: np.ndarray, mask: np.ndarray | None = None) -> np.nd
     row[NONFINITE] = np.count_nonzero(valid & ~finite)
     x = v[use]
     if x.size:
-        # Finite values may still sum past float64's range: that is flagged, not an error.
-        with np.errstate(over="ignore", invalid="ignore"):
-            row[SUM] = x.sum()
-            row[SUMSQ] = np.dot(x, x)
         row[COUNT] = x.size
         row[MIN] = x.min()
         row[MAX] = x.max()
+        row[[SUM, SUM_LO, M2_ROOT]] = pivoted_row_fields(x)
     return row
+
+
+def pivoted_row_fields(x: np.ndarray) -> tuple[float, float, float]:
+    """Return ``(sum, sum_lo, m2_root)`` of finite float64 values (not empty)."""
+    # Finite values may still sum past float64's range: that is flagged, not an error.
+    with np.errstate(over="ignore", invalid="ignore"):
+        c = float(x.sum()) / x.size
+        if not math.isfinite(c):  # the sum overflowed; the mean need not
+            c = float((x / x.size).sum())
+        dev = x - c
+        return from_pivot(float(x.size), c, float(dev.sum()), rss(dev), SCALARS)
 
 
 def scalar_row(value: float, weight: float = 1.0) -> np.ndarray:
@@ -74,29 +247,20 @@ def scalar_row(value: float, weight: float = 1.0) -> np.ndarray:
         return row
     if weight == 0:  # counted zero times: nothing recorded, not a min or max either
         return _IDENTITY_ROW.copy()
-    return np.array([value * weight, weight, value, value, value * value * weight, 0.0])
+    total, total_lo, _ = from_pivot(weight, value, 0.0, 0.0, SCALARS)
+    return np.array([total, weight, value, value, 0.0, 0.0, total_lo])
 
 
 def scalar_rows(values: np.ndarray) -> np.ndarray:
     """Return one record per plain number (count 1 each; NaN/inf counted as nonfinite)."""
     v = np.asarray(values, dtype=np.float64).ravel()
-    rows = np.empty((v.size, NFIELDS), dtype=np.float64)
-    if v.size and np.isfinite(v).all() and np.abs(v).max() < 1e150:  # the common case
-        rows[:, SUM] = v
-        rows[:, COUNT] = 1.0
-        rows[:, MIN] = v
-        rows[:, MAX] = v
-        np.multiply(v, v, out=rows[:, SUMSQ])  # cannot overflow: checked above
-        rows[:, NONFINITE] = 0.0
-        return rows
+    rows = np.zeros((v.size, NFIELDS), dtype=np.float64)
     finite = np.isfinite(v)
     z = np.where(finite, v, 0.0)
     rows[:, SUM] = z
     rows[:, COUNT] = finite
     rows[:, MIN] = np.where(finite, v, np.inf)
     rows[:, MAX] = np.where(finite, v, -np.inf)
-    with np.errstate(over="ignore"):
-        rows[:, SUMSQ] = z * z
     rows[:, NONFINITE] = ~finite
     return rows
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 import numpy as np
 
-from metricsvc.records import COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ
+from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, mean
 from metricsvc.sketch import SketchSpec, quantile_name, quantiles
 
 
@@ -128,15 +128,14 @@ class OutputRules:
     histogram_bins: int = 64  # of each QUANTILES key's merged histogram (0: none)
 
 
-def _mean(row: np.ndarray) -> float:
-    return float(row[SUM] / row[COUNT])
-
-
 def population_std(row: np.ndarray) -> float:
-    """Return the population std of a record with values, from its sum and sum of squares."""
-    n = row[COUNT]
-    mean = row[SUM] / n
-    return math.sqrt(max(row[SUMSQ] / n - mean * mean, 0.0))
+    """Return the population std (divided by n) of a record with values."""
+    return float(row[M2_ROOT]) / math.sqrt(float(row[COUNT]))
+
+
+def population_var(row: np.ndarray) -> float:
+    """Return the population variance (divided by n) of a record with values."""
+    return float(row[M2_ROOT]) ** 2 / float(row[COUNT])
 
 
 Sketch = tuple[np.ndarray, np.ndarray]
@@ -173,13 +172,13 @@ class Kind:
 
 KINDS: dict[ReduceType, Kind] = {
     ReduceType.AVG_MIN_MAX: Kind(lambda r: (r.mean_suffix, "min", "max"),
-                                 lambda row, _, r: (_mean(row), float(row[MIN]),
+                                 lambda row, _, r: (mean(row), float(row[MIN]),
                                                     float(row[MAX]))),
-    ReduceType.AVG: Kind(lambda r: ("",), lambda row, _, r: (_mean(row),), weighted=True),
+    ReduceType.AVG: Kind(lambda r: ("",), lambda row, _, r: (mean(row),), weighted=True),
     ReduceType.SUM: Kind(lambda r: ("",), lambda row, _, r: (float(row[SUM]),), empty=(0.0,)),
     ReduceType.MIN: Kind(lambda r: ("",), lambda row, _, r: (float(row[MIN]),)),
     ReduceType.MAX: Kind(lambda r: ("",), lambda row, _, r: (float(row[MAX]),)),
-    ReduceType.SCALAR: Kind(lambda r: ("",), lambda row, _, r: (_mean(row),),
+    ReduceType.SCALAR: Kind(lambda r: ("",), lambda row, _, r: (mean(row),),
                             flag=("scalar_mismatch", lambda row: row[MIN] != row[MAX])),
     ReduceType.STD: Kind(lambda r: ("std",), lambda row, _, r: (population_std(row),)),
     ReduceType.QUANTILES: Kind(lambda r: tuple(quantile_name(q) for q in r.quantiles),

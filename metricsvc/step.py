@@ -138,11 +138,15 @@ class Collection:
     def merged(self) -> tuple[np.ndarray, np.ndarray, dict[int, Sketch]]:
         """Return merged rows, ranks contributing to each row, and merged sketches."""
         n = len(self.keys)
-        data = records.identity(n)
         sketch_parts: dict[int, list[Sketch]] = {}
         rank_rows: dict[int, list[np.ndarray]] = {}
-        for part in sorted(self.parts, key=lambda p: p.order):
-            records.merge_into(data, part.rows, part.idx)
+        parts = sorted(self.parts, key=lambda p: p.order)
+        if parts:
+            data = records.merge_grouped(np.concatenate([p.rows for p in parts]),
+                                         np.concatenate([p.idx for p in parts]), n)
+        else:
+            data = records.identity(n)
+        for part in parts:
             for row, codes, counts in part.sketches:
                 sketch_parts.setdefault(row, []).append((codes, counts))
             if part.rank is not None:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metricsvc.records import COUNT, NFIELDS, Batch
+from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM, SUM_LO, Batch
 from metricsvc.reduce import KINDS, VALID_CODES
+from metricsvc.sketch import MIN_ALPHA, SketchSpec
 
 # Counts up to 2**53 are exact in float64; merged over any world size they stay finite,
 # so turning them into ints when a step finishes cannot overflow.
@@ -180,7 +181,9 @@ def _check_records(batch: Batch) -> None:
     non-finite count is such an integer too, a populated row has finite ``min <= max``,
     and an empty row is the identity record.
     """
-    total, count, low, high, squares, nonfinite = np.ascontiguousarray(batch.data.T)
+    cols = np.ascontiguousarray(batch.data.T)
+    total, count, low, high = cols[SUM], cols[COUNT], cols[MIN], cols[MAX]
+    root, nonfinite, low_part = cols[M2_ROOT], cols[NONFINITE], cols[SUM_LO]
     with np.errstate(invalid="ignore"):
         rules = (
             ("count must be finite, in [0, 2**53]", (count >= 0) & (count <= MAX_COUNT)),
@@ -188,11 +191,14 @@ def _check_records(batch: Batch) -> None:
              (np.floor(count) == count) | _WEIGHTED_CODE[batch.kinds.view(np.uint8)]),
             ("nonfinite must be a whole number in [0, 2**53]",
              (nonfinite >= 0) & (nonfinite <= MAX_COUNT) & (np.floor(nonfinite) == nonfinite)),
-            ("sumsq must be >= 0", squares >= 0),
+            ("m2_root must be >= 0", ~(root < 0)),  # NaN only where the sum overflowed
+            ("sum_lo must be the low part of sum: |sum_lo| <= ulp(sum), 0 if sum is not "
+             "finite", np.where(np.isfinite(total), np.abs(low_part) <= np.spacing(np.abs(
+                 np.where(np.isfinite(total), total, 0.0))), low_part == 0)),
             ("a populated record needs finite min <= max; an empty record (count 0) must be "
              "the identity (sum 0, min +inf, max -inf)",
              np.where(count > 0, np.isfinite(low) & np.isfinite(high) & (low <= high),
-                      (total == 0) & (squares == 0) & (low == np.inf) & (high == -np.inf))),
+                      (total == 0) & (root == 0) & (low == np.inf) & (high == -np.inf))),
         )
     for rule, good in rules:
         if not good.all():
@@ -222,6 +228,10 @@ def _check_sketches(batch: Batch) -> None:
     if not_q.any():
         key = batch.keys[int(rows[np.flatnonzero(not_q)[0]])]
         raise BatchRejected(f"key {key!r}: a quantile sketch was sent for a non-QUANTILES key")
+    top = SketchSpec(batch.sketch_alpha).top if MIN_ALPHA <= batch.sketch_alpha < 1 else 0
+    if batch.sketch_codes.size and np.abs(batch.sketch_codes.astype(np.int64)).max() > top:
+        raise BatchRejected(f"batch sketch codes must lie in [-{top}, {top}] (alpha "
+                            f"{batch.sketch_alpha})")
     counts = batch.sketch_counts
     if not np.all((counts >= 0) & (counts <= MAX_COUNT) & (np.floor(counts) == counts)):
         raise BatchRejected("batch sketch counts must be whole numbers in [0, 2**53]")

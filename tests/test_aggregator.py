@@ -213,6 +213,6 @@ def test_renames_and_suffix_apply_to_outputs():
 
 def test_finite_values_whose_sum_overflows_are_kept_and_flagged():
     agg = Aggregator()
-    done = agg.submit(batch(0, 0, world_size=1, x=[1e308, 1e308, -1e308])).finished[0]
+    done = agg.submit(batch(0, 0, world_size=1, x=[1e308, 1e308, 1e307])).finished[0]
     assert done.meta["overflow"] == ["x"] and not np.isfinite(done.metrics["x"])
     assert agg.counts["rejected"] == 0

@@ -130,7 +130,8 @@ def test_a_bad_declaration_is_refused_naming_the_metric_and_the_rule(formula, me
 
 
 def test_declarations_travel_as_data_and_are_checked_again_on_receipt():
-    ev = Derived("a/ev", "1 - var(r) / (var(t) + 1e-5)", {"r": "a/__ev/r", "t": "a/t"})
+    ev = Derived("a/ev", "1 - sample_var(r) / (sample_var(t) + 1e-5)",
+                 {"r": "a/__ev/r", "t": "a/t"})
     assert decode_derived(encode_derived([ev])) == (ev,)
     with pytest.raises(ValueError, match="derived metric 'x': .*unknown function 'open'"):
         decode_derived(b'[["x", "open(a)", [["a", "k"]]]]')
@@ -139,8 +140,8 @@ def test_declarations_travel_as_data_and_are_checked_again_on_receipt():
 
 
 def test_formulas_are_parsed_once_and_their_inputs_listed():
-    f = parse("div0(100 * sum(e), sum_all(layer)) + std(e)")
-    assert f.symbols == {"e", "layer"} and parse("div0(100 * sum(e), sum_all(layer)) + "
+    f = parse("div0(100 * sum(e), sum_of_sums(layer)) + std(e)")
+    assert f.symbols == {"e", "layer"} and parse("div0(100 * sum(e), sum_of_sums(layer)) + "
                                                  "std(e)") is f
 
 
@@ -168,3 +169,30 @@ def test_the_service_evaluates_what_ranks_declare_and_refuses_a_bad_declaration(
     assert done.metrics == {"a/share": 0.6}  # rank 0's declaration, over both ranks' records
     assert list(done.meta["declaration_conflicts"]) == ["a/share"]
     assert done.meta["internal_ignored"] == ["a/__stray"]  # read by nothing: said, not shown
+
+
+def test_a_formula_with_no_real_value_is_omitted_with_its_reason_and_steps_go_on(make_worker):
+    """``(mean(x) - 1) ** 0.5`` at mean 0 is complex: it raised TypeError while finishing
+    the step, the honest rank closing it got the error and no later step was published.
+    Now it is omitted, meta says why, and every step is published exact."""
+    import ray
+
+    from clients import MetricClient
+
+    handle, cfg = make_worker(world_size=2)
+    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    clients[0].declare(Derived("gap/sqrt", "(mean(x) - 1) ** 0.5", {"x": "x"}),
+                       Derived("gap/inv", "1 / (mean(x) - mean(x))", {"x": "x"}))
+    for step, values in enumerate(([0.0, 0.0], [2.0, 4.0], [-3.0, 1.0])):
+        for rank, c in enumerate(clients):
+            c.stat(x=np.array([values[rank]]))
+            c.wait_submit(step=step, timeout_s=30)
+    got = [ray.get(handle.wait_final.remote(step=s, timeout_s=30))
+           for s in range(3)]
+    assert [r["metrics"]["x/mean"] for r in got] == [0.0, 3.0, -1.0]
+    assert got[1]["metrics"]["gap/sqrt"] == pytest.approx(2.0 ** 0.5)
+    for r in (got[0], got[2]):
+        assert "gap/sqrt" not in r["metrics"]
+        assert r["meta"]["derived_undefined"]["gap/sqrt"] == "not a real number"
+    assert got[1]["meta"]["derived_undefined"] == {"gap/inv": "division by zero"}
+    assert ray.get(handle.health.remote(), timeout=5)["rejected_batches"] == 0

@@ -11,7 +11,7 @@ import torch
 
 from clients import MetricClient
 from metricsvc.sinks.jsonl import read_journal
-from metricsvc.sketch import SketchSpec, dense_counts, dense_to_sparse, histogram
+from metricsvc.sketch import SketchSpec, histogram, sparse_counts
 from tests import readback
 
 
@@ -74,12 +74,12 @@ def test_merged_histograms_read_back_from_every_backend_equal_the_whole_data(mak
 def test_a_histogram_has_at_most_its_bins_and_folds_whole_buckets():
     spec = SketchSpec()
     data = np.concatenate([np.random.default_rng(1).normal(0, 3, 4000), np.zeros(5)])
-    codes, counts = dense_to_sparse(dense_counts(data, spec), spec)
+    codes, counts = sparse_counts(data, spec)
     for bins in (1, 7, 64, 100_000):
         edges, got = histogram(codes, counts, spec, data.min(), data.max(), bins)
         assert len(got) == min(bins, len(codes))
         np.testing.assert_array_equal(got, np.histogram(data, edges)[0])
-    single = histogram(*dense_to_sparse(dense_counts(np.array([2.5]), spec), spec), spec,
+    single = histogram(*sparse_counts(np.array([2.5]), spec), spec,
                        2.5, 2.5)
     assert single[0][0] == 2.5 < single[0][1] and list(single[1]) == [1.0]
     assert histogram(np.zeros(0, np.int32), np.zeros(0), spec, 0.0, 0.0) is None

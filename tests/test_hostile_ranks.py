@@ -18,7 +18,7 @@ from metricsvc import records
 from metricsvc.aggregator import Aggregator
 from metricsvc.records import Batch
 from metricsvc.reduce import AUTO, ReduceType
-from metricsvc.sketch import SketchSpec, dense_counts, dense_to_sparse
+from metricsvc.sketch import SketchSpec, sparse_counts
 from metricsvc.validation import BatchRejected, Limits
 from metricsvc.wire import decode, encode
 
@@ -169,8 +169,9 @@ def test_late_batches_are_counted_per_rank():
         ({"count": 1.5}, "count must be a whole number"),
         ({"min": 5.0, "max": 1.0}, "finite min <= max"),
         ({"max": np.inf}, "finite min <= max"),
-        ({"sumsq": np.nan}, "sumsq must be >= 0"),
-        ({"sumsq": -1.0}, "sumsq must be >= 0"),
+        ({"m2_root": -1.0}, "m2_root must be >= 0"),
+        ({"sum_lo": 1.0}, "sum_lo must be the low part of sum"),
+        ({"sum_lo": np.nan}, "sum_lo must be the low part of sum"),
         ({"count": 0.0}, "an empty record"),
     ],
 )
@@ -193,7 +194,7 @@ def test_weighted_means_keep_fractional_counts():
 
 def quantile_batch(values, rank=0, world_size=1, seq=1, counts_scale=1.0):
     spec = SketchSpec()
-    codes, counts = dense_to_sparse(dense_counts(np.asarray(values), spec), spec)
+    codes, counts = sparse_counts(np.asarray(values), spec)
     row = records.summarize_array(np.asarray(values))
     return Batch.build(step=0, rank=rank, world_size=world_size, seq=seq, final=True,
                        keys=("q",), data=row[None], kinds=[int(ReduceType.QUANTILES)],
@@ -313,7 +314,7 @@ def base_blob(step, rank, seq):
     """A valid batch with a mean, a sum and a quantile key (and its sketch)."""
     spec = SketchSpec()
     q = np.array([0.5, 1.5, 2.5, 40.0])
-    codes, counts = dense_to_sparse(dense_counts(q, spec), spec)
+    codes, counts = sparse_counts(q, spec)
     data = np.stack([records.summarize_array(np.array([1.0, 2.0])),
                      records.summarize_array(np.array([3.0])), records.summarize_array(q)])
     return encode(Batch.build(

@@ -106,11 +106,12 @@ def test_a_kinds_table_entry_is_the_one_place_a_kind_is_defined(monkeypatch):
 
     clear()
     monkeypatch.setitem(reduce.KINDS, reduce.ReduceType.STD, reduce.Kind(
-        lambda r: ("sd",), lambda row, _, r: (float(row[4] / row[1] - (row[0] / row[1]) ** 2),)))
+        lambda r: ("sd",), lambda row, _, r: (reduce.population_var(row),)))
     try:
         row = summarize_array(np.array([1.0, 3.0]))
         assert reduce.output_names("k", reduce.ReduceType.STD) == ("k/sd",)
-        assert reduce.finalize(["k"], [reduce.ReduceType.STD], row[None]) == {"k/sd": 1.0}
+        assert reduce.finalize(["k"], [reduce.ReduceType.STD], row[None]) == {
+            "k/sd": pytest.approx(1.0, rel=1e-15)}
         assert "k/sd" in buffer._exported("k", int(reduce.ReduceType.STD))
     finally:
         monkeypatch.undo()

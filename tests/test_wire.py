@@ -3,18 +3,18 @@
 import numpy as np
 import pytest
 
-from metricsvc.records import Batch
-from metricsvc.sketch import SketchSpec, dense_counts, dense_to_sparse
+from metricsvc.records import NFIELDS, Batch
+from metricsvc.sketch import SketchSpec, sparse_counts
 from metricsvc.validation import BatchRejected
 from metricsvc.wire import decode, encode
 
 
 def test_round_trip_keeps_every_field_bit_for_bit():
     spec = SketchSpec()
-    sketch = dense_to_sparse(dense_counts(np.array([0.5, 2.0, -3.0]), spec), spec)
+    sketch = sparse_counts(np.array([0.5, 2.0, -3.0]), spec)
     b = Batch.build(step=7, rank=3, world_size=8, seq=42, final=True,
                     keys=("ключ/mean", "a/b", "🙂"), data=np.random.default_rng(0).normal(
-                        size=(3, 6)), kinds=[0, 1, 8], expected=[0, 2, 0],
+                        size=(3, NFIELDS)), kinds=[0, 1, 8], expected=[0, 2, 0],
                     sketches={2: sketch}, sketch_alpha=0.01)
     out = decode(encode(b))
     assert (out.step, out.rank, out.world_size, out.seq, out.final, out.keys,
@@ -32,7 +32,7 @@ def test_an_empty_batch_round_trips():
 
 
 @pytest.mark.parametrize("blob", [b"", b"\x00" * 10, encode(Batch.build(
-    step=0, rank=0, world_size=1, seq=1, final=True, keys=("x",), data=[[1, 1, 1, 1, 1, 0]],
+    step=0, rank=0, world_size=1, seq=1, final=True, keys=("x",), data=[[1, 1, 1, 1, 0, 0, 0]],
     kinds=[0], expected=[0]))[:-3]])
 def test_malformed_bytes_are_refused_not_crashed_on(blob):
     with pytest.raises(BatchRejected, match="malformed wire batch"):

@@ -13,7 +13,7 @@ from metricsvc.protocol import Derived, Metric, ReduceType
 
 EXPLAINED_VARIANCE = Derived(
     "critic/vf_explained_var",
-    "1 - var(residual) / (var(returns) + 1e-5)",
+    "1 - sample_var(residual) / (sample_var(returns) + 1e-5)",
     {"residual": "critic/__vf_explained_var/residual", "returns": "critic/returns"},
     help="verl's explained variance of the value function over every valid response token "
          "of every rank: unbiased variances of the merged returns - values and returns",

@@ -19,11 +19,11 @@ def moe_balance(prefix: str) -> tuple[Derived, ...]:
     layer = f"{prefix}/layer_<l>/expert_*/tokens"
     return (
         Derived(f"{prefix}/layer_<l>/expert_<e>/load_percent",
-                "div0(100 * sum(expert), sum_all(layer))", {"expert": tokens, "layer": layer},
+                "div0(100 * sum(expert), sum_of_sums(layer))", {"expert": tokens, "layer": layer},
                 help="an expert's share of its layer's tokens", unit="%"),
         # One expert key per layer binds <l> (expert 0, which every layer has).
         Derived(f"{prefix}/layer_<l>/max_over_ideal",
-                "div0(max_all(layer), sum_all(layer) / size(layer))",
+                "div0(max_of_sums(layer), sum_of_sums(layer) / size(layer))",
                 {"first": f"{prefix}/layer_<l>/expert_0/tokens", "layer": layer},
                 help="the busiest expert's tokens over the layer's mean (1: balanced)"),
     )

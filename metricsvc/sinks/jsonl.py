@@ -30,6 +30,18 @@ def _json_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
+def _json_values(value: Any) -> Any:
+    """``value`` with every non-finite float written as ``_json_number`` writes it (a meta
+    entry holding an overflowed figure must not cost the step its line)."""
+    if isinstance(value, float):
+        return _json_number(value)
+    if isinstance(value, Mapping):
+        return {k: _json_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_values(v) for v in value]
+    return value
+
+
 class LineFile:
     """An append-only file of whole lines: a failed append is cut back to where it began."""
 
@@ -91,7 +103,7 @@ class JsonlSink:
         record = {
             "step": step,
             "metrics": {k: _json_number(v) for k, v in metrics.items()},
-            "meta": dict(meta),
+            "meta": _json_values(meta),
             "time": time.time(),
         }
         self._append(record)

@@ -26,7 +26,7 @@ def _histogram(tag: str, hist: Mapping[str, Any]) -> Any:
     from tensorboardX.summary import histogram_raw
 
     return histogram_raw(tag, hist["min"], hist["max"], hist["count"], hist["sum"],
-                         hist["sumsq"], list(hist["edges"][1:]), list(hist["counts"]))
+                         hist["sum_squares"], list(hist["edges"][1:]), list(hist["counts"]))
 
 
 class TensorboardSink:

@@ -1,0 +1,210 @@
+"""Exact at the edges of float64: the merged std/var/mean of values far from 0, quantiles of
+any magnitude, and histogram bins counted as numpy counts them, compared with an exact
+(rational) computation on the concatenated data."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clients import MetricClient
+from clients.summarize import accelerator_path_on_cpu, sketch, summarize
+from metricsvc import records
+from metricsvc.declare import Derived
+from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, SUM, SUM_LO
+from metricsvc.sinks.jsonl import read_journal
+from metricsvc.sketch import SketchSpec, histogram, merge_sparse, quantiles, sparse_counts
+
+SPEC = SketchSpec()
+
+
+def _sqrt(fr: Fraction) -> float:
+    """The square root of a non-negative rational, to float64, with no overflow/underflow."""
+    a, b = fr.numerator, fr.denominator
+    if a == 0:
+        return 0.0
+    s = (130 + b.bit_length() - a.bit_length()) // 2
+    r = math.isqrt((a << (2 * s)) // b) if s >= 0 else math.isqrt(a // (b << (-2 * s)))
+    return math.ldexp(float(r), -s)
+
+
+def exact(values) -> dict[str, float]:
+    """sum, mean, population std and unbiased var of float64 values, exactly rounded."""
+    x = [Fraction(float(v)) for v in values]
+    n = len(x)
+    total = sum(x)
+    mean = total / n
+    m2 = sum((v - mean) ** 2 for v in x)
+    return {"sum": float(total), "mean": float(mean), "std": _sqrt(m2 / n),
+            "sample_std": _sqrt(m2 / (n - 1)) if n > 1 else math.nan,
+            "abs": float(sum(abs(v - mean) for v in x))}
+
+
+def _close(got: float, want: float, rel: float = 1e-12, abs_: float = 0.0) -> bool:
+    return abs(got - want) <= rel * abs(want) + abs_
+
+
+# -- through the public client API, on a real local Ray cluster --------------------------
+OFFSETS = (1e4, 1e8, 1.7e9, 1e12)
+
+
+def test_merged_std_var_and_mean_of_values_far_from_zero_equal_the_exact_ones(make_worker):
+    """1e8 + N(0, 1) gave std 1.414 (numpy 1.006) and 1.7e9 + N(0, 1) gave 0.0 before the
+    record carried a stable second moment; now every offset is exact to 1e-12."""
+    handle, cfg = make_worker(world_size=2)
+    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    rng = np.random.default_rng(11)
+    whole = {}
+    for step, offset in enumerate(OFFSETS):
+        parts = []
+        for rank, c in enumerate(clients):
+            c.declare(Derived("gap/sd", "sample_std(x)", {"x": "x"}),
+                      Derived("gap/var", "var(x)", {"x": "x"}))
+            for micro in range(1 + 2 * rank):  # unequal calls and sizes per rank
+                n = 40 * (rank + 1) + 7 * micro
+                v = offset + rng.normal(size=(n, 3))
+                mask = rng.random((n, 3)) < 0.7
+                tensor = torch.from_numpy(v) if micro % 2 else v  # host arrays and tensors
+                c.stat(mask=mask, reduce="std", x=tensor)
+                c.stat(mask=mask, y=tensor)
+                parts.append(v[mask])
+            c.wait_submit(step=step)
+        whole[step] = np.concatenate(parts)
+    for step in range(len(OFFSETS)):
+        got = ray.get(handle.wait_final_res.remote(step=step, timeout_s=30))
+        ref = exact(whole[step])
+        assert _close(got["x/std"], ref["std"]), (OFFSETS[step], got["x/std"], ref["std"])
+        assert _close(got["gap/sd"], ref["sample_std"]), OFFSETS[step]
+        assert _close(got["gap/var"], ref["std"] ** 2, rel=1e-11), OFFSETS[step]
+        assert got["y/mean"] == pytest.approx(ref["mean"], rel=1e-15, abs=0), OFFSETS[step]
+        assert got["y/min"] == whole[step].min() and got["y/max"] == whole[step].max()
+
+
+def test_quantiles_of_any_magnitude_and_histogram_edges_as_numpy_counts(make_worker):
+    """GPU bytes (1e10), nanoseconds, tiny KL values (1e-12) and negatives: every quantile
+    within alpha of the exact one (before: clamped to the minimum outside [1e-9, 1e9]);
+    [0.99, 1.0, 1.0, 1.01] is binned [1, 3] as numpy bins it (before: [3, 1])."""
+    handle, cfg = make_worker(world_size=2, sinks={"jsonl": {}})
+    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    rng = np.random.default_rng(5)
+    data = {"mem_bytes": 4e10 * rng.lognormal(0, 0.3, 300), "kl": 4e-12 * rng.lognormal(0, 1, 300),
+            "adv": rng.normal(0, 1e-20, 300), "huge": -1e300 * rng.lognormal(0, 2, 300)}
+    for rank, c in enumerate(clients):
+        part = slice(0, 100) if rank == 0 else slice(100, 300)  # unequal ranks
+        c.stat(reduce="quantiles", **{k: v[part] for k, v in data.items()})
+        c.stat(reduce="quantiles", edge=np.array([0.99, 1.0] if rank else [1.0, 1.01]))
+        c.wait_submit(step=0)
+    got = ray.get(handle.wait_final_res.remote(step=0, timeout_s=30))
+    for key, values in data.items():
+        srt = np.sort(values)
+        for q in (0.5, 0.9, 0.99):
+            want = srt[math.floor(q * (len(srt) - 1))]
+            assert abs(got[f"{key}/p{q * 100:g}"] - want) <= SPEC.alpha * abs(want), (key, q)
+    health = ray.get(handle.close.remote())
+    assert not health["sink_errors"], health["sink_errors"]
+    (row,) = read_journal(Path(health["run_dir"]) / "metrics.jsonl")
+    hist = row["meta"]["histograms"]["edge"]
+    assert hist["counts"] == np.histogram([0.99, 1.0, 1.0, 1.01], hist["edges"])[0].tolist()
+    assert hist["counts"] == [1, 3]
+
+
+# -- property tests: the client's summaries and the service's merge ----------------------
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.bool)
+
+
+@st.composite
+def ranked_values(draw):
+    """Values of one magnitude and offset, split unequally over 1-4 ranks, with masks."""
+    dtype = draw(st.sampled_from(DTYPES))
+    ranks = draw(st.integers(1, 4))
+    sizes = [draw(st.integers(1, 400)) for _ in range(ranks)]
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    n = sum(sizes)
+    if dtype == torch.bool:
+        x = rng.random(n) < 0.3
+    elif dtype == torch.int32:
+        x = rng.integers(-(2**31), 2**31 - 1, n)
+    else:
+        wide = dtype == torch.float64
+        exp = draw(st.integers(-300, 300) if wide else st.integers(-4, 4))
+        spread = 10.0 ** exp
+        ratio = 10.0 ** draw(st.integers(0, 12 if wide else 2))  # offset / spread
+        x = spread * (ratio * draw(st.sampled_from((-1, 0, 1))) + rng.normal(size=n))
+    t = torch.as_tensor(x).to(dtype)
+    mask = torch.from_numpy(rng.random(n) < draw(st.sampled_from((0.3, 1.0))))
+    if not mask.any():
+        mask[0] = True
+    return t, mask, sizes
+
+
+def _ranks(t, mask, sizes, accelerator):
+    rows, sketches, start = [], [], 0
+    for size in sizes:
+        part, m = t[start:start + size], mask[start:start + size]
+        start += size
+        if accelerator:
+            with accelerator_path_on_cpu():
+                rows.append(np.asarray(summarize(part, m)))
+                dense = sketch(part, m, SPEC).numpy()
+            sketches.append((np.flatnonzero(dense) - SPEC.top, dense[dense > 0]))
+        else:
+            rows.append(np.asarray(summarize(part, m)))
+            sketches.append(sketch(part, m, SPEC))
+    return np.stack(rows), sketches
+
+
+@settings(max_examples=120, deadline=None)
+@given(case=ranked_values(), accelerator=st.booleans(), order=st.randoms())
+def test_merged_sums_means_std_and_quantiles_equal_the_concatenated_data(case, accelerator,
+                                                                         order):
+    t, mask, sizes = case
+    rows, sketches = _ranks(t, mask, sizes, accelerator)
+    perm = list(range(len(rows)))
+    order.shuffle(perm)
+    pairwise = records.identity(1)
+    for i in perm:  # the client's micro-batch merge, in any order ...
+        pairwise = records.merge(pairwise, rows[i][None])
+    grouped = records.merge_grouped(rows[perm], np.zeros(len(rows), dtype=np.int64), 1)
+    x = t.to(torch.float64).numpy()[mask.numpy()]
+    ref = exact(x)
+    scale = max(abs(float(x.max())), abs(float(x.min())))
+    for row in (pairwise[0], grouped[0]):  # ... and the service's, over every rank at once
+        assert row[COUNT] == x.size and row[MIN] == x.min() and row[MAX] == x.max()
+        total = row[SUM] + row[SUM_LO]
+        assert _close(total, ref["sum"], abs_=1e-15 * ref["abs"]), (total, ref["sum"])
+        assert _close(records.mean(row), ref["mean"], abs_=1e-15 * ref["abs"] / x.size)
+        std = row[M2_ROOT] / math.sqrt(row[COUNT])
+        assert _close(std, ref["std"], abs_=1e-15 * scale), (std, ref["std"])
+    codes, counts = merge_sparse(sketches)
+    srt = np.sort(x)
+    got = quantiles(codes, counts, (0.0, 0.25, 0.5, 0.99, 1.0), SPEC, x.min(), x.max())
+    for q, value in zip((0.0, 0.25, 0.5, 0.99, 1.0), got):
+        want = srt[math.floor(q * (x.size - 1))]
+        assert abs(value - want) <= SPEC.alpha * abs(want) * 1.0001, (q, value, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=st.integers(1, SPEC.top - 40), width=st.integers(1, 30), bins=st.integers(1, 64),
+       negative=st.booleans())
+def test_values_on_every_exported_edge_are_binned_as_numpy_bins_them(first, width, bins,
+                                                                    negative):
+    b = SPEC.bounds
+    x = np.concatenate([b[first:first + width], b[first:first + width]])  # every boundary
+    x = np.concatenate([x, -x]) if negative else x
+    codes, counts = sparse_counts(x, SPEC)
+    edges, got = histogram(codes, counts, SPEC, float(x.min()), float(x.max()), bins)
+    edge_values = np.concatenate([x, edges[(edges > x.min()) & (edges < x.max())]])
+    codes, counts = sparse_counts(edge_values, SPEC)  # and values on the exported edges
+    edges2, got2 = histogram(codes, counts, SPEC, float(x.min()), float(x.max()), bins)
+    for e, c, data in ((edges, got, x), (edges2, got2, edge_values)):
+        assert np.all(np.diff(e) >= 0)
+        np.testing.assert_array_equal(c, np.histogram(data, e)[0])
