@@ -21,6 +21,8 @@ def leveldb_log_records(path: Path, ident: bytes) -> list[bytes]:
     with the CRC taken over the type byte and the data.
     """
     raw = path.read_bytes()
+    if not raw:
+        return []  # created, then killed before the backend wrote its header: holds nothing
     assert raw[:4] == ident, f"{path} does not start with {ident!r}"
     pos, records, pending = _HEADER, [], b""
     while pos + _HEADER <= len(raw):

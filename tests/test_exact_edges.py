@@ -135,14 +135,14 @@ def ranked_values(draw):
         x = rng.integers(-(2**31), 2**31 - 1, n)
     else:
         wide = dtype == torch.float64
-        exp = draw(st.integers(-300, 300) if wide else st.integers(-4, 4))
+        exp = draw(st.integers(-300, 300) if wide else st.integers(-4, 3))
         spread = 10.0 ** exp
-        ratio = 10.0 ** draw(st.integers(0, 12 if wide else 2))  # offset / spread
+        ratio = 10.0 ** draw(st.integers(0, 12 if wide else 1))  # offset / spread
         x = spread * (ratio * draw(st.sampled_from((-1, 0, 1))) + rng.normal(size=n))
     t = torch.as_tensor(x).to(dtype)
     mask = torch.from_numpy(rng.random(n) < draw(st.sampled_from((0.3, 1.0))))
-    if not mask.any():
-        mask[0] = True
+    mask[0] = True
+    t[~torch.isfinite(t.double())] = 0  # past float16's range: the case is about finite data
     return t, mask, sizes
 
 

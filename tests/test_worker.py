@@ -13,7 +13,7 @@ import metricsvc
 from clients import MetricClient, ReduceType
 from clients.summarize import accelerator_path_on_cpu
 from clients.synccount import HostTransferCounter
-from metricsvc.records import Batch
+from metricsvc.records import Batch, scalar_row
 from tests.helpers import RankActor, random_rank_data
 
 
@@ -179,7 +179,7 @@ def test_rank_may_close_next_step_before_another_closes_current(make_worker):
 def test_retried_batch_with_same_step_rank_seq_is_merged_once(make_worker):
     handle, cfg = make_worker()
     batch = Batch.build(step=0, rank=0, world_size=2, seq=1, final=True, keys=("x",),
-                        data=[[4.0, 1.0, 4.0, 4.0, 16.0, 0.0]], kinds=[0], expected=[0])
+                        data=scalar_row(4.0)[None], kinds=[0], expected=[0])
     assert ray.get(handle.submit.remote(batch))["status"] == "merged"
     assert ray.get(handle.submit.remote(batch))["status"] == "duplicate"
     (c,) = [MetricClient(None, rank=1, world_size=2, name=cfg.name)]

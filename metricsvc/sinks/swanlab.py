@@ -39,6 +39,9 @@ class SwanlabSink:
         self.logdir: Path | None = None
         self.run_id: str | None = None
         self._held: dict[int, set[str]] = {}
+        self._earlier: set[Path] = set()  # .swanlab files of earlier incarnations
+        self._tail: LevelDBLogTail | None = None  # this incarnation's, once it exists
+        self._durable = -1
 
     def open(self, run_dir: Path) -> None:
         import swanlab  # optional backend: imported only when used
@@ -56,6 +59,7 @@ class SwanlabSink:
 
             state.update(run_id=generate_id())  # before init: a restart must find this run
         self.run_id = state.load()["run_id"]
+        self._earlier = set(self.logdir.glob(f"run-*-{self.run_id}/run-{self.run_id}.swanlab"))
         self.run = swanlab.init(
             id=self.run_id,
             resume="allow",
@@ -94,6 +98,32 @@ class SwanlabSink:
                     values[tag] = chart
         if values:
             self.run.log(values, step=step)
+
+    def commit(self) -> int | None:
+        """Return the newest step in this incarnation's ``.swanlab`` file (-1: none yet;
+        None in cloud mode, whose files are SwanLab's own business).
+
+        SwanLab holds what it logs in memory until a piece of the file is full, so a
+        written step is durable only once the file holds it; the dispatcher's watermark
+        follows this, and a SIGKILL never costs a step the journal would not replay.
+        """
+        if self.config.mode not in ("offline", "local"):
+            return None
+        if self._tail is None:
+            assert self.logdir is not None
+            mine = [p for p in self.logdir.glob(f"run-*-{self.run_id}/run-{self.run_id}.swanlab")
+                    if p not in self._earlier]
+            if not mine:
+                return self._durable
+            self._tail = LevelDBLogTail(max(mine, key=lambda p: p.stat().st_mtime), b":SWL")
+        from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+
+        for data in self._tail.read_new():
+            record = Record.FromString(data)
+            kind = record.WhichOneof("record_type")
+            if kind in ("scalar", "media"):
+                self._durable = max(self._durable, int(getattr(record, kind).step))
+        return self._durable
 
     def close(self) -> None:
         if self.run is not None:
