@@ -543,14 +543,15 @@ class _HostPass:
             piece = v[start:start + _CHUNK]
             # Exact widening; the float64 chunk is then worked on in numpy, whose calls cost
             # about 1 us against torch's 5 (the chunk is in cache: the passes are cheap).
-            w = wide[: piece.numel()].copy_(piece).numpy()
-            if start == 0:
+            t = wide[: piece.numel()].copy_(piece)
+            w = t.numpy()  # a view: numpy's ufuncs and sums (not its BLAS, whose threads
+            if start == 0:  # would fight torch's for the cores), torch's dot
                 pivot = float(w.sum()) / w.size
                 if not math.isfinite(pivot):
                     break
             np.subtract(w, pivot, out=w)
             d1 += float(w.sum())
-            squares += float(np.dot(w, w))
+            squares += torch.dot(t, t).item()
         if not (math.isfinite(pivot) and math.isfinite(squares)):
             if not clean:
                 return self._row_nonfinite(v)
