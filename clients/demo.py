@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -76,7 +75,7 @@ def run_demo(config: Any = None, *, workers: int = 4, steps: int = 20) -> dict[s
     cfg = metricsvc.load_config(config if config is not None else DEMO_CONFIG)
     if workers < 1 or steps < 1:
         raise ValueError(f"--workers and --steps must be >= 1, got {workers} and {steps}")
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+    ray.init(include_dashboard=False,  # joins a running cluster if there is one
              logging_level="ERROR")
     try:
         worker = metricsvc.start_metric_worker(cfg)

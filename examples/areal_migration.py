@@ -60,7 +60,7 @@ class TrainEngine:
 
 
 def main() -> dict:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False)  # or joins a running cluster
     worker = metricsvc.start_metric_worker(ROOT / "configs" / "areal.yaml", name="areal_migration")
     engines = [TrainEngine.remote(r) for r in range(WORLD)]
     step = ray.get([e.train_step.remote(1e-5) for e in engines])[0]

@@ -41,7 +41,7 @@ def main() -> Path:
     import metricsvc
     from clients import MetricClient
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False)  # or joins a running cluster
     worker = metricsvc.start_metric_worker({
         "name": "custom_sink_demo",
         "run": {"root": "runs", "experiment": "custom_sink"},

@@ -81,7 +81,7 @@ def main() -> list[dict]:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--val-every", type=int, default=3)
     args = parser.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False)  # or joins a running cluster
     worker = metricsvc.start_metric_worker({"name": SERVICE, "sinks": {"console": None},
                                             "run": {"root": "runs", "experiment": "ppo_loop"}})
     trainers = [Trainer.remote(r) for r in range(WORLD)]

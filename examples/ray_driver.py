@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -65,7 +64,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
 
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False)
+    ray.init(include_dashboard=False)  # joins a running cluster if there is one
     worker = metricsvc.start_metric_worker(args.config)
     cfg = metricsvc.load_config(args.config)
     ranks = [DAGWorker.remote(r, args.workers, cfg.name) for r in range(args.workers)]

@@ -59,7 +59,7 @@ class DAGWorker:
 
 
 def main() -> dict:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False)  # or joins a running cluster
     worker = metricsvc.start_metric_worker(ROOT / "configs" / "siirl.yaml",
                                            name="siirl_migration")
     workers = [DAGWorker.remote(r) for r in range(WORLD)]
