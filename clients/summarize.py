@@ -602,17 +602,23 @@ def _eager_row(x: Any, p: _MaskPack) -> Any:
         valid.mul_(p.weight)
     z.sub_(pivot).mul_(valid)
     d1 = z.sum()
-    # Squared at a power-of-2 scale of the largest deviation: no overflow, no underflow.
-    top = z.abs().amax()
-    scale = torch.where(top > 0, torch.ldexp(torch.ones_like(top), -torch.frexp(top)[1]), 1.0)
-    q = torch.linalg.vector_norm(z.mul_(scale)) / scale
-    total, low_part, root = from_pivot(count, pivot, d1, q, torch)
+    total, low_part, root = from_pivot(count, pivot, d1, _norm(z, in_place=True), torch)
     torch.add(x, p.to_pos, out=s) if p.to_pos is not None else s.copy_(x)
     low = torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF).amin()
     torch.add(x, p.to_neg, out=s) if p.to_neg is not None else s.copy_(x)
     high = torch.nan_to_num_(s, nan=-_INF, posinf=-_INF, neginf=-_INF).amax()
     return _row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
                    nonfinite=nonfinite, sum_lo=low_part)
+
+
+def _norm(dev: Any, in_place: bool = False) -> Any:
+    """``sqrt(sum(dev**2))`` of a float64 tensor, squared at a power-of-2 scale of its
+    largest element (exact): no overflow past 1e154, no underflow below 1e-154, no sync.
+    ``in_place`` scales ``dev`` itself (a scratch buffer) instead of a copy."""
+    torch = _torch()
+    top = dev.abs().amax()
+    scale = torch.where(top > 0, torch.ldexp(torch.ones_like(top), -torch.frexp(top)[1]), 1.0)
+    return torch.linalg.vector_norm(dev.mul_(scale) if in_place else dev * scale) / scale
 
 
 def _use_compiled(x: Any, compile: bool | None) -> bool:
@@ -635,10 +641,7 @@ def _kernel(x: Any, m: Any) -> Any:
     count = use.sum(dtype=torch.float64)
     pivot = z.sum() / count.clamp(min=1.0)
     dev = torch.where(use, z - pivot, 0.0)
-    top = dev.abs().amax()
-    scale = torch.where(top > 0, torch.ldexp(torch.ones_like(top), -torch.frexp(top)[1]), 1.0)
-    q = torch.linalg.vector_norm(dev * scale) / scale
-    total, low_part, root = from_pivot(count, pivot, dev.sum(), q, torch)
+    total, low_part, root = from_pivot(count, pivot, dev.sum(), _norm(dev), torch)
     cols = [total] * NFIELDS
     cols[COUNT], cols[M2_ROOT], cols[SUM_LO] = count, root, low_part
     cols[MIN] = torch.where(use, x, _INF).amin().to(torch.float64)
