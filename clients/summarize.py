@@ -361,6 +361,7 @@ class _MaskPack:
         return _eager_row(x, self)
 
 
+_SAFE_SQUARES = (1e-280, 1e280)  # sums of squares that neither underflowed nor overflowed
 _CHUNK = 1 << 16  # float64 accumulation in pieces of 512 KiB: no whole-tensor float64 copy
 _SMALL = 4096  # below this, numpy's per-call cost (~1 us) beats torch's (~5 us)
 _TINY = 256  # at most this, plain Python beats numpy's calls
@@ -530,40 +531,52 @@ class _HostPass:
         """The summary row of flat ``v`` (every position valid, not empty; ``clean``: every
         value finite, so a non-finite sum is an overflow to report, not values to drop).
 
-        One pass in cache-sized float64 chunks: each is centred on the pivot (the first
-        chunk's mean), its deviations summed and squared while it is in cache.
+        A pass in cache-sized float64 chunks sums the values and their squares. Where the
+        values sit near 0 next to their spread (``sum(x**2) <= 100 M2``, as most training
+        tensors do), ``M2 = sum(x**2) - sum(x)**2 / n`` loses under 100 eps: that is the
+        row. Otherwise (a large offset: timestamps, byte counts) a second pass centres each
+        chunk on the mean and sums the deviations and their squares: the mean becomes a
+        double-double and M2 loses nothing to cancellation.
         """
         torch = _torch()
         n = v.numel()
         if not v.is_floating_point():
             v = v.to(torch.float64)  # ints and bools: exact in float64
-        wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
-        pivot = d1 = squares = 0.0
-        for start in range(0, n, _CHUNK):
-            piece = v[start:start + _CHUNK]
-            # Exact widening; the float64 chunk is then worked on in numpy, whose calls cost
-            # about 1 us against torch's 5 (the chunk is in cache: the passes are cheap).
-            t = wide[: piece.numel()].copy_(piece)
-            w = t.numpy()  # a view: numpy's ufuncs and sums (not its BLAS, whose threads
-            if start == 0:  # would fight torch's for the cores), torch's dot
-                pivot = float(w.sum()) / w.size
-                if not math.isfinite(pivot):
-                    break
-            np.subtract(w, pivot, out=w)
-            d1 += float(w.sum())
-            squares += torch.dot(t, t).item()
-        if not (math.isfinite(pivot) and math.isfinite(squares)):
+        total, squares = self._sums(v, 0.0)
+        if not (math.isfinite(total) and math.isfinite(squares)):
             if not clean:
                 return self._row_nonfinite(v)
             return torch.from_numpy(summarize_array(v.numpy()))  # finite, but past 1e308
-        if not 1e-280 < squares < 1e280:  # the squares may have under- or overflowed
-            q = rss(v.to(torch.float64).numpy() - pivot)
+        m2 = squares - total * total / n
+        if _SAFE_SQUARES[0] < squares < _SAFE_SQUARES[1] and 100.0 * m2 >= squares:
+            total_lo, root = 0.0, math.sqrt(m2)
         else:
-            q = math.sqrt(squares)
-        total, low_part, root = from_pivot(float(n), pivot, d1, q, SCALARS)
+            pivot = total / n
+            d1, squares = self._sums(v, pivot)
+            if _SAFE_SQUARES[0] < squares < _SAFE_SQUARES[1]:
+                q = math.sqrt(squares)
+            else:  # the squares under- or overflowed: scaled
+                q = rss(v.to(torch.float64).numpy() - pivot)
+            total, total_lo, root = from_pivot(float(n), pivot, d1, q, SCALARS)
         low, high = torch.aminmax(v)
         return _row_of(sum=total, count=n, min=low.item(), max=high.item(), m2_root=root,
-                       nonfinite=0.0, sum_lo=low_part)
+                       nonfinite=0.0, sum_lo=total_lo)
+
+    def _sums(self, v: Any, pivot: float) -> tuple[float, float]:
+        """``(sum(v - pivot), sum((v - pivot)**2))`` in float64, widened and centred a
+        cache-sized chunk at a time (never a whole float64 copy)."""
+        torch = _torch()
+        n = v.numel()
+        wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
+        total = squares = 0.0
+        for start in range(0, n, _CHUNK):
+            piece = v[start:start + _CHUNK]
+            t = wide[: piece.numel()].copy_(piece)  # exact widening
+            if pivot:
+                np.subtract(t.numpy(), pivot, out=t.numpy())  # in cache: cheap
+            total += t.sum().item()
+            squares += torch.dot(t, t).item()
+        return total, squares
 
     def _row_nonfinite(self, v: Any) -> Any:
         """The row of ``v`` when something in it is not finite (or its sum overflows)."""

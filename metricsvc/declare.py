@@ -57,6 +57,7 @@ class Metric:
 
     def __post_init__(self) -> None:
         check_key(self.name)
+        key_pattern(self.name)
         object.__setattr__(self, "kind", ReduceType.parse(self.kind))
 
     def exported(self, rules: OutputRules | None = None) -> tuple[str, ...]:
@@ -117,10 +118,12 @@ class Derived:
             if missing:
                 raise ValueError(f"formula {self.formula!r} reads {missing}, which "
                                  f"inputs= does not map to keys")
+            key_pattern(self.name)
             for symbol, key in inputs.items():
                 if not isinstance(symbol, str) or not symbol.isidentifier():
                     raise ValueError(f"input name {symbol!r} is not an identifier")
                 check_key(key)
+                key_pattern(key)
             wanted = set(placeholders(self.name))
             if wanted and self.anchor(inputs) is None:
                 raise ValueError(f"the placeholders {sorted(wanted)} of the name must all "
@@ -189,19 +192,83 @@ def placeholders(text: str) -> list[str]:
     return _PLACEHOLDER.findall(text)
 
 
+class KeyPattern:
+    """A key pattern: ``*`` (any text, possibly none) and ``<name>`` (one or more
+    characters, the same value wherever the name repeats) within one path segment.
+
+    Matched segment by segment with ``str`` operations, in time linear in the key for a
+    segment with one wildcard (a ``*`` run is matched greedily, leftmost first): no
+    regular expression, so no pattern can make a match backtrack. A segment holds at most
+    one ``<name>``, and then no ``*`` (its binding would be ambiguous).
+
+    Raises:
+        ValueError: a segment breaks that rule.
+    """
+
+    def __init__(self, pattern: str) -> None:
+        self.text = pattern
+        cut = min((i for i in (pattern.find("*"), pattern.find("<")) if i >= 0),
+                  default=len(pattern))
+        self.prefix = pattern[:cut]  # the literal text every matching key starts with
+        self._segments: list[tuple] = []
+        for seg in pattern.split("/"):
+            names = placeholders(seg)
+            if len(names) > 1 or (names and "*" in seg):
+                raise ValueError(f"key pattern {pattern!r}: segment {seg!r} may hold one "
+                                 f"<name>, or '*'s, not both and not two names")
+            if names:
+                head, tail = seg.split(f"<{names[0]}>", 1)
+                self._segments.append(("bind", head, names[0], tail))
+            elif "*" in seg:
+                self._segments.append(("glob", tuple(seg.split("*"))))
+            else:
+                self._segments.append(("literal", seg))
+
+    def match(self, key: str) -> dict[str, str] | None:
+        """Return the placeholders' values if ``key`` matches (``{}`` without any), else
+        None."""
+        parts = key.split("/")
+        if len(parts) != len(self._segments):
+            return None
+        binding: dict[str, str] = {}
+        for part, seg in zip(parts, self._segments):
+            if seg[0] == "literal":
+                if part != seg[1]:
+                    return None
+            elif seg[0] == "glob":
+                if not _glob(part, seg[1]):
+                    return None
+            else:
+                _, head, name, tail = seg
+                if (len(part) <= len(head) + len(tail) or not part.startswith(head)
+                        or not part.endswith(tail)):
+                    return None
+                value = part[len(head):len(part) - len(tail)]
+                if binding.setdefault(name, value) != value:
+                    return None
+        return binding
+
+
+def _glob(text: str, pieces: tuple[str, ...]) -> bool:
+    """Whether ``text`` is ``pieces`` joined by runs of any text (a ``*`` glob): the
+    first piece a prefix, the last a suffix, the rest found leftmost in order."""
+    first, *middle, last = pieces
+    end = len(text) - len(last)
+    if end < len(first) or not text.startswith(first) or not text.endswith(last):
+        return False
+    pos = len(first)
+    for piece in middle:
+        found = text.find(piece, pos, end)
+        if found < 0:
+            return False
+        pos = found + len(piece)
+    return True
+
+
 @functools.lru_cache(maxsize=4096)
-def key_pattern(pattern: str) -> re.Pattern[str]:
-    """A key pattern as a regex: ``*`` and each ``<name>`` (a named group, the same value
-    wherever it repeats) match within one path segment."""
-    out, seen, pos = [], set(), 0
-    for m in _PLACEHOLDER.finditer(pattern):
-        out.append(re.escape(pattern[pos:m.start()]).replace(r"\*", "[^/]*"))
-        name = m.group(1)
-        out.append(f"(?P={name})" if name in seen else f"(?P<{name}>[^/]+)")
-        seen.add(name)
-        pos = m.end()
-    out.append(re.escape(pattern[pos:]).replace(r"\*", "[^/]*"))
-    return re.compile("".join(out) + r"\Z")
+def key_pattern(pattern: str) -> KeyPattern:
+    """Return the (cached) ``KeyPattern`` of ``pattern``."""
+    return KeyPattern(pattern)
 
 
 def fill(template: str, binding: Mapping[str, str]) -> str:
@@ -270,15 +337,12 @@ class KeyIndex:
 
     def matching(self, pattern: str) -> list[str]:
         """Return the keys ``pattern`` matches (``*`` and ``<name>`` within a segment)."""
-        cut = min((i for i in (pattern.find("*"), pattern.find("<")) if i >= 0),
-                  default=len(pattern))
-        prefix = pattern[:cut]
-        start = bisect.bisect_left(self.sorted, prefix)
         group = key_pattern(pattern)
+        start = bisect.bisect_left(self.sorted, group.prefix)
         out = []
         for k in self.sorted[start:]:
-            if not k.startswith(prefix):
+            if not k.startswith(group.prefix):
                 break
-            if group.match(k):
+            if group.match(k) is not None:
                 out.append(k)
         return out

@@ -44,7 +44,8 @@ class Deriver:
             assert anchor is not None  # checked when it was declared
             pattern = key_pattern(anchor)
             for key in index.matching(anchor):
-                binding = pattern.match(key).groupdict()  # type: ignore[union-attr]
+                binding = pattern.match(key)
+                assert binding is not None  # matching() returned it
                 inputs = {s: fill(k, binding) for s, k in decl.inputs.items()}
                 self._evaluate(fill(decl.name, binding), decl, inputs, index, kinds, data,
                                rules, out)

@@ -208,3 +208,31 @@ def test_values_on_every_exported_edge_are_binned_as_numpy_bins_them(first, widt
     for e, c, data in ((edges, got, x), (edges2, got2, edge_values)):
         assert np.all(np.diff(e) >= 0)
         np.testing.assert_array_equal(c, np.histogram(data, e)[0])
+
+
+@pytest.mark.parametrize(("dtype", "offset", "spread"), [
+    (torch.float32, 0.0, 1.0),  # near 0: the one-pass row
+    (torch.float32, 3.0, 1.0),
+    (torch.float32, 1e4, 1.0),  # far from 0: the centred second pass
+    (torch.float64, 1e12, 1.0),
+    (torch.float64, -1.7e9, 1e-3),
+    (torch.float64, 0.0, 1e-200),  # squares that would underflow
+    (torch.float64, 1e200, 1e190),  # and overflow
+])
+def test_large_host_rows_merged_over_ranks_are_exact_whichever_pass_they_take(dtype, offset,
+                                                                               spread):
+    """Large CPU values (over 4096 valid) take the chunked pass; checked in long double."""
+    g = torch.Generator().manual_seed(3)
+    parts = [(torch.randn(n, generator=g, dtype=torch.float64) * spread + offset).to(dtype)
+             for n in (70_000, 150_000, 9_000)]
+    masks = [torch.rand(p.shape, generator=g) < 0.8 for p in parts]
+    rows = np.stack([np.asarray(summarize(p, m)) for p, m in zip(parts, masks)])
+    row = records.merge_grouped(rows, np.zeros(3, dtype=np.int64), 1)[0]
+    x = np.concatenate([p.double().numpy()[m.numpy()] for p, m in zip(parts, masks)])
+    wide = x.astype(np.longdouble)
+    scale = np.longdouble(max(abs(x).max(), 1e-300))
+    mean = (wide / scale).sum() / x.size * scale
+    std = np.sqrt((((wide - mean) / scale) ** 2).sum() / x.size) * scale
+    assert row[COUNT] == x.size
+    assert abs(records.mean(row) - mean) <= 1e-12 * abs(mean) + 1e-14 * std
+    assert abs(row[M2_ROOT] / math.sqrt(x.size) - std) <= 1e-12 * std
