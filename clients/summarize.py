@@ -630,8 +630,11 @@ def _norm(dev: Any, in_place: bool = False) -> Any:
     ``in_place`` scales ``dev`` itself (a scratch buffer) instead of a copy."""
     torch = _torch()
     top = dev.abs().amax()
-    scale = torch.where(top > 0, torch.ldexp(torch.ones_like(top), -torch.frexp(top)[1]), 1.0)
-    return torch.linalg.vector_norm(dev.mul_(scale) if in_place else dev * scale) / scale
+    # 2**-exponent of the largest, in two halves: 2**1074 (a subnormal's) is past float64.
+    half = torch.where(top > 0, -torch.frexp(top)[1], 0).to(torch.float64) / 2
+    up, down = torch.exp2(torch.floor(half)), torch.exp2(torch.ceil(half))
+    scaled = dev.mul_(up).mul_(down) if in_place else dev * up * down
+    return torch.linalg.vector_norm(scaled) / up / down
 
 
 def _use_compiled(x: Any, compile: bool | None) -> bool:

@@ -163,7 +163,10 @@ def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
 
     One vectorised pass for any number of contributions: each key's values are
     re-centred on a common pivot (the plain mean of its sums), every contribution adds
-    its offset from the pivot exactly, and ``from_pivot`` rebuilds the record.
+    its mean's offset from the pivot, and ``from_pivot`` rebuilds the record. The offsets
+    are taken in plain float64 first; for a key whose mean is large next to its spread
+    (``mean**2 > 100 var``), where that would lose digits, they are taken again from the
+    double-double sums.
     """
     out = identity(n)
     if not len(rows):
@@ -179,18 +182,40 @@ def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
     total = np.bincount(idx, count, n)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         pivot = np.bincount(idx, rows[:, SUM], n) / np.where(total > 0, total, 1.0)
-        m, r = mean_parts(rows[:, SUM], rows[:, SUM_LO], count)
-        offset = (m - pivot[idx]) + r  # this contribution's mean minus the pivot
-        d1 = np.bincount(idx, offset * count, n)
-        shift = np.abs(offset) * np.sqrt(count)  # its values' mean offset, as a norm
-        scale = np.zeros(n)
-        np.maximum.at(scale, idx, np.maximum(rows[:, M2_ROOT], shift))
-        scale = np.where(scale > 0, scale, 1.0)
-        s = scale[idx]
-        q = scale * np.sqrt(np.bincount(idx, (rows[:, M2_ROOT] / s) ** 2 + (shift / s) ** 2, n))
+        offset = (rows[:, SUM] / count - pivot[idx]) + rows[:, SUM_LO] / count
+        d1, q = _spread(rows, idx, offset, n)
+        root = from_pivot(total, pivot, d1, q)[2]
+        far = np.abs(pivot) * np.sqrt(total) > 10.0 * root  # |mean| > 10 std: cancellation
+        if far.any():  # offsets from double-double means where plain ones lose digits
+            sel = far[idx]
+            m, r = mean_parts(rows[sel, SUM], rows[sel, SUM_LO], count[sel])
+            offset[sel] = (m - pivot[idx[sel]]) + r
+            d1, q = _spread(rows, idx, offset, n)
         out[:, SUM], out[:, SUM_LO], out[:, M2_ROOT] = from_pivot(total, pivot, d1, q)
     out[:, COUNT] = total
     return out
+
+
+def _spread(rows: np.ndarray, idx: np.ndarray, offset: np.ndarray,
+            n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per key, ``d1 = sum(x - pivot)`` and ``q = sqrt(sum((x - pivot)**2))`` over the
+    values of every contribution, from each one's M2 and mean offset ``offset``."""
+    count = rows[:, COUNT]
+    d1 = np.bincount(idx, offset * count, n)
+    shift = np.abs(offset) * np.sqrt(count)  # the contribution's mean offset, as a norm
+    root = rows[:, M2_ROOT]
+    squares = np.bincount(idx, root * root + shift * shift, n)
+    # Squares past 1e154 overflow, below 1e-154 vanish: those keys are summed scaled.
+    held = np.bincount(idx, (root > 0) | (shift > 0), n) > 0
+    odd = ~((squares > 1e-280) & (squares < 1e280)) & held
+    if odd.any():
+        scale = np.zeros(n)
+        np.maximum.at(scale, idx, np.maximum(root, shift))
+        scale = np.where(scale > 0, scale, 1.0)
+        s = scale[idx]
+        scaled = scale * np.sqrt(np.bincount(idx, (root / s) ** 2 + (shift / s) ** 2, n))
+        return d1, np.where(odd, scaled, np.sqrt(squares))
+    return d1, np.sqrt(squares)
 
 
 def rss(values: np.ndarray) -> float:
@@ -201,8 +226,9 @@ def rss(values: np.ndarray) -> float:
     if not 1e-140 < top < 1e140:  # the squares would leave float64's range: scale first
         if top == 0 or not math.isfinite(top):
             return top
-        scale = math.ldexp(1.0, -math.frexp(top)[1])  # a power of 2: exact
-        return math.sqrt(float(np.dot(values * scale, values * scale))) / scale
+        exp = math.frexp(top)[1]
+        scaled = np.ldexp(values, -exp)  # by a power of 2: exact (subnormals too)
+        return math.ldexp(math.sqrt(float(np.dot(scaled, scaled))), exp)
     return math.sqrt(float(np.dot(values, values)))
 
 
