@@ -241,18 +241,24 @@ class MetricClient(Tracker):
         step could be published before its predecessor arrived). Its answers are read at the
         next ``flush`` / ``wait_submit`` / ``wait_acks``: a refusal (``BatchRejected``, with
         a note naming the step), a late or late-joining step (``LateBatch``,
-        ``StepAlreadyFinal``) or a notice is raised or warned there. At most
+        ``StepAlreadyFinal``) or a notice is raised or warned there, after this call's
+        own step is handed over: an error about step N never costs step N+1 its records. At most
         ``max_unacked`` flushes wait for their answer: one more waits for the oldest. Every
         batch is kept until the journal holds its step and is resent to a restarted actor,
         as with ``wait_submit``. ``step`` as for ``wait_submit``.
         """
-        self._read_answers()  # what came back: its errors reach the caller here
         with self._cv:
             if not self._cv.wait_for(lambda: self._sending < self.max_unacked,
                                      timeout=self.retry_s + 60):
                 raise ServiceUnavailable(f"rank {self.rank}: {self._sending} flushes "
                                          f"unanswered for {self.retry_s + 60} s")
         batch = self._close_step(step)
+        self._hand_over(batch)
+        self._closed(batch)
+        self._read_answers(handed_over=batch.step)  # earlier answers: errors reach the caller
+
+    def _hand_over(self, batch: Batch) -> None:
+        """Queue ``batch`` for the sender thread (started if idle)."""
         blob = encode(batch)
         with self._cv:
             self._outq.append((batch, blob))
@@ -262,7 +268,6 @@ class MetricClient(Tracker):
                                                 name=f"metricsvc-rank-{self.rank}-sender")
                 self._sender.start()
             self._cv.notify_all()
-        self._closed(batch)
 
     def _send_loop(self) -> None:
         """The sender thread: deliver queued batches one at a time, oldest first."""
@@ -300,9 +305,10 @@ class MetricClient(Tracker):
                     self._outbox.drop(blob)
                 raise
 
-    def _read_answers(self) -> list[dict[str, Any]]:
+    def _read_answers(self, handed_over: int | None = None) -> list[dict[str, Any]]:
         """Take the sender's answers, oldest first; raise the first error among them (the
-        rest wait for the next call)."""
+        rest wait for the next call). ``handed_over``: the step the calling ``flush`` /
+        ``wait_submit`` closed before, which the error's note names."""
         acks = []
         while True:
             with self._cv:
@@ -314,6 +320,9 @@ class MetricClient(Tracker):
                         "not delivered (kept for a restarted actor that lacks it)")
                 error.add_note(f"rank {self.rank}: the batch of step {batch.step}, sent by "
                                f"flush(), was {what}")
+                if handed_over is not None:
+                    error.add_note(f"rank {self.rank}: step {handed_over} was handed over "
+                                   f"before this was raised: its records are not lost")
                 raise error
             self._after_ack(ack, batch)
             acks.append(ack)
@@ -346,7 +355,11 @@ class MetricClient(Tracker):
         once. If the service rejects the batch, it is dropped, the step stays
         open and the error (a ``ValueError``) is raised.
         """
-        self.wait_acks(timeout_s)  # earlier flushes first: their errors come first
+        with self._cv:  # earlier flushes are delivered first: steps go out in order
+            if not self._cv.wait_for(lambda: self._sending == 0, timeout=timeout_s):
+                raise ray.exceptions.GetTimeoutError(
+                    f"rank {self.rank}: {self._sending} flushes unanswered after "
+                    f"{timeout_s} s; this step was not closed")
         batch = self._close_step(step)
         blob = encode(batch)
         try:  # undelivered stays in _unacked: the next call sends it again
@@ -355,6 +368,7 @@ class MetricClient(Tracker):
             self._unacked = None  # rejected by the service: retrying cannot help
             raise
         self._closed(batch)
+        self._read_answers(handed_over=batch.step)  # earlier flushes' errors, after this
         self._after_ack(ack, batch)
         return ack
 
@@ -418,18 +432,29 @@ class MetricClient(Tracker):
         )
 
     def discard(self) -> int:
-        """Drop what was recorded (and not yet sent) for the open step; return how many keys.
+        """Drop what was recorded (and not yet sent) for the open step; return how many keys
+        were withdrawn.
 
         The step stays open: after a failed training step, the service publishes it
-        without this rank (partial) unless the rank records and closes it again.
+        without this rank (partial) unless the rank records and closes it again. A batch
+        already sent cannot be withdrawn: after a ``wait_submit`` that timed out, the
+        service may have merged it. It is then delivered again (a resend merges once), so
+        its step holds this rank's records either way, and a ``ServiceNotice`` says so.
         """
         with self.buffer.lock:
             dropped = self.buffer.discard()
-            if self._unacked is not None:
-                dropped += len(self._unacked.keys)
-                self._unacked = None
+            sent, self._unacked = self._unacked, None
             self._step_known = False  # what comes next is for the step the caller names
-            return dropped
+        if sent is not None:
+            self._hand_over(sent)
+            self._closed(sent)
+            self._step_known = False
+            warnings.warn(ServiceNotice(
+                f"rank {self.rank}: discard() cannot withdraw step {sent.step}'s batch "
+                f"({len(sent.keys)} keys): wait_submit sent it before timing out, so it may "
+                f"have been merged. It is delivered again (merged once); step {sent.step} "
+                f"holds this rank's records"), stacklevel=2)
+        return dropped
 
     def _after_ack(self, ack: dict[str, Any], batch: Batch) -> None:
         self._flushes += 1

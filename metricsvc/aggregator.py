@@ -15,7 +15,7 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,7 +34,8 @@ from metricsvc.reduce import (
     finalize,
     is_approximate_plain_key,
 )
-from metricsvc.sinks.names import safe_tag
+from metricsvc.run_declarations import RunDeclarations
+from metricsvc.sinks.names import safe_tag, tag_order
 from metricsvc.sketch import histogram
 from metricsvc.step import Part, PendingStep, Window
 from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
@@ -43,6 +44,7 @@ from metricsvc.wire import as_batch, encode
 log = logging.getLogger(__name__)
 
 Status = Literal["merged", "duplicate", "late"]
+_STREAM_RANK = 1 << 30  # streams declare after every rank: a rank's declaration goes first
 DIGEST_STEPS = 64  # emitted steps whose batch digests are kept to tell resends from conflicts
 
 
@@ -95,7 +97,10 @@ class Aggregator:
         self.output = output or OutputRules()
         self._resolver = KindResolver(reduce_rules)
         self._rename = Renamer(renames)
-        self.deriver = Deriver()
+        self.deriver = Deriver(self.limits.max_derived_outputs, self.limits.max_derived_reads)
+        self._costs: dict[bytes, tuple[int, int]] = {}  # declarations -> (outputs, reads)
+        self.declarations = RunDeclarations()  # one definition of a derived metric a run
+        self._tags = TagOwners()  # which key each sink tag shows, for the run
         self._key_cache = KeyCache()
         self._clock = clock
         self._pending: dict[int, PendingStep] = {}
@@ -139,6 +144,9 @@ class Aggregator:
             if notice is not None:
                 raise BatchRejected(f"{err}; earlier: {notice}") from None
             raise
+        fresh = self._tags.notice(batch.keys) if outcome.status == "merged" else None
+        if fresh is not None:
+            notice = fresh if notice is None else f"{notice}; {fresh}"
         return Outcome(outcome.status, outcome.finished, notice, batch)
 
     def decode(self, item: Batch | bytes) -> Batch:
@@ -249,10 +257,17 @@ class Aggregator:
                 raise self._conflict(batch, "was already received with other content")
             if batch.rank in pending.closed:
                 raise self._conflict(batch, "comes after the rank already closed this step")
+        declared = decode_derived(batch.derived)  # cached: checked in _checked
+        self.declarations.check(declared, step, batch.rank)
+        if declared:
+            self._check_cost(batch, declared, pending)
         target = pending or PendingStep(step, self.world_size, self._clock())
         idx = target.check(batch)
         self._pending[step] = target
         target.add_batch(batch, idx, digest)
+        for rank in self.declarations.adopt(declared, step, batch.rank):
+            self._notices[rank] = (f"step {step}: rank {batch.rank} declares a derived metric "
+                                   f"you declared otherwise; the lower rank's is the run's")
         self.counts["batches"] += 1
         self.rank_last_seen[batch.rank] = max(step, self.rank_last_seen.get(batch.rank, step))
         if batch.final and (self.newest_closed is None or step > self.newest_closed):
@@ -264,6 +279,38 @@ class Aggregator:
                                lambda p, b=batch, d=digest: p.add_batch(b, p.check(b), d))
             self._claim(batch)
         return Outcome("merged", self._emit_ready())
+
+    def _check_cost(self, batch: Batch, declared: tuple, pending: PendingStep | None) -> None:
+        """Refuse declarations whose work or outputs would pass the limits, over the keys
+        the step holds so far and the batch's (once per distinct set of declarations: ranks
+        send the same every step). Finishing a step keeps to the same budget whatever
+        keys come later (``Deriver.derive``)."""
+        limits = self.limits
+        if len(declared) > limits.max_declarations:
+            raise BatchRejected(
+                f"step {batch.step}: rank {batch.rank} declares {len(declared)} derived "
+                f"metrics; the limit is limits.max_declarations={limits.max_declarations}")
+        cost = self._costs.get(batch.derived)
+        if cost is None:
+            keys = [*batch.keys, *(pending.keys if pending is not None else ())]
+            cost = self.deriver.cost(declared, keys)
+            if len(self._costs) >= 256:
+                self._costs.clear()
+            self._costs[batch.derived] = cost
+        outputs, reads = cost
+        what = None
+        if outputs > limits.max_derived_outputs:
+            what = f"{outputs:,} derived metrics (limits.max_derived_outputs=" \
+                   f"{limits.max_derived_outputs:,})"
+        elif len(batch.keys) + outputs > limits.max_keys_per_batch:
+            what = f"{len(batch.keys):,} keys and {outputs:,} derived metrics " \
+                   f"(limits.max_keys_per_batch={limits.max_keys_per_batch:,} counts both)"
+        elif reads > limits.max_derived_reads:
+            what = f"formulas reading {reads:,} merged records (limits.max_derived_reads=" \
+                   f"{limits.max_derived_reads:,})"
+        if what is not None:
+            raise BatchRejected(f"step {batch.step}: rank {batch.rank}'s declarations would "
+                                f"make {what}; nothing of the batch was merged")
 
     def _after_emitted(self, batch: Batch, digest: bytes) -> Outcome:
         closed, digests = self._emitted.get(batch.step, (frozenset(), None))
@@ -356,6 +403,7 @@ class Aggregator:
             self._check_ahead(step, f"stream {name!r}")
             self._check_room(step)
             target = PendingStep(step, self.world_size, self._clock())
+        self.declarations.check(window.declared.values(), step, _STREAM_RANK)
         self._exports += 1
         part, keys, codes, sketches = window.as_part((1, name, self._exports))
 
@@ -363,10 +411,11 @@ class Aggregator:
             located = Part(part.order, None, into.locate(keys, codes, f"stream {name!r}"),
                            part.rows)
             into.add(located, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
-            into.declare(window.declared.values(), f"stream {name!r}")
+            into.declare(window.declared.values())
             into.streams.append(name)
 
         fold(target)
+        self.declarations.adopt(window.declared.values(), step, _STREAM_RANK)
         self._pending[step] = target
         if self.world_size is None:
             target.keep_source(None, None, fold)
@@ -413,6 +462,9 @@ class Aggregator:
             totals = meta.get("derived_totals")
             if isinstance(totals, dict):
                 self.deriver.restore(totals)
+            declarations = meta.get("declarations")
+            if isinstance(declarations, dict):
+                self.declarations.restore(declarations, step)
         while len(self._emitted) > self._remember_steps:
             self._emitted.popitem(last=False)
 
@@ -464,11 +516,12 @@ class Aggregator:
                     collisions.setdefault(name, [name]).append(f"derived {key}")
                 else:
                     metrics[name] = value
-        tags: dict[str, str] = {}
+        by_tag: dict[str, list[str]] = {}
         for name in metrics:  # what sinks that sanitise names would merge
-            first = tags.setdefault(safe_tag(name), name)
-            if first != name:
-                collisions.setdefault(safe_tag(name), [first]).append(name)
+            by_tag.setdefault(safe_tag(name), []).append(name)
+        for tag, names in by_tag.items():
+            if len(names) > 1:  # the first is the one sinks show (``tag_order``)
+                collisions[tag] = sorted(names, key=lambda n, t=tag: tag_order(n, t))
         return metrics
 
     def _finish(self, p: PendingStep) -> StepResult:
@@ -476,7 +529,8 @@ class Aggregator:
         merged = p.merged()
         internal = _internal_rows(p.keys)
         collisions: dict[str, list[str]] = {}
-        metrics = self._metrics(merged, p.keys, kinds, internal, p.declared,
+        declared = self.declarations.of(p.declared)
+        metrics = self._metrics(merged, p.keys, kinds, internal, declared,
                                 collisions=collisions)
         partial = not p.complete
         if partial:
@@ -502,11 +556,14 @@ class Aggregator:
         if collisions:  # never overwritten: the first source kept, every source named
             meta["collisions"] = collisions
             self.counts["collisions"] += 1
+        if self.deriver.limited:  # the step's derivation budget ran out: the rest left out
+            meta["derived_limit"] = dict(self.deriver.limited)
         if self.deriver.undefined:  # inputs present, but no finite real value: omitted
             meta["derived_undefined"] = dict(self.deriver.undefined)
-        if p.declaration_conflicts:  # two formulas for one name: the first kept
-            meta["declaration_conflicts"] = p.declaration_conflicts
-        ignored = self.deriver.unread(p.declared, [p.keys[i] for i in internal])
+        first = self.declarations.fix(declared)
+        if first:  # journaled once: a restart keeps the run's definitions
+            meta["declarations"] = first
+        ignored = self.deriver.unread(declared, [p.keys[i] for i in internal])
         if ignored:
             meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
         return StepResult(p.step, metrics, meta)
@@ -547,6 +604,34 @@ class Aggregator:
     def windows_summary(self) -> dict[str, int]:
         """Return the number of keys waiting in each stream window."""
         return {name: len(w.keys) for name, w in self._windows.items()}
+
+
+class TagOwners:
+    """The keys of the run by sink tag, to tell a rank whose new key shares a tag with
+    another key (``"acc rate"`` and ``"acc_rate"``) which of them sinks will show."""
+
+    LIMIT = 100_000  # keys remembered; past it, new keys are not checked
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._owner: dict[str, str] = {}
+
+    def notice(self, keys: Sequence[str]) -> str | None:
+        """Register ``keys``; return what their sender must hear, or None."""
+        said = []
+        for key in keys:
+            if key in self._seen or len(self._seen) >= self.LIMIT:
+                continue
+            self._seen.add(key)
+            tag = safe_tag(key)
+            held = self._owner.setdefault(tag, key)
+            if held != key:
+                shown = min(held, key, key=lambda n: tag_order(n, tag))
+                self._owner[tag] = shown
+                said.append(f"key {key!r} shares the sink tag {tag!r} with key {held!r}: "
+                            f"sinks show {shown!r} under it (the name written as its tag, "
+                            f"else the first alphabetically); rename one")
+        return "; ".join(said[:8]) or None
 
 
 def _sum_squares(row: np.ndarray) -> float:

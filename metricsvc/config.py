@@ -204,6 +204,15 @@ class LimitsConfig(_Strict):
     max_batch_bytes: int = Field(64 * 2**20, ge=1024)
     max_world_size: int = Field(1024, ge=1)
     keep_results: int = Field(1000, ge=1, description="finished steps kept for wait_final_res")
+    max_declarations: int = Field(
+        1000, ge=0, description="derived-metric declarations one batch may carry")
+    max_derived_outputs: int = Field(
+        10_000, ge=0, description="derived metrics one step may export (a templated "
+                                  "declaration exports one per binding); they count toward "
+                                  "max_keys_per_batch with the batch's keys")
+    max_derived_reads: int = Field(
+        1_000_000, ge=0, description="merged records the formulas of one step may read "
+                                     "(a group input reads every key it matches)")
 
     def to_limits(self) -> Limits:
         """Return the validation limits this config sets."""
@@ -212,6 +221,9 @@ class LimitsConfig(_Strict):
             max_keys_per_batch=self.max_keys_per_batch,
             max_batch_bytes=self.max_batch_bytes,
             max_world_size=self.max_world_size,
+            max_declarations=self.max_declarations,
+            max_derived_outputs=self.max_derived_outputs,
+            max_derived_reads=self.max_derived_reads,
         )
 
 

@@ -9,7 +9,7 @@ the service and travel in each step's meta, so a restarted service continues the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,49 +19,83 @@ from metricsvc.formula import Undefined
 from metricsvc.reduce import OutputRules, ReduceType, finalize_row
 
 
+def instances(decl: Derived, index: KeyIndex) -> Iterator[tuple[str, dict[str, str]]]:
+    """Yield ``(name, inputs)`` of each metric a declaration makes in a step: itself, or
+    for a templated one each binding of its placeholders found in the step's keys."""
+    if not decl.templated:
+        yield decl.name, dict(decl.inputs)
+        return
+    anchor = decl.anchor()
+    assert anchor is not None  # checked when it was declared
+    pattern = key_pattern(anchor)
+    for key in index.matching(anchor):
+        binding = pattern.match(key)
+        assert binding is not None  # matching() returned it
+        yield fill(decl.name, binding), {s: fill(k, binding) for s, k in decl.inputs.items()}
+
+
 class Deriver:
     """Evaluate a step's declared derived metrics; keep the runs' running totals."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_outputs: int = 10_000, max_reads: int = 1_000_000) -> None:
         self.totals: dict[str, list[float]] = {}  # derived name -> its total(...) sums
         self.undefined: dict[str, str] = {}  # the last step's omitted metrics -> why
+        self.max_outputs, self.max_reads = max_outputs, max_reads
+        self.limited: dict[str, Any] = {}  # the last step's budget, if it ran out
 
     def derive(self, declared: Mapping[str, Derived], keys: Sequence[str],
                kinds: Sequence[ReduceType], data: np.ndarray,
                rules: OutputRules) -> dict[str, float]:
         """Return ``{name: value}`` of every declared metric defined for this step (a
-        templated declaration gives one per binding of its placeholders)."""
-        self.undefined = {}
+        templated declaration gives one per binding of its placeholders).
+
+        At most ``max_outputs`` metrics are evaluated, reading at most ``max_reads``
+        merged records; past either, the rest is left out and ``limited`` says so.
+        """
+        self.undefined, self.limited = {}, {}
         if not declared:
             return {}
         index = KeyIndex(keys)
         out: dict[str, float] = {}
+        outputs = reads = 0
         for decl in declared.values():
-            if not decl.templated:
-                self._evaluate(decl.name, decl, decl.inputs, index, kinds, data, rules, out)
-                continue
-            anchor = decl.anchor()
-            assert anchor is not None  # checked when it was declared
-            pattern = key_pattern(anchor)
-            for key in index.matching(anchor):
-                binding = pattern.match(key)
-                assert binding is not None  # matching() returned it
-                inputs = {s: fill(k, binding) for s, k in decl.inputs.items()}
-                self._evaluate(fill(decl.name, binding), decl, inputs, index, kinds, data,
-                               rules, out)
+            for name, inputs in instances(decl, index):
+                found = {s: index.resolve(k) for s, k in inputs.items()}
+                cost = sum(len(f) if isinstance(f, list) else 1 for f in found.values())
+                if outputs >= self.max_outputs or reads + cost > self.max_reads:
+                    self.limited = {
+                        "limit": ("limits.max_derived_outputs" if outputs >= self.max_outputs
+                                  else "limits.max_derived_reads"),
+                        "evaluated": outputs, "first_left_out": name}
+                    return out
+                outputs, reads = outputs + 1, reads + cost
+                self._evaluate(name, decl, found, kinds, data, rules, out)
         return out
 
-    def _evaluate(self, name: str, decl: Derived, keys: Mapping[str, str], index: KeyIndex,
+    def cost(self, declared: Iterable[Derived], keys: Iterable[str]) -> tuple[int, int]:
+        """Return ``(outputs, reads)`` the declarations would cost over ``keys`` (counting
+        stops once past the limits: a hostile declaration is not worked through)."""
+        index = KeyIndex(keys)
+        outputs = reads = 0
+        for decl in declared:
+            for _, inputs in instances(decl, index):
+                outputs += 1
+                reads += sum(len(f) if isinstance(f, list) else 1
+                             for f in map(index.resolve, inputs.values()))
+                if outputs > self.max_outputs or reads > self.max_reads:
+                    return outputs, reads
+        return outputs, reads
+
+    def _evaluate(self, name: str, decl: Derived, found: Mapping[str, Any],
                   kinds: Sequence[ReduceType], data: np.ndarray, rules: OutputRules,
                   out: dict[str, float]) -> None:
         inputs: dict[str, Any] = {}
         rows: dict[str, int] = {}
-        for symbol, key in keys.items():
-            found = index.resolve(key)
-            if isinstance(found, list):
-                inputs[symbol] = [data[i] for i in found]
-            elif found is not None:
-                inputs[symbol], rows[symbol] = data[found], found
+        for symbol, at in found.items():
+            if isinstance(at, list):
+                inputs[symbol] = [data[i] for i in at]
+            elif at is not None:
+                inputs[symbol], rows[symbol] = data[at], at
 
         def value_of(symbol: str) -> float:
             if symbol not in rows:

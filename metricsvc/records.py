@@ -228,7 +228,8 @@ def rss(values: np.ndarray) -> float:
             return top
         exp = math.frexp(top)[1]
         scaled = np.ldexp(values, -exp)  # by a power of 2: exact (subnormals too)
-        return math.ldexp(math.sqrt(float(np.dot(scaled, scaled))), exp)
+        with np.errstate(over="ignore"):  # a norm past float64's range is inf
+            return float(np.ldexp(math.sqrt(float(np.dot(scaled, scaled))), exp))
     return math.sqrt(float(np.dot(values, values)))
 
 

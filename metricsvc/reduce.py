@@ -226,8 +226,9 @@ def finalize(
 ) -> dict[str, float]:
     """Return ``{output name: value}`` for merged records; empty populations are omitted.
 
-    Two keys exporting one name never overwrite each other: the first keeps it, and
-    ``collisions`` (if given) receives ``{name: [keys exporting it]}``.
+    Two keys exporting one name never overwrite each other: the key first in
+    alphabetical order keeps it, whatever order the keys arrived in, and ``collisions``
+    (if given) receives ``{name: [keys exporting it, the one kept first]}``.
     """
     rename = rename or Renamer()
     sketches = sketches or {}
@@ -239,9 +240,12 @@ def finalize(
             continue
         for name, value in zip(output_names(key, kind, rules), values):
             name = rename(name)
-            if name in source:
+            held = source.get(name)
+            if held is not None:
                 if collisions is not None:
-                    collisions.setdefault(name, [source[name]]).append(key)
+                    collisions[name] = sorted({*collisions.get(name, [held]), key})
+                if key < held:
+                    out[name], source[name] = value, key
                 continue
             out[name] = value
             source[name] = key

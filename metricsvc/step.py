@@ -52,7 +52,6 @@ class Collection:
         self.parts: list[Part] = []
         self._layouts: dict[tuple[str, ...], np.ndarray] = {}  # key tuple -> rows
         self.declared: dict[str, Derived] = {}  # derived metrics declared for these records
-        self.declaration_conflicts: dict[str, list[str]] = {}
 
     @property
     def codes(self) -> np.ndarray:
@@ -114,17 +113,11 @@ class Collection:
         part.sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
         self.parts.append(part)
 
-    def declare(self, declarations: Iterable[Derived], who: str) -> None:
-        """Keep each declared derived metric; a second, different one of a name is listed
-        in ``declaration_conflicts`` (the first is kept, never overwritten)."""
+    def declare(self, declarations: Iterable[Derived]) -> None:
+        """Note the derived metrics declared for these records (the run's declarations,
+        ``RunDeclarations``, say what each name means)."""
         for decl in declarations:
-            held = self.declared.setdefault(decl.name, decl)
-            if held is not decl and held != decl:
-                seen = self.declaration_conflicts.setdefault(
-                    decl.name, [f"{held.formula} {held.inputs}"])
-                other = f"{who}: {decl.formula} {decl.inputs}"
-                if other not in seen and len(seen) < 8:
-                    seen.append(other)
+            self.declared.setdefault(decl.name, decl)
 
     def _reserve(self, n: int) -> None:
         cap = len(self._codes)
@@ -197,7 +190,7 @@ class PendingStep(Collection):
         """Keep a checked batch as a part; a final batch closes the step for its rank."""
         part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data)
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch))
-        self.declare(decode_derived(batch.derived), f"rank {batch.rank}")
+        self.declare(decode_derived(batch.derived))
         self.digests[(batch.rank, batch.seq)] = digest
         self.batches += 1
         if batch.final:
@@ -248,7 +241,7 @@ class Window(Collection):
         idx = self.locate(batch.keys, batch.kinds, f"stream client {client}")
         part = Part((client, batch.seq), None, idx, batch.data)
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch), True)
-        self.declare(decode_derived(batch.derived), f"stream client {client}")
+        self.declare(decode_derived(batch.derived))
         self.seqs.add((client, batch.seq))
         return True
 

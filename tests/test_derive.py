@@ -16,7 +16,7 @@ RULES = OutputRules()
 def derive(deriver, declared, recs):
     keys = list(recs)
     kinds = [recs[k][0] for k in keys]
-    data = np.stack([recs[k][1] for k in keys]) if keys else np.zeros((0, 6))
+    data = np.stack([recs[k][1] for k in keys]) if keys else records.identity(0)
     return deriver.derive({d.name: d for d in declared}, keys, kinds, data, RULES)
 
 
@@ -159,16 +159,55 @@ def test_the_service_evaluates_what_ranks_declare_and_refuses_a_bad_declaration(
 
     agg = Aggregator(world_size=2)
     share = Derived("a/share", "sum(a) / (sum(a) + sum(b))", {"a": "a/__n", "b": "a/__m"})
-    other = Derived("a/share", "sum(b) / sum(a)", {"a": "a/__n", "b": "a/__m"})
     with pytest.raises(BatchRejected, match="derived metric 'x': .*unknown function 'open'"):
         agg.submit(_batch(0, b'[["x", "open(a)", [["a", "k"]]]]', **{"a/__n": [1.0]}))
     agg.submit(_batch(0, encode_derived([share]), **{"a/__n": [1.0, 2.0], "a/__m": [1.0],
                                                       "a/__stray": [5.0]}))
-    (done,) = agg.submit(_batch(1, encode_derived([other]), **{"a/__n": [3.0],
+    (done,) = agg.submit(_batch(1, encode_derived([share]), **{"a/__n": [3.0],
                                                                "a/__m": [3.0]})).finished
-    assert done.metrics == {"a/share": 0.6}  # rank 0's declaration, over both ranks' records
-    assert list(done.meta["declaration_conflicts"]) == ["a/share"]
+    assert done.metrics == {"a/share": 0.6}  # over both ranks' records
+    assert done.meta["declarations"] == {"a/share": [share.formula, sorted(share.inputs.items())]}
     assert done.meta["internal_ignored"] == ["a/__stray"]  # read by nothing: said, not shown
+
+
+SHARE = Derived("a/share", "sum(a) / (sum(a) + sum(b))", {"a": "a/__n", "b": "a/__m"})
+OTHER = Derived("a/share", "sum(b) / sum(a)", {"a": "a/__n", "b": "a/__m"})
+
+
+def _step(agg, step, rank, decl, n, m):
+    b = _batch(rank, encode_derived([decl]), **{"a/__n": [n], "a/__m": [m]})
+    return agg.submit(records.Batch.build(step=step, rank=rank, world_size=2, seq=step,
+                                          final=True, keys=b.keys, data=b.data, kinds=b.kinds,
+                                          expected=b.expected, derived=b.derived))
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_declaration_means_the_same_whoever_arrives_first_and_a_conflict_is_refused(first):
+    """Two ranks declaring 'a/share' differently gave 2.0 or 3.0 for the same data by
+    arrival order, and neither was refused. Now the lower rank's declaration is the
+    run's, whatever the order, and the other is refused naming both formulas, in later
+    steps and after a restart."""
+    from metricsvc.aggregator import Aggregator
+    from metricsvc.validation import BatchRejected
+
+    agg = Aggregator(world_size=2)
+    refused = (r"derived metric 'a/share': rank 1 declares 'sum\(b\) / sum\(a\)'.* but the "
+               r"run declares it 'sum\(a\) / \(sum\(a\) \+ sum\(b\)\)' over .* \(rank 0, step 0\)")
+    if first == 0:
+        _step(agg, 0, 0, SHARE, 2.0, 2.0)
+        with pytest.raises(BatchRejected, match=refused):
+            _step(agg, 0, 1, OTHER, 2.0, 2.0)
+        (done,) = _step(agg, 0, 1, SHARE, 2.0, 2.0).finished
+    else:  # rank 1 first: rank 0's declaration, arriving later, is still the run's
+        _step(agg, 0, 1, OTHER, 2.0, 2.0)
+        (done,) = _step(agg, 0, 0, SHARE, 2.0, 2.0).finished
+        with pytest.raises(BatchRejected, match=refused + ".*earlier: step 0: rank 0 declares"):
+            _step(agg, 1, 1, OTHER, 1.0, 1.0)  # and it hears why its own was replaced
+    assert done.metrics == {"a/share": 0.5}  # rank 0's formula either way
+    restarted = Aggregator(world_size=2)
+    restarted.restore([{"step": 0, "metrics": done.metrics, "meta": done.meta}])
+    with pytest.raises(BatchRejected, match="derived metric 'a/share': rank 1 declares"):
+        _step(restarted, 1, 1, OTHER, 1.0, 1.0)
 
 
 def test_a_formula_with_no_real_value_is_omitted_with_its_reason_and_steps_go_on(make_worker):
@@ -196,3 +235,18 @@ def test_a_formula_with_no_real_value_is_omitted_with_its_reason_and_steps_go_on
         assert r["meta"]["derived_undefined"]["gap/sqrt"] == "not a real number"
     assert got[1]["meta"]["derived_undefined"] == {"gap/inv": "division by zero"}
     assert ray.get(handle.health.remote(), timeout=5)["rejected_batches"] == 0
+
+
+def test_a_step_derives_within_its_budget_whatever_keys_come_later():
+    """The receipt check counts the keys known then; finishing keeps to the same budget."""
+    deriver = Deriver(max_outputs=2, max_reads=100)
+    recs = {f"k/{i}": rec([float(i)]) for i in range(3)}
+    decls = [Derived(f"d{i}", "sum(v)", {"v": f"k/{i}"}) for i in range(3)]
+    assert derive(deriver, decls, recs) == {"d0": 0.0, "d1": 1.0}
+    assert deriver.limited == {"limit": "limits.max_derived_outputs", "evaluated": 2,
+                               "first_left_out": "d2"}
+    deriver = Deriver(max_outputs=10, max_reads=4)
+    group = [Derived(f"g{i}", "sum_of_sums(g)", {"g": "k/*"}) for i in range(3)]
+    assert derive(deriver, group, recs) == {"g0": 3.0}  # each reads 3 records
+    assert deriver.limited["limit"] == "limits.max_derived_reads"
+    assert deriver.cost(group, list(recs)) == (2, 6)  # counting stops past the limit

@@ -123,3 +123,47 @@ def test_back_to_back_flushes_arrive_in_step_order(make_worker):
     assert health["late_batches"] == 0 and health["batches"] == steps
     for step in range(steps):
         assert ray.get(handle.wait_final_res.remote(step, 30))["k0"] == float(step)
+
+
+def test_discard_after_a_timed_out_close_withdraws_nothing_sent_and_says_so(make_worker):
+    """wait_submit timed out, then discard() said it dropped the record, yet the step was
+    published with it (loss 501.5, 1000.0 included), and closing again was refused as
+    'two clients with rank 0?'. A sent batch cannot be withdrawn: discard() now counts
+    only what it withdrew, says the step may hold the batch, and the step agrees."""
+    from clients import ServiceNotice
+
+    handle, cfg = make_worker(world_size=1)
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.stat(loss=np.array([3.0, 1000.0]))
+    with Paused(handle), pytest.raises(ray.exceptions.GetTimeoutError):
+        c.wait_submit(timeout_s=0.5, step=0)
+    with pytest.warns(ServiceNotice, match="step 0's batch .* may have been merged"):
+        assert c.discard() == 0  # nothing was withdrawn
+    c.stat(loss=np.array([1.0]))
+    c.wait_submit(step=1, timeout_s=30)  # the next step is not refused as a conflict
+    c.wait_acks(timeout_s=30)
+    first = ray.get(handle.wait_final.remote(step=0, timeout_s=30))
+    assert first["metrics"]["loss/mean"] == 501.5 and first["meta"]["ranks"] == [0]
+    assert ray.get(handle.wait_final_res.remote(1, 30))["loss/mean"] == 1.0
+
+
+def test_a_refusal_raised_at_a_later_flush_never_costs_that_flush_its_step(make_worker):
+    """flush(step=1) raised step 0's refusal before closing step 1: with the README's
+    `except: discard()` step 1 was never published, and the error named only step 0."""
+    handle, cfg = make_worker(world_size=1, limits={"max_keys_per_batch": 3})
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({f"k{i}": 1.0 for i in range(5)})  # more keys than the service takes
+    c.flush(step=0)
+    with c._cv:  # its answer is in before step 1 is closed
+        assert c._cv.wait_for(lambda: c._sending == 0, timeout=30)
+    c.submit_metric({"ok": 1.0})
+    try:
+        c.flush(step=1)
+    except BatchRejected as err:
+        notes = " ".join(err.__notes__)
+        assert "step 0" in notes and "step 1 was handed over before" in notes
+        assert c.discard() == 0  # the pattern a training loop uses: nothing left to drop
+    else:
+        raise AssertionError("step 0's refusal was not raised")
+    c.wait_acks(timeout_s=30)
+    assert ray.get(handle.wait_final_res.remote(1, 30)) == {"ok": 1.0}

@@ -43,3 +43,104 @@ def test_a_segment_with_two_names_or_a_name_and_a_star_is_refused_naming_it():
         Derived("x/<a>", "sum(v)", {"v": "k/<a><b>"})
     with pytest.raises(ValueError, match=r"segment 'e_<a>\*' may hold one <name>"):
         Derived("x/<a>", "sum(v)", {"v": "k/e_<a>*"})
+
+
+def _plain(step, rank, **values):
+    import numpy as np
+
+    from metricsvc import records
+    from metricsvc.reduce import ReduceType
+
+    keys = list(values)
+    data = np.stack([records.scalar_row(v) for v in values.values()])
+    return records.Batch.build(step=step, rank=rank, world_size=2, seq=step, final=True,
+                               keys=keys, data=data, kinds=[int(ReduceType.AVG)] * len(keys),
+                               expected=[1] * len(keys))
+
+
+def test_keys_sharing_a_sink_tag_show_the_same_one_whatever_the_arrival_order():
+    """'acc rate' and 'acc_rate' from two ranks shared one TensorBoard tag, which showed 1.0
+    at step 0 and 2.0 at step 1 for identical data (whichever arrived first). Now the name
+    written as its tag is shown every step, and the rank that sent the other is told."""
+    from metricsvc.aggregator import Aggregator
+    from metricsvc.sinks.names import tagged
+
+    agg = Aggregator(world_size=2)
+    shown, notices = [], []
+    for step, order in enumerate(((0, 1), (1, 0))):
+        batches = {0: _plain(step, 0, **{"acc rate": 1.0}), 1: _plain(step, 1, acc_rate=2.0)}
+        for rank in order:
+            out = agg.submit(batches[rank])
+            notices.append((rank, out.notice))
+        (done,) = out.finished
+        shown.append(tagged(done.metrics))
+        assert done.meta["collisions"] == {"acc_rate": ["acc_rate", "acc rate"]}
+    assert shown == [{"acc_rate": 2.0}, {"acc_rate": 2.0}]
+    told = [(rank, n) for rank, n in notices if n]
+    assert told == [(1, "key 'acc_rate' shares the sink tag 'acc_rate' with key 'acc rate': "
+                        "sinks show 'acc_rate' under it (the name written as its tag, else "
+                        "the first alphabetically); rename one")]
+
+
+def _blob(step, rank, keys, derived=b"", world_size=2):
+    import numpy as np
+
+    from metricsvc import records
+    from metricsvc.reduce import ReduceType
+    from metricsvc.wire import encode
+
+    data = np.stack([records.scalar_row(1.0) for _ in keys]) if keys else records.identity(0)
+    return encode(records.Batch.build(
+        step=step, rank=rank, world_size=world_size, seq=step, final=True, keys=keys,
+        data=data, kinds=[int(ReduceType.SUM)] * len(keys), expected=[1] * len(keys),
+        derived=derived))
+
+
+def _health_within(handle, seconds):
+    import ray
+
+    start = time.perf_counter()
+    ray.get(handle.health.remote(), timeout=seconds)
+    return time.perf_counter() - start
+
+
+def test_hostile_declarations_are_refused_or_cheap_and_honest_steps_stay_exact(make_worker):
+    """Against a live actor, step by step, a hostile rank 1 sends what froze or flooded the
+    service (a backtracking pattern, 20,000 group declarations over 3,000 keys, 300
+    families over 1,000 keys); honest rank 0 records the same values each step. Every
+    attack is refused naming its limit or costs nothing, health() answers within 1 s,
+    and every honest step is published exact."""
+    import numpy as np
+    import ray
+
+    from clients import MetricClient
+    from metricsvc.declare import encode_derived
+
+    handle, cfg = make_worker(world_size=2, limits={"max_keys_per_batch": 5000})
+    honest = MetricClient(None, rank=0, world_size=2, name=cfg.name)
+    wide = [f"k/{i}" for i in range(3000)]
+    attacks = [
+        (["k/" + "a" * 60],
+         encode_derived([Derived("bt", "size(g)", {"g": "k/" + "a*" * 30 + "b"})]), None),
+        (wide, encode_derived([Derived(f"s{i}", "sum_of_sums(g)", {"g": "k/*"})
+                               for i in range(20_000)]), "limits.max_declarations=1000"),
+        (wide[:1000], encode_derived([Derived(f"f{i}/<x>", "sum(v)", {"v": "k/<x>"})
+                                      for i in range(300)]), "limits.max_derived_outputs"),
+        (wide, encode_derived([Derived(f"s{i}", "sum_of_sums(g)", {"g": "k/*"})
+                               for i in range(900)]), "limits.max_derived_reads"),
+    ]
+    values = np.arange(12.0)
+    for step, (keys, derived, limit) in enumerate(attacks):
+        honest.stat(x=values)
+        honest.wait_submit(step=step, timeout_s=30)
+        if limit is None:
+            ray.get(handle.submit.remote(_blob(step, 1, keys, derived)), timeout=30)
+        else:
+            with pytest.raises(ValueError, match=limit):
+                ray.get(handle.submit.remote(_blob(step, 1, keys, derived)), timeout=30)
+            ray.get(handle.submit.remote(_blob(step, 1, [])), timeout=30)  # it closes honestly
+        assert _health_within(handle, 1.0) < 1.0
+        got = ray.get(handle.wait_final_res.remote(step=step, timeout_s=30))
+        assert (got["x/mean"], got["x/min"], got["x/max"]) == (5.5, 0.0, 11.0), step
+    assert got.get("bt") is None
+    assert ray.get(handle.wait_final.remote(step=0, timeout_s=5))["metrics"]["bt"] == 0.0

@@ -29,10 +29,22 @@ def safe_tag(key: str, max_length: int = 255) -> str:
     return tag[:max_length]
 
 
+def tag_order(name: str, tag: str) -> tuple[bool, str]:
+    """Order the names sharing one sink tag: the first is the one sinks show. The name
+    written as its tag comes first, then the others alphabetically: the same name every
+    step, whatever order the keys arrived in."""
+    return (name != tag, name)
+
+
 def tagged(metrics: Mapping[str, float], max_length: int = 255) -> dict[str, float]:
-    """Return ``{safe_tag: value}``; of names sharing a tag the first keeps it (the service
-    lists such names in the step's ``meta["collisions"]``), never a silent overwrite."""
+    """Return ``{safe_tag: value}``; of names sharing a tag the first in ``tag_order``
+    keeps it (the service lists such names in the step's ``meta["collisions"]``), never
+    a silent overwrite."""
     out: dict[str, float] = {}
+    owner: dict[str, str] = {}
     for key, value in metrics.items():
-        out.setdefault(safe_tag(key, max_length), value)
+        tag = safe_tag(key, max_length)
+        held = owner.get(tag)
+        if held is None or tag_order(key, tag) < tag_order(held, tag):
+            owner[tag], out[tag] = key, value
     return out
