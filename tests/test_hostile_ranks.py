@@ -323,6 +323,26 @@ def base_blob(step, rank, seq):
         expected=[0, 0, 0], sketches={2: (codes, counts)}))
 
 
+HOSTILE_FORMULAS = [
+    "sum(x)", "(mean(x) - 1) ** 0.5", "1 / (sum(x) - sum(x))", "sum(x) ** sum(x) ** 99",
+    "__import__('os')", "x", "(" * 300 + "1" + ")" * 300, "size(x) * " * 400 + "1",
+    "max_all(x)", "sum_of_sums(x)", "total(total(sum(x)))", "mean(x) if 1 else 2", "",
+]
+HOSTILE_PATTERNS = [
+    "m", "k/" + "a*" * 40 + "b", "k/<a><b>", "*/*/*", "<", "q*", "s/<t>", "a/" * 300,
+    "\x00", "m/<a>*",
+]
+
+
+def hostile_declarations(count, formula, pattern):
+    """Declarations as a hostile rank might send them: many, odd formulas, odd patterns."""
+    import json
+
+    item = [f"d/{formula % 7}", HOSTILE_FORMULAS[formula % len(HOSTILE_FORMULAS)],
+            [["x", HOSTILE_PATTERNS[pattern % len(HOSTILE_PATTERNS)]]]]
+    return json.dumps([item] * count).encode()
+
+
 def mutations():
     from hypothesis import strategies as st
 
@@ -336,7 +356,9 @@ def mutations():
                        st.integers(0, 3), st.integers(-2**31, 2**31 - 1))
     raw = st.tuples(st.sampled_from(["truncate", "extend", "flip"]), st.integers(0, 400),
                     st.integers(0, 255), st.just(0.0))
-    return st.lists(st.one_of(header, cell, column, raw), min_size=1, max_size=3)
+    derived = st.tuples(st.just("derived"), st.integers(0, 2500), st.integers(0, 10**6),
+                        st.integers(0, 10**6))
+    return st.lists(st.one_of(header, cell, column, raw, derived), min_size=1, max_size=3)
 
 
 def mutate(blob, ops):
@@ -373,6 +395,9 @@ def mutate_once(blob, op, where, value, number):
         b = decode(blob, Limits(max_batch_bytes=1 << 30))
     except BatchRejected:
         return blob  # an earlier mutation broke the framing: no field to address
+    if op == "derived":
+        return encode(dataclasses.replace(b, derived=hostile_declarations(where, value,
+                                                                          int(number))))
     if op == "cell":
         if where >= len(b.keys):
             return blob
@@ -430,6 +455,9 @@ def test_mutated_wire_batches_among_honest_ranks_are_merged_or_refused_clearly(f
 
     one()
     assert seen["refused"] > 0 and seen["merged"] > 0, seen
+    start = time.perf_counter()
+    ray.get(handle.health.remote(), timeout=1.0)  # hostile declarations included
+    assert time.perf_counter() - start < 1.0
     # Afterwards: whatever the mutants opened times out, and honest steps are exact.
     deadline = time.monotonic() + 60
     while ray.get(handle.health.remote())["pending_steps"]:
