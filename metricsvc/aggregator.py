@@ -144,7 +144,7 @@ class Aggregator:
             if notice is not None:
                 raise BatchRejected(f"{err}; earlier: {notice}") from None
             raise
-        fresh = self._tags.notice(batch.keys) if outcome.status == "merged" else None
+        fresh = self._notices.pop(batch.rank, None)  # what this batch itself made the rank owe
         if fresh is not None:
             notice = fresh if notice is None else f"{notice}; {fresh}"
         return Outcome(outcome.status, outcome.finished, notice, batch)
@@ -263,8 +263,13 @@ class Aggregator:
             self._check_cost(batch, declared, pending)
         target = pending or PendingStep(step, self.world_size, self._clock())
         idx = target.check(batch)
+        fresh = np.flatnonzero(idx < 0)  # keys new to the step: the only ones new to the run
         self._pending[step] = target
         target.add_batch(batch, idx, digest)
+        if fresh.size:
+            said = self._tags.notice([batch.keys[i] for i in fresh])
+            if said is not None:
+                self._notices[batch.rank] = said
         for rank in self.declarations.adopt(declared, step, batch.rank):
             self._notices[rank] = (f"step {step}: rank {batch.rank} declares a derived metric "
                                    f"you declared otherwise; the lower rank's is the run's")

@@ -196,7 +196,7 @@ def _check_records(batch: Batch) -> None:
              (nonfinite >= 0) & (nonfinite <= MAX_COUNT) & (np.floor(nonfinite) == nonfinite)),
             ("m2_root must be >= 0", ~(root < 0)),  # NaN only where the sum overflowed
             ("sum_lo must be the low part of sum: |sum_lo| <= ulp(sum), 0 if sum is not "
-             "finite",
+             "finite", np.True_ if not low_part.any() else  # most rows carry no low part
              np.abs(low_part) <= np.spacing(np.abs(np.where(np.isfinite(total), total, 0.0)))),
             ("a populated record needs finite min <= max; an empty record (count 0) must be "
              "the identity (sum 0, min +inf, max -inf)",
