@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +102,69 @@ def _claim_run_dir(run_dir: Path, cfg: ServiceConfig) -> None:
         fh.write(marker)
 
 
+OWNER_LOCK = "owner.lock"  # held (flock) by the live service of a run folder
+
+
+def hold_run_dir(run_dir: Path, service: str) -> int:
+    """Take the run folder's owner lock for this process; return its descriptor (keep it
+    open: the kernel releases the lock when the process ends, SIGKILL included).
+
+    Raises:
+        ValueError: another live service holds the folder (it is named).
+    """
+    path = run_dir / OWNER_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+        os.close(fd)
+        raise ValueError(
+            f"run folder {run_dir} is held by a live service ({holder}); one folder has one "
+            f"live owner: stop that service first (metricsvc.stop_metric_worker), or give "
+            f"this one another run.trial") from None
+    owner = json.dumps({"service": service, "pid": os.getpid(), "host": socket.gethostname(),
+                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, owner.encode(), 0)
+    return fd
+
+
+def probe_run_dir(run_dir: Path) -> None:
+    """Raise (naming the holder) if a live service on this machine holds ``run_dir``: a
+    driver hears it at once (the service checks again where it runs, with the lock)."""
+    path = run_dir / OWNER_LOCK
+    if not path.exists():
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+        raise ValueError(
+            f"run folder {run_dir} is held by a live service ({holder}); one folder has one "
+            f"live owner: stop that service first (metricsvc.stop_metric_worker), or give "
+            f"this one another run.trial") from None
+    finally:
+        os.close(fd)
+
+
+def config_differences(asked: Mapping[str, Any], running: Mapping[str, Any],
+                       prefix: str = "") -> list[str]:
+    """Return the dotted names of the fields where two config dumps differ."""
+    out = []
+    for key in sorted(set(asked) | set(running)):
+        a, b = asked.get(key), running.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out
+
+
 def _restarted_by_ray() -> bool:
     try:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -134,6 +200,7 @@ class MetricWorkerImpl:
         jsonl = cfg.sinks.jsonl
         self.journal_path = (None if jsonl is None or not jsonl.enabled
                              else self.run_dir / jsonl.filename)
+        self._owner_fd: int | None = hold_run_dir(self.run_dir, cfg.name)
         # Only a restart of this run (by Ray, or an explicit resume) reloads the folder.
         continuing = _restarted_by_ray() or cfg.run.resume
         if not continuing:
@@ -334,6 +401,12 @@ class MetricWorkerImpl:
         missing = self.aggregator.missing_ranks(step)
         if missing is None:
             return f"step {step} not final after {timeout_s} s: no rank has submitted it yet"
+        if not missing:  # every rank closed it: an earlier step holds it back
+            holder = min(self.aggregator.pending_summary())
+            return (f"step {step} not final after {timeout_s} s: every rank closed it, but "
+                    f"steps are published in order and step {holder} holds it: ranks "
+                    f"{self.aggregator.missing_ranks(holder)} have not closed step {holder} "
+                    f"(wait_submit)")
         return (
             f"step {step} not final after {timeout_s} s: "
             f"ranks {missing} have not closed it (wait_submit)"
@@ -392,13 +465,22 @@ class MetricWorkerImpl:
         return await asyncio.get_running_loop().run_in_executor(None, self.sinks.flush, timeout_s)
 
     async def close(self) -> dict[str, Any]:
-        """Flush and close every sink; a second call is harmless. Returns ``health()``."""
+        """Flush and close every sink, then let go of the run folder; a second call is
+        harmless. Returns ``health()``."""
         if not self._closed:
             self._closed = True
             if self._ticker is not None:
                 self._ticker.cancel()
             await asyncio.get_running_loop().run_in_executor(None, self.sinks.close)
+            if self._owner_fd is not None:
+                os.close(self._owner_fd)  # the folder may have a new owner now
+                self._owner_fd = None
         return self.health()
+
+    def config_dump(self) -> dict[str, Any]:
+        """Return the config this service runs (secrets hidden), for ``start_metric_worker``
+        to compare with the one it is asked to start."""
+        return self.redactor.value(self.config.model_dump(mode="json"))
 
     def __ray_shutdown__(self) -> None:
         # Called by Ray when the actor ends gracefully. Best effort: by then Ray has ended
@@ -471,9 +553,13 @@ def start_metric_worker(
     """
     cfg = load_config(config, name=name, namespace=namespace, world_size=world_size)
     try:
-        ray.get_actor(cfg.name, namespace=cfg.namespace)
+        running = ray.get_actor(cfg.name, namespace=cfg.namespace)
     except ValueError:  # none runs yet: a new run, whose folder must be its own
         check_run_dir(cfg)
+        if cfg.run.trial is not None:
+            probe_run_dir(cfg.run.run_dir().resolve())
+    else:
+        return _same_service(running, cfg)
     if cfg.run.trial is None:
         # Fixed here, not in the actor: a restarted actor must find the same run folder.
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"trial": new_trial()})})
@@ -496,6 +582,23 @@ def start_metric_worker(
     # Registered after ray.init's own exit hook, so it runs first, while Ray still answers:
     # a driver that ends without close() must not lose what the sinks buffer.
     atexit.register(_close_at_exit, handle)
+    return handle
+
+
+def _same_service(handle: Any, cfg: ServiceConfig) -> Any:
+    """Return the running service if it runs ``cfg`` (an unset trial matches any), else
+    raise naming the fields that differ."""
+    running = ray.get(handle.config_dump.remote())
+    asked = cfg.model_dump(mode="json")
+    asked = Redactor(asked).value(asked)
+    if cfg.run.trial is None:
+        asked["run"]["trial"] = running["run"]["trial"]
+    differ = config_differences(asked, running)
+    if differ:
+        raise ValueError(
+            f"a MetricWorker named {cfg.name!r} already runs in namespace {cfg.namespace!r} "
+            f"with another config: {', '.join(differ[:12])} differ; stop it first "
+            f"(metricsvc.stop_metric_worker) or start this one under another name")
     return handle
 
 

@@ -267,3 +267,45 @@ def test_one_redaction_rule_hides_every_planted_secret_and_no_number(tmp_path):
     assert secret not in out.stdout + out.stderr + validate.stdout + validate.stderr
     assert "max_keys_per_batch: 100000" in validate.stdout  # numbers are never hidden
     assert "user:***@127.0.0.1" in validate.stdout
+
+
+# -- one run folder, one live owner --------------------------------------------------------
+def test_a_second_live_service_on_a_run_folder_is_refused_naming_the_holder(ray_cluster,
+                                                                           tmp_path):
+    """A second service with run.resume: true, started while the first still ran, wrote
+    into the same journal: steps [0, 1, 2, 3, 3, 4, 4, 5, 5]. The live owner holds the
+    folder (an OS lock); a SIGKILLed owner's lock goes with its process."""
+    first = metricsvc.start_metric_worker(config(tmp_path, "own-a"))
+    one_step("own-a", 1.0)
+    folder = tmp_path / "e" / "fixed"
+    with pytest.raises(ValueError, match=rf"run folder {folder} is held by a live service "
+                                         r"\(\{\"service\": \"own-a\", \"pid\": \d+"):
+        metricsvc.start_metric_worker(config(tmp_path, "own-b", run={"resume": True}))
+    ray.kill(first, no_restart=True)  # SIGKILL: the kernel lets go of the lock
+    deadline = time.monotonic() + 30
+    while True:  # the process goes down a moment after the kill is acknowledged
+        try:
+            second = metricsvc.start_metric_worker(config(tmp_path, "own-b",
+                                                          run={"resume": True}))
+            break
+        except ValueError:
+            assert time.monotonic() < deadline, "the killed owner's lock was never released"
+    assert ray.get(second.wait_final_res.remote(0, 10)) == {"x": 1.0}
+    client = MetricClient(None, rank=0, world_size=1, name="own-b", start_step=1)
+    client.submit_metric({"x": 2.0})
+    client.wait_submit()
+    metricsvc.stop_metric_worker(second)
+    assert [r["step"] for r in read_journal(folder / "metrics.jsonl")] == [0, 1]
+
+
+def test_starting_a_running_service_with_another_config_names_the_fields(ray_cluster,
+                                                                         tmp_path):
+    """start_metric_worker with another trial and world size returned the running
+    service without a word; it returns it only for the same config."""
+    handle = metricsvc.start_metric_worker(config(tmp_path, "cfg-a", world_size=2))
+    assert metricsvc.start_metric_worker(config(tmp_path, "cfg-a", world_size=2)) == handle
+    with pytest.raises(ValueError, match=r"a MetricWorker named 'cfg-a' already runs .* "
+                                         r"with another config: run.trial, world_size differ"):
+        metricsvc.start_metric_worker(config(tmp_path, "cfg-a", world_size=4,
+                                             run={"trial": "other"}))
+    metricsvc.stop_metric_worker(handle)

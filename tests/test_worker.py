@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -233,6 +234,24 @@ def test_wait_final_res_timeout_names_the_missing_ranks(make_worker):
         c.wait_final_res(5, timeout=0.2)
     assert ray.get(handle.health.remote())["pending_steps"] == {
         0: {"closed": [1], "world_size": 3, "keys": 1}}
+
+
+def test_a_step_held_behind_an_unfinished_one_names_that_step_and_its_ranks(make_worker):
+    """Every rank closed step 1, but step 0 still waits for rank 2: the error said 'ranks []
+    have not closed it'. It names the step that holds it and that step's missing ranks."""
+    handle, cfg = make_worker()
+    cs = clients_for(cfg, 3)[:2] + [MetricClient(None, rank=2, world_size=3, name=cfg.name,
+                                                 start_step=1)]
+    for rank, c in enumerate(cs):
+        if rank < 2:  # rank 2 never closes step 0
+            c.submit_metric({"x": 1.0})
+            c.wait_submit(step=0)
+        c.submit_metric({"x": 2.0})
+        c.wait_submit(step=1)
+    held = (r"step 1 not final after 0.3 s: every rank closed it, but steps are published in "
+            r"order and step 0 holds it: ranks \[2\] have not closed step 0")
+    with pytest.raises(metricsvc.StepNotFinal, match=held):
+        ray.get(handle.wait_final_res.remote(1, 0.3))
 
 
 def test_wait_final_res_without_step_returns_newest_closed_step(make_worker):
