@@ -114,6 +114,7 @@ class Aggregator:
         self.newest_closed: int | None = None
         self.rank_last_seen: dict[int, int] = {}
         self.late_by_rank: Counter[int] = Counter()
+        self._lagging: Counter[int] = Counter()  # rank -> closes in a row behind the others
         self.counts = {"batches": 0, "duplicate": 0, "late": 0, "rejected": 0, "partial": 0,
                        "stream_batches": 0, "conflict": 0, "dropped": 0, "collisions": 0}
 
@@ -263,6 +264,8 @@ class Aggregator:
             self._check_cost(batch, declared, pending)
         target = pending or PendingStep(step, self.world_size, self._clock())
         idx = target.check(batch)
+        if batch.final:
+            self._check_lag(batch.rank, step)
         fresh = np.flatnonzero(idx < 0)  # keys new to the step: the only ones new to the run
         self._pending[step] = target
         target.add_batch(batch, idx, digest)
@@ -316,6 +319,33 @@ class Aggregator:
         if what is not None:
             raise BatchRejected(f"step {batch.step}: rank {batch.rank}'s declarations would "
                                 f"make {what}; nothing of the batch was merged")
+
+    LAG_RUN = 3  # closes in a row behind every other rank that name a rank lagging
+
+    def _check_lag(self, rank: int, step: int) -> None:
+        """Count a rank that closes ``step`` only after every other rank closed the next
+        one: the mark of a rank whose counted steps (no ``step=``) slipped by one, when an
+        exception came between recording and ``wait_submit``. Tell it once, at the third."""
+        following = self._pending.get(step + 1)
+        others = (self.world_size or 0) - 1
+        if following is None or others < 1 or len(following.closed - {rank}) < others:
+            self._lagging.pop(rank, None)
+            return
+        self._lagging[rank] += 1
+        if self._lagging[rank] == self.LAG_RUN:
+            log.warning("rank %d closes each step after every other rank closed the next one",
+                        rank)
+            self._notices[rank] = (
+                f"rank {rank} closes each step only after every other rank closed the next "
+                f"one ({self.LAG_RUN} steps in a row, the last step {step}): its step count "
+                f"has probably slipped by one (an exception between recording and "
+                f"wait_submit, without discard()). Pass step= to wait_submit (the trainer's "
+                f"global step) so a step never holds another's records")
+
+    @property
+    def lagging_ranks(self) -> list[int]:
+        """Ranks closing each step after every other rank closed the next one."""
+        return sorted(r for r, n in self._lagging.items() if n >= self.LAG_RUN)
 
     def _after_emitted(self, batch: Batch, digest: bytes) -> Outcome:
         closed, digests = self._emitted.get(batch.step, (frozenset(), None))
@@ -561,6 +591,8 @@ class Aggregator:
         if collisions:  # never overwritten: the first source kept, every source named
             meta["collisions"] = collisions
             self.counts["collisions"] += 1
+        if self.lagging_ranks:  # steps counted without step=, one behind the others
+            meta["lagging_ranks"] = self.lagging_ranks
         if self.deriver.limited:  # the step's derivation budget ran out: the rest left out
             meta["derived_limit"] = dict(self.deriver.limited)
         if self.deriver.undefined:  # inputs present, but no finite real value: omitted

@@ -442,6 +442,7 @@ class MetricWorkerImpl:
             "duplicate_batches": agg.counts["duplicate"],
             "late_batches": agg.counts["late"],
             "late_by_rank": dict(sorted(agg.late_by_rank.items())),
+            "lagging_ranks": agg.lagging_ranks,
             "conflicting_batches": agg.counts["conflict"],
             "dropped_batches": agg.counts["dropped"],
             "steps_with_collisions": agg.counts["collisions"],

@@ -321,3 +321,32 @@ def test_std_from_driver_side_values_is_exact_for_large_offsets(make_worker):
         c.wait_submit()
     got = ray.get(handle.wait_final_res.remote(0, 10))["lat/std"]
     assert math.isclose(got, np.concatenate(parts).std(), rel_tol=1e-9)
+
+
+def test_a_rank_whose_counted_steps_shifted_by_one_is_named_and_told_to_pass_step(
+        make_worker):
+    """Beside siiRL: a rank that raises after recording and before wait_submit (no step=)
+    merges two iterations into its open step and closes every later step one iteration
+    late, silently (steps 1-3 were 23.7 / 334 / 3364 against the truth, partial=False).
+    The service sees it close each step only after every other rank closed the next one:
+    meta and health() name it, and it is told to pass step=."""
+    from clients import ServiceNotice
+
+    handle, cfg = make_worker()
+    ok, shifted = clients_for(cfg, 2)
+    notices = []
+    for i in range(6):
+        ok.submit_metric({"x": float(i)})
+        ok.wait_submit()  # siiRL's call: no step=
+        shifted.submit_metric({"x": float(i)})
+        if i == 0:
+            continue  # it raised here: no wait_submit, no discard
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            shifted.wait_submit()
+        notices += [str(w.message) for w in seen if issubclass(w.category, ServiceNotice)]
+    assert any("rank 1 closes each step only after every other rank closed the next one"
+               in n and "step=" in n for n in notices), notices
+    meta = ray.get(handle.wait_final.remote(step=4, timeout_s=30))["meta"]
+    assert meta["lagging_ranks"] == [1]
+    assert ray.get(handle.health.remote())["lagging_ranks"] == [1]
