@@ -354,12 +354,22 @@ class Aggregator:
             self.late_by_rank[batch.rank] += 1
             return Outcome("late")
         known = None if digests is None else digests.get((batch.rank, batch.seq))
-        if digests is None or known == digest:  # too old (or reloaded) to compare: a resend
+        if known is not None and known == digest[:len(known)]:  # the same bytes: a resend
             self.counts["duplicate"] += 1
             return Outcome("duplicate")
-        what = ("was already received with other content" if known is not None
-                else "comes after the rank already closed this step")
-        raise self._conflict(batch, what)
+        # Not provably a resend (resends are recent: their digests are kept): never merged,
+        # never taken for a duplicate, however old the step.
+        self.counts["conflict"] += 1
+        what = ("was already received with other content" if known is not None else
+                "comes after the rank already closed this step" if digests is not None else
+                f"is for a step older than the last {DIGEST_STEPS}, whose batches the "
+                f"service can compare")
+        raise BatchRejected(
+            f"step {batch.step}: conflict: rank {batch.rank} seq {batch.seq} {what}, and "
+            f"the step is already final. Rerunning steps after resuming from a checkpoint? "
+            f"Call rewind(to_step=<the checkpoint's step>) on the MetricWorker first. Two "
+            f"clients with rank {batch.rank}? Only a byte-identical resend is a duplicate; "
+            f"nothing was merged")
 
     def _anchor(self) -> int | None:
         """Return the oldest step still open (None before the first batch of a run)."""
@@ -488,7 +498,8 @@ class Aggregator:
             step = int(record["step"])
             meta = record.get("meta", {})
             self.last_emitted = step
-            self._emitted[step] = (frozenset(meta.get("ranks", ())), None)
+            digests = meta.get("digests")
+            self._emitted[step] = (frozenset(meta.get("ranks", ())), _digests(digests))
             if self.newest_closed is None or step > self.newest_closed:
                 self.newest_closed = step
             if self.world_size is None and meta.get("world_size"):
@@ -502,6 +513,8 @@ class Aggregator:
                 self.declarations.restore(declarations, step)
         while len(self._emitted) > self._remember_steps:
             self._emitted.popitem(last=False)
+        for step in list(self._emitted)[:-DIGEST_STEPS]:  # digests of the recent steps only
+            self._emitted[step] = (self._emitted[step][0], None)
 
     # -- output ------------------------------------------------------------------------
     def _emit_ready(self) -> list[StepResult]:
@@ -591,6 +604,8 @@ class Aggregator:
         if collisions:  # never overwritten: the first source kept, every source named
             meta["collisions"] = collisions
             self.counts["collisions"] += 1
+        # What tells a resend from a rerun after a restart: the batches' digests, journaled.
+        meta["digests"] = {f"{r}:{s}": d[:8].hex() for (r, s), d in sorted(p.digests.items())}
         if self.lagging_ranks:  # steps counted without step=, one behind the others
             meta["lagging_ranks"] = self.lagging_ranks
         if self.deriver.limited:  # the step's derivation budget ran out: the rest left out
@@ -641,6 +656,20 @@ class Aggregator:
     def windows_summary(self) -> dict[str, int]:
         """Return the number of keys waiting in each stream window."""
         return {name: len(w.keys) for name, w in self._windows.items()}
+
+
+def _digests(journaled: Any) -> dict[tuple[int, int], bytes] | None:
+    """The batch digests a journaled step's meta holds, by ``(rank, seq)``."""
+    if not isinstance(journaled, dict):
+        return None
+    out = {}
+    for key, value in journaled.items():
+        try:
+            rank, seq = (int(x) for x in str(key).split(":"))
+            out[(rank, seq)] = bytes.fromhex(value)
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 class TagOwners:

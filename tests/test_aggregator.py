@@ -216,3 +216,20 @@ def test_finite_values_whose_sum_overflows_are_kept_and_flagged():
     done = agg.submit(batch(0, 0, world_size=1, x=[1e308, 1e308, 1e307])).finished[0]
     assert done.meta["overflow"] == ["x"] and not np.isfinite(done.metrics["x"])
     assert agg.counts["rejected"] == 0
+
+
+def test_a_rerun_of_an_old_final_step_is_refused_never_a_silent_duplicate():
+    """A rank restarted from an old checkpoint reran step 2 while the run was at step 68:
+    acked as a duplicate (older than the 64-step digest window), its values dropped
+    silently. A batch that is not provably a resend is refused, however old the step."""
+    agg = Aggregator(world_size=1)
+    sent = {}
+    for step in range(70):
+        sent[step] = batch(step, 0, world_size=1, seq=step + 1, x=float(step))
+        agg.submit(sent[step])
+    assert agg.submit(sent[68]).status == "duplicate"  # a recent resend: the same bytes
+    with pytest.raises(BatchRejected, match=r"step 2: conflict: rank 0 seq 1 is for a step "
+                                            r"older than the last 64.*rewind\(to_step="):
+        agg.submit(batch(2, 0, world_size=1, seq=1, x=99.0))
+    with pytest.raises(BatchRejected, match=r"step 2: conflict.*rewind"):
+        agg.submit(sent[2])  # even the same bytes: too old to tell a resend from a rerun

@@ -309,3 +309,23 @@ def test_starting_a_running_service_with_another_config_names_the_fields(ray_clu
         metricsvc.start_metric_worker(config(tmp_path, "cfg-a", world_size=4,
                                              run={"trial": "other"}))
     metricsvc.stop_metric_worker(handle)
+
+
+def test_rerunning_final_steps_after_a_resume_is_refused_naming_rewind(ray_cluster, tmp_path):
+    """Resume a run and rerun steps 4-7 from a checkpoint with new values: every close was
+    acked 'duplicate' and the old values stayed, silently. Now each is refused at the
+    rank, naming the step and the call to make."""
+    first = metricsvc.start_metric_worker(config(tmp_path, "rerun-a"))
+    client = MetricClient(None, rank=0, world_size=1, name="rerun-a")
+    for step in range(8):
+        client.submit_metric({"x": float(step)})
+        client.wait_submit(step=step)
+    metricsvc.stop_metric_worker(first)
+    resumed = metricsvc.start_metric_worker(config(tmp_path, "rerun-b", run={"resume": True}))
+    rerun = MetricClient(None, rank=0, world_size=1, name="rerun-b", start_step=4)
+    rerun.submit_metric({"x": 100.0})
+    with pytest.raises(ValueError, match=r"step 4: conflict: rank 0 .*already final.*"
+                                         r"rewind\(to_step="):
+        rerun.wait_submit(step=4)
+    assert ray.get(resumed.wait_final_res.remote(4, 10)) == {"x": 4.0}
+    metricsvc.stop_metric_worker(resumed)
