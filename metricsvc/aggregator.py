@@ -516,6 +516,24 @@ class Aggregator:
         for step in list(self._emitted)[:-DIGEST_STEPS]:  # digests of the recent steps only
             self._emitted[step] = (self._emitted[step][0], None)
 
+    def rewind(self, to_step: int, totals: Mapping[str, Any] | None) -> int:
+        """Forget every step past ``to_step`` (published or pending): they will be recorded
+        afresh. ``totals``: the running sums as journaled with ``to_step``. Returns how
+        many published steps were superseded."""
+        superseded = [s for s in self._emitted if s > to_step]
+        for step in superseded:
+            del self._emitted[step]
+        for step in [s for s in self._pending if s > to_step]:
+            del self._pending[step]
+        if self.last_emitted is not None and self.last_emitted > to_step:
+            self.last_emitted = to_step if to_step >= 0 else None
+        self.rank_last_seen = {r: min(s, to_step) for r, s in self.rank_last_seen.items()}
+        self._lagging.clear()
+        self.deriver.totals.clear()
+        self.deriver.restore(totals or {})
+        self._refresh_newest_closed()
+        return len(superseded)
+
     # -- output ------------------------------------------------------------------------
     def _emit_ready(self) -> list[StepResult]:
         out: list[StepResult] = []

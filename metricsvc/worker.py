@@ -478,6 +478,36 @@ class MetricWorkerImpl:
                 self._owner_fd = None
         return self.health()
 
+    async def rewind(self, to_step: int) -> dict[str, Any]:
+        """Resume from the checkpoint of ``to_step``: every step after it is recorded afresh.
+
+        Published steps past it are superseded, not deleted: the journal starts a new
+        segment (its earlier records past ``to_step`` stay in the file, archived, and every
+        reader shows the latest segment), TensorBoard is given its restart marker (it
+        shows the rerun), and each sink's watermark goes back so a restart replays the
+        rerun. Returns ``{"to_step", "superseded"}``.
+        """
+        if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < -1:
+            raise ValueError(f"rewind(to_step=...) takes a step >= -1 (-1: before step 0), "
+                             f"got {to_step!r}")
+        totals = None
+        kept = self._results.get(to_step)
+        if kept is not None:
+            totals = kept.meta.get("derived_totals")
+        elif to_step >= 0 and self.journal_path is not None and self.journal_path.exists():
+            record = next((r for r in read_journal(self.journal_path)
+                           if r["step"] == to_step), None)
+            totals = None if record is None else record["meta"].get("derived_totals")
+        superseded = self.aggregator.rewind(to_step, totals)
+        for step in [s for s in self._results if s > to_step]:
+            del self._results[step]
+        if self._reloaded_through is not None:
+            self._reloaded_through = min(self._reloaded_through, to_step)
+        self.sinks.rewind(to_step)
+        log.warning("rewound to step %d: %d published steps superseded", to_step, superseded)
+        await self._notify()
+        return {"to_step": to_step, "superseded": superseded}
+
     def config_dump(self) -> dict[str, Any]:
         """Return the config this service runs (secrets hidden), for ``start_metric_worker``
         to compare with the one it is asked to start."""

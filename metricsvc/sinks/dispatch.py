@@ -132,6 +132,8 @@ class _SinkWorker:
                 self._deliver_step(item)
             elif kind == "event" and hasattr(self.sink, "write_event"):
                 self._attempt(functools.partial(self.sink.write_event, item[1]))
+            elif kind == "rewind":
+                self._rewind(item[1])
             with self._lock:
                 self._current = None
                 if self._abandoned:
@@ -186,6 +188,23 @@ class _SinkWorker:
                 return  # the sink could not say: the watermark stays
         durable = said[0]
         self._advance(last if durable is None else min(durable, last))
+
+    def _rewind(self, to_step: int) -> None:
+        """Steps past ``to_step`` will be written again: the backend is told (where it can
+        show a rerun) and the watermark goes back, so a restart replays the rerun."""
+        if self.opened and hasattr(self.sink, "rewind"):
+            error = self._attempt(functools.partial(self.sink.rewind, to_step))
+            if error is not None:
+                log.error("sink %s could not rewind to step %d: %s", self.name, to_step, error)
+        for field in ("last_step", "durable_through"):
+            if self.stats[field] is not None and self.stats[field] > to_step:
+                self.stats[field] = to_step
+        try:
+            if (self.state.load().get("durable_through") or -1) > to_step:
+                self.state.update(durable_through=to_step)
+        except OSError as err:
+            log.error("sink %s: its watermark could not be saved: %s", self.name,
+                      self.redact(str(err)))
 
     def _advance(self, through: int | None) -> None:
         known = self.stats["durable_through"]
@@ -338,6 +357,12 @@ class SinkDispatcher:
         if not self._closed:
             for worker in self._workers:
                 worker.put(("event", event))
+
+    def rewind(self, to_step: int) -> None:
+        """Queue a rewind to ``to_step`` for every sink, in order with the steps around it."""
+        if not self._closed:
+            for worker in self._workers:
+                worker.put(("rewind", to_step))
 
     def flush(self, timeout_s: float | None = 30.0) -> bool:
         """Wait until every sink has handled everything queued so far; True if all did."""

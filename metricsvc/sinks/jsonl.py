@@ -108,6 +108,12 @@ class JsonlSink:
         }
         self._append(record)
 
+    def rewind(self, to_step: int) -> None:
+        """Start a new segment: readers archive every earlier record past ``to_step`` (the
+        lines stay in the file, never deleted)."""
+        self._held = {s for s in self._held if s <= to_step}
+        self.write_event({"rewind": {"to_step": to_step}})
+
     def write_event(self, event: Mapping[str, Any]) -> None:
         """Journal something that is not a finished step (e.g. a late batch)."""
         self._append({"event": dict(event), "time": time.time()})
@@ -154,16 +160,25 @@ def _step_record(line: str) -> tuple[dict[str, Any] | None, str | None]:
 
 def read_journal(path: str | os.PathLike[str],
                  stats: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Return the finished-step records of a journal, one per step, in file order.
+    """Return the finished-step records of a journal's latest segment, one per step, in
+    file order.
 
-    Events and blank lines are passed over; a line that is not a usable step record (a
+    A ``rewind`` event (``{"event": {"rewind": {"to_step": k}}}``) starts a segment: the
+    records past ``k`` before it are archived (kept in the file, left out here). Other
+    events and blank lines are passed over; a line that is not a usable step record (a
     torn line, missing fields, a non-numeric value) is skipped with one warning naming
     file and line; of several records of one step the first is kept and the rest counted.
-    ``stats`` (if given) receives ``skipped`` and ``duplicates``.
+    ``stats`` (if given) receives ``skipped``, ``duplicates`` and ``archived``.
     """
-    out, seen, duplicates, skipped = [], set(), [], 0
+    out, seen, duplicates, skipped, archived = [], set(), [], 0, 0
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
+            to_step = _rewind(line)
+            if to_step is not None:
+                kept = [r for r in out if r["step"] <= to_step]
+                archived += len(out) - len(kept)
+                out, seen = kept, {r["step"] for r in kept}
+                continue
             record, why = _step_record(line)
             if why is not None:
                 skipped += 1
@@ -177,5 +192,16 @@ def read_journal(path: str | os.PathLike[str],
         log.warning("%s: %d duplicate step records (steps %s) skipped; the first of each kept",
                     path, len(duplicates), sorted(set(duplicates)))
     if stats is not None:
-        stats.update(skipped=skipped, duplicates=len(duplicates))
+        stats.update(skipped=skipped, duplicates=len(duplicates), archived=archived)
     return out
+
+
+def _rewind(line: str) -> int | None:
+    """The step a ``rewind`` event line goes back to, or None for any other line."""
+    if '"rewind"' not in line:
+        return None
+    try:
+        to_step = json.loads(line)["event"]["rewind"]["to_step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return to_step if isinstance(to_step, int) and not isinstance(to_step, bool) else None

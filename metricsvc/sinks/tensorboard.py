@@ -91,6 +91,18 @@ class TensorboardSink:
                 self.config.flush_secs:
             self.commit()
 
+    def rewind(self, to_step: int) -> None:
+        """Write TensorBoard's restart marker (what ``SummaryWriter(purge_step=)`` writes):
+        readers drop every event past ``to_step`` written before it, so the rerun's values
+        are the ones shown."""
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        self._held = {s: tags for s, tags in self._held.items() if s <= to_step}
+        self._writer.write_event(Event(wall_time=time.time(), step=to_step + 1,
+                                       session_log=SessionLog(status=SessionLog.START)))
+        self._dirty = True
+        self.commit()
+
     def commit(self) -> None:
         """Flush and fsync the event file: everything written so far is durable. (The
         dispatcher commits too when its queue drains: a clean file is not fsynced again.)"""

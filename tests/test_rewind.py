@@ -1,0 +1,84 @@
+"""Resuming from a checkpoint: rewind(to_step=k), and steps after k are recorded afresh;
+the superseded values are archived, never deleted, and every reader and sink shows the
+rerun (where the backend can)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+
+import metricsvc
+from clients import MetricClient
+from metricsvc.sinks.jsonl import read_journal
+from tests import readback
+
+
+def _steps(name, values, start):
+    client = MetricClient(None, rank=0, world_size=1, name=name, start_step=start)
+    for step, value in enumerate(values, start):
+        client.submit_metric({"x": value})
+        client.wait_submit(step=step, timeout_s=30)
+
+
+def _tensorboard_seen(logdir: Path) -> dict[int, float]:
+    """What TensorBoard shows for 'x': its reader, with its purge of orphaned data."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), purge_orphaned_data=True)
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("x")}
+
+
+def _mlflow_points(run: Path) -> list[tuple[int, float]]:
+    import os
+
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = next(p for p in run.rglob("mlruns") if p.is_dir())
+    client = mlflow.MlflowClient(tracking_uri=str(uri))
+    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
+    (found,) = client.search_runs([experiment.experiment_id])
+    return [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "x")]
+
+
+def test_rewind_records_steps_afresh_and_every_reader_shows_the_rerun(ray_cluster, tmp_path):
+    cfg = {"name": "rewind-a", "world_size": 1, "sinks": {"console": None, "jsonl": {},
+                                                          "tensorboard": {}, "wandb": {},
+                                                          "swanlab": {}, "mlflow": {}},
+           "run": {"root": str(tmp_path), "experiment": "e", "trial": "t"}}
+    handle = metricsvc.start_metric_worker(cfg)
+    _steps("rewind-a", [float(s) for s in range(8)], 0)
+    with pytest.raises(ValueError, match="rewind"):  # without rewind, a rerun is refused
+        _steps("rewind-a", [40.0], 4)
+    assert ray.get(handle.rewind.remote(to_step=3)) == {"to_step": 3, "superseded": 4}
+    _steps("rewind-a", [40.0, 50.0, 60.0, 70.0, 80.0], 4)  # the rerun, and one step more
+    assert ray.get(handle.wait_final_res.remote(5, 10)) == {"x": 50.0}
+    health = ray.get(handle.close.remote())
+    assert not health["sink_errors"], health["sink_errors"]
+    run = Path(health["run_dir"])
+    want = {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 80.0}
+
+    stats: dict = {}
+    journal = read_journal(run / "metrics.jsonl", stats)
+    assert {r["step"]: r["metrics"]["x"] for r in journal} == want
+    assert stats["archived"] == 4  # the superseded steps stay in the file
+    assert sum('"x": 5.0' in line for line in (run / "metrics.jsonl").read_text().splitlines())
+    assert _tensorboard_seen(run / "tensorboard") == want
+    # wandb (offline) takes no step below one it already has: it keeps the first values
+    # of steps 4-7 and shows the rerun from step 8 (the README says so).
+    wandb = {s: row["x"] for s, row in readback.wandb_history(run).items()}
+    assert wandb == {**want, 4: 4.0, 5: 5.0, 6: 6.0, 7: 7.0}
+    # SwanLab (offline) likewise; MLflow keeps both points of steps 4-7, the rerun's last.
+    assert {s: row["x"] for s, row in readback.swanlab_scalars(run / "swanlab").items()} == {
+        **want, 4: 4.0, 5: 5.0, 6: 6.0, 7: 7.0}
+    assert _mlflow_points(run) == [(s, float(s)) for s in range(8)] + [
+        (s, want[s]) for s in range(4, 9)]
+
+    ray.kill(handle, no_restart=True)
+    resumed = metricsvc.start_metric_worker({**cfg, "name": "rewind-b",
+                                             "run": {**cfg["run"], "resume": True}})
+    assert ray.get(resumed.wait_final_res.remote(6, 10)) == {"x": 60.0}  # reloaded: the rerun
+    metricsvc.stop_metric_worker(resumed)
