@@ -329,3 +329,37 @@ def test_rerunning_final_steps_after_a_resume_is_refused_naming_rewind(ray_clust
         rerun.wait_submit(step=4)
     assert ray.get(resumed.wait_final_res.remote(4, 10)) == {"x": 4.0}
     metricsvc.stop_metric_worker(resumed)
+
+
+# -- the journal's content decides what it holds -------------------------------------------
+def test_a_watermark_past_the_journal_never_stops_it_and_a_torn_step_is_written_again(
+        ray_cluster, tmp_path):
+    """With sinks/jsonl.json set past the journal's end, the journal stopped growing
+    (written stayed 0, no error); with its torn last line a step the ranks still owed,
+    it ended [0, 1, 2, 4]. The journal's own content decides; what the watermark claims
+    and the file lacks is reported in health() until it is written."""
+    first = metricsvc.start_metric_worker(config(tmp_path, "hole-a"))
+    client = MetricClient(None, rank=0, world_size=1, name="hole-a")
+    for step in range(4):
+        client.submit_metric({"x": float(step)})
+        client.wait_submit(step=step)
+    metricsvc.stop_metric_worker(first)
+    folder = tmp_path / "e" / "fixed"
+    journal = folder / "metrics.jsonl"
+    lines = journal.read_bytes().splitlines(keepends=True)
+    journal.write_bytes(b"".join(lines[:3]) + lines[3][:25])  # step 3's line torn
+    (folder / "sinks" / "jsonl.json").write_text(json.dumps({"durable_through": 50}))
+
+    resumed = metricsvc.start_metric_worker(config(tmp_path, "hole-b", run={"resume": True}))
+    missing = ray.get(resumed.health.remote())["sinks"]["jsonl"]["missing"]
+    assert missing["steps"][:2] == [3, 4] and missing["count"] == 48
+    assert "ends at 2" in missing["reason"]
+    again = MetricClient(None, rank=0, world_size=1, name="hole-b", start_step=3)
+    for step in (3, 4):  # the step the ranks still owed, sent again, and the next
+        again.submit_metric({"x": 10.0 * step})
+        again.wait_submit(step=step)
+    health = metricsvc.stop_metric_worker(resumed)
+    assert health["sinks"]["jsonl"]["written"] == 2
+    assert health["sinks"]["jsonl"]["missing"]["count"] == 46  # 5..50: claimed, never held
+    assert [(r["step"], r["metrics"]["x"]) for r in read_journal(journal)] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

@@ -96,7 +96,7 @@ class _SinkWorker:
         self._uncommitted = 0
         self.stats = {"written": 0, "failures": 0, "dead_lettered": 0, "lost": 0,
                       "in_flight_at_close": 0, "last_step": None, "last_error": None,
-                      "durable_through": None, "replayed": 0}
+                      "durable_through": None, "replayed": 0, "missing": None}
         self.thread = threading.Thread(target=self._serve, name=f"metricsvc-sink-{self.name}",
                                        daemon=True)
         self.thread.start()
@@ -158,6 +158,7 @@ class _SinkWorker:
             error = self._attempt(lambda: None, retry=True)  # opens the sink
         if error is not None:
             log.error("sink %s could not continue the run: %s", self.name, error)
+        self._check_content()
         self._backlog.extend(("write", r["step"], r["metrics"], r["meta"]) for r in journal
                              if self.floor is None or r["step"] > self.floor)
         first = self._backlog[0][1] if self._backlog else None
@@ -188,6 +189,25 @@ class _SinkWorker:
                 return  # the sink could not say: the watermark stays
         durable = said[0]
         self._advance(last if durable is None else min(durable, last))
+
+    def _check_content(self) -> None:
+        """A sink that can read back what it holds (the journal) is believed, not its
+        watermark file: a watermark past the content would make it skip steps for good.
+        Steps the watermark claims but the content lacks are reported until written."""
+        held_through = getattr(self.sink, "held_through", None)
+        if held_through is None or not self.opened:
+            return
+        held = held_through()
+        if self.floor is not None and (held is None or held < self.floor):
+            first = 0 if held is None else held + 1
+            self.stats["missing"] = {
+                "steps": list(range(first, min(self.floor, first + 999) + 1)),
+                "count": self.floor - first + 1,
+                "reason": f"the watermark said the file held steps through {self.floor}, "
+                          f"but it ends at {held} (a torn, cut or lost tail); a step ranks "
+                          f"send again is written again"}
+            log.error("sink %s: %s", self.name, self.stats["missing"]["reason"])
+        self.floor = self.stats["durable_through"] = held
 
     def _rewind(self, to_step: int) -> None:
         """Steps past ``to_step`` will be written again: the backend is told (where it can
@@ -233,6 +253,12 @@ class _SinkWorker:
                 self.stats["written"] += 1
                 self.stats["last_step"] = step
                 self._uncommitted += 1
+                missing = self.stats["missing"]
+                if missing is not None and step in missing["steps"]:
+                    missing["steps"].remove(step)
+                    missing["count"] -= 1
+                    if not missing["count"]:
+                        self.stats["missing"] = None
         if error is not None:
             self._dead_letter(item, error, visible)
         elif self._uncommitted >= _COMMIT_EVERY:

@@ -84,6 +84,7 @@ class JsonlSink:
         self.path: Path | None = None
         self._file: LineFile | None = None
         self._held: set[int] = set()  # after a restart: steps the journal already holds
+        self._through: int | None = None  # after a restart: its newest step
 
     def open(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / self.config.filename
@@ -93,8 +94,9 @@ class JsonlSink:
         """Leave out of later writes every step past ``after`` the journal already holds
         (a step finished again from resent batches after a restart, say)."""
         assert self.path is not None
-        self._held = {r["step"] for r in read_journal(self.path)
-                      if after is None or r["step"] > after}
+        steps = [r["step"] for r in read_journal(self.path)]
+        self._held = {s for s in steps if after is None or s > after}
+        self._through = max(steps, default=None)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
         if step in self._held:
@@ -107,6 +109,10 @@ class JsonlSink:
             "time": time.time(),
         }
         self._append(record)
+
+    def held_through(self) -> int | None:
+        """The newest step the journal's latest segment holds (read back from the file)."""
+        return self._through
 
     def rewind(self, to_step: int) -> None:
         """Start a new segment: readers archive every earlier record past ``to_step`` (the
