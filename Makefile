@@ -33,3 +33,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.bench_merge
 	$(PY) -m benchmarks.bench_rpc
 	$(PY) -m benchmarks.bench_scale
+	$(PY) -m benchmarks.bench_restart

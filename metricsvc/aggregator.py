@@ -15,7 +15,7 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -492,12 +492,15 @@ class Aggregator:
         return self._emit_ready()
 
     # -- restart -----------------------------------------------------------------------
-    def restore(self, finished: list[dict[str, Any]]) -> None:
-        """Resume after a restart from journaled steps ``{"step", "metrics", "meta"}``."""
-        for record in sorted(finished, key=lambda r: r["step"]):
+    def restore(self, finished: Iterable[dict[str, Any]]) -> None:
+        """Resume after a restart from journaled steps ``{"step", "metrics", "meta"}``, in
+        step order (a journal's order), one at a time: nothing is kept of a step past the
+        recent ones' digests and ranks."""
+        for record in finished:
             step = int(record["step"])
             meta = record.get("meta", {})
-            self.last_emitted = step
+            self.last_emitted = max(step, self.last_emitted if self.last_emitted is not None
+                                    else step)
             digests = meta.get("digests")
             self._emitted[step] = (frozenset(meta.get("ranks", ())), _digests(digests))
             if self.newest_closed is None or step > self.newest_closed:
@@ -511,10 +514,11 @@ class Aggregator:
             declarations = meta.get("declarations")
             if isinstance(declarations, dict):
                 self.declarations.restore(declarations, step)
-        while len(self._emitted) > self._remember_steps:
-            self._emitted.popitem(last=False)
-        for step in list(self._emitted)[:-DIGEST_STEPS]:  # digests of the recent steps only
-            self._emitted[step] = (self._emitted[step][0], None)
+            while len(self._emitted) > self._remember_steps:
+                self._emitted.popitem(last=False)
+            old = step - DIGEST_STEPS  # digests of the recent steps only
+            if old in self._emitted:
+                self._emitted[old] = (self._emitted[old][0], None)
 
     def rewind(self, to_step: int, totals: Mapping[str, Any] | None) -> int:
         """Forget every step past ``to_step`` (published or pending): they will be recorded

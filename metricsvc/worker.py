@@ -18,8 +18,8 @@ import socket
 import tempfile
 import time
 import uuid
-from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from metricsvc.config import (
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
 from metricsvc.sinks import SinkDispatcher, build_sinks
-from metricsvc.sinks.jsonl import read_journal
+from metricsvc.sinks.jsonl import iter_journal
 from metricsvc.validation import BatchRejected
 
 log = logging.getLogger(__name__)
@@ -211,8 +211,8 @@ class MetricWorkerImpl:
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
         self.journal_stats: dict[str, Any] = {"skipped": 0, "duplicates": 0}
+        self.restored_steps = 0
         journal = self._restore() if continuing else None
-        self.restored_steps = len(journal or ())
         self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None
         # Continuing a run, each sink continues its backend run and is given the journaled
         # steps past its watermark: what users look at survives the restart too.
@@ -225,22 +225,30 @@ class MetricWorkerImpl:
         self.timer_errors = 0
         self._closed = False
 
-    def _restore(self) -> list[dict[str, Any]]:
+    def _restore(self) -> Callable[[], Iterator[dict[str, Any]]] | None:
         """After a restart, continue from the journal: finished steps, cumulative totals.
-        Returns the journal's step records (for the sinks to replay)."""
+        The journal is streamed: what stays is the last ``keep_results`` steps, the running
+        totals and the recent steps' digests, whatever its length. Returns how the sinks
+        read it again for their replay (None: no journal)."""
         path = self.journal_path
         if path is None or not path.exists():
-            return []
-        finished = read_journal(path, self.journal_stats)
-        self.aggregator.restore(finished)
-        keep = self.config.limits.keep_results
-        for record in finished[-keep:]:
+            return None
+        recent: deque[dict[str, Any]] = deque(maxlen=self.config.limits.keep_results)
+
+        def kept(records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+            for record in records:
+                recent.append(record)
+                self.restored_steps += 1
+                yield record
+
+        self.aggregator.restore(kept(iter_journal(path, self.journal_stats)))
+        for record in recent:
             step = int(record["step"])
             self._results[step] = StepResult(step, record["metrics"], record["meta"])
-        if finished:
+        if self.restored_steps:
             log.warning("restarted: %d finished steps reloaded from %s (last step %s)",
-                        len(finished), path, self.aggregator.last_emitted)
-        return finished
+                        self.restored_steps, path, self.aggregator.last_emitted)
+        return lambda: iter_journal(path)
 
     def _durable_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""
@@ -495,7 +503,7 @@ class MetricWorkerImpl:
         if kept is not None:
             totals = kept.meta.get("derived_totals")
         elif to_step >= 0 and self.journal_path is not None and self.journal_path.exists():
-            record = next((r for r in read_journal(self.journal_path)
+            record = next((r for r in iter_journal(self.journal_path)
                            if r["step"] == to_step), None)
             totals = None if record is None else record["meta"].get("derived_totals")
         superseded = self.aggregator.rewind(to_step, totals)

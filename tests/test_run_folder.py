@@ -363,3 +363,28 @@ def test_a_watermark_past_the_journal_never_stops_it_and_a_torn_step_is_written_
     assert health["sinks"]["jsonl"]["missing"]["count"] == 46  # 5..50: claimed, never held
     assert [(r["step"], r["metrics"]["x"]) for r in read_journal(journal)] == [
         (0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_a_restart_streams_the_journal_and_keeps_a_bounded_part(tmp_path):
+    """Resuming a 28 MB journal raised peak RSS by 379 MB: the whole journal was held. A
+    restart keeps keep_results steps, running totals and recent digests (counted with
+    tracemalloc, not timed; benchmarks/bench_restart.py measures peak RSS)."""
+    import tracemalloc
+
+    from benchmarks.bench_restart import write_journal
+    from metricsvc.worker import MetricWorkerImpl
+
+    folder = tmp_path / "e" / "fixed"
+    folder.mkdir(parents=True)
+    write_journal(folder / "metrics.jsonl", 5000, 20, 4)  # 4.7 MB
+    cfg = config(tmp_path, "stream", run={"resume": True}, limits={"keep_results": 5},
+                 sinks={"jsonl": {}})
+    tracemalloc.start()
+    impl = MetricWorkerImpl(cfg)
+    impl.sinks.flush()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    impl.sinks.close()
+    assert impl.restored_steps == 5000 and sorted(impl._results) == [4995, 4996, 4997,
+                                                                     4998, 4999]
+    assert peak < 12 * 2**20, f"a restart held {peak / 2**20:.0f} MB"  # 6.9 MB measured

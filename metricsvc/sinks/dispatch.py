@@ -17,14 +17,13 @@ holds), and is then given every journaled step past the watermark, before any ne
 from __future__ import annotations
 
 import atexit
-import collections
 import functools
 import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +73,10 @@ class _SinkWorker:
     """
 
     def __init__(self, sink: Sink, run_dir: Path, delivery: DeliveryConfig, dead: DeadLetter,
-                 redactor: Redactor, replay: Sequence[dict[str, Any]] | None = None):
+                 redactor: Redactor,
+                 replay: Callable[[], Iterator[dict[str, Any]]] | None = None):
         self.sink = sink
-        self.replay = replay  # None: a new run; else the journal of the run to continue
+        self.replay = replay  # None: a new run; else reads the journal of the run to continue
         self.state = SinkState(run_dir, sink.name)
         self.redact = redactor.text  # errors may quote a URI with its password
         self.name = sink.name
@@ -90,7 +90,7 @@ class _SinkWorker:
         self.closing = threading.Event()
         self._lock = threading.Lock()  # the hand-over between the thread and a closer
         self._current: tuple | None = None
-        self._backlog: collections.deque[tuple] = collections.deque()  # replay not yet given
+        self._backlog: Iterator[tuple] = iter(())  # the replay's steps not yet given
         self._abandoned = False
         self.floor: int | None = None  # after a restart: the watermark it started from
         self._uncommitted = 0
@@ -112,7 +112,7 @@ class _SinkWorker:
     # -- consumer side -----------------------------------------------------------------
     def _serve(self) -> None:
         if self.replay is not None:
-            self._continue_run(self.replay)
+            self._continue_run(self.replay())
             self.replay = None
         while True:
             if self.queue.empty() and self._uncommitted:
@@ -147,7 +147,7 @@ class _SinkWorker:
             elif not self._abandoned:
                 self._advance(self.stats["last_step"])  # closing flushes whatever was written
 
-    def _continue_run(self, journal: Sequence[dict[str, Any]]) -> None:
+    def _continue_run(self, journal: Iterator[dict[str, Any]]) -> None:
         """Reopen the backend run, then replay the journal past the watermark."""
         floor = self.state.load().get("durable_through")
         self.floor = self.stats["durable_through"] = floor if isinstance(floor, int) else None
@@ -159,14 +159,16 @@ class _SinkWorker:
         if error is not None:
             log.error("sink %s could not continue the run: %s", self.name, error)
         self._check_content()
-        self._backlog.extend(("write", r["step"], r["metrics"], r["meta"]) for r in journal
-                             if self.floor is None or r["step"] > self.floor)
-        first = self._backlog[0][1] if self._backlog else None
+        self._backlog = (("write", r["step"], r["metrics"], r["meta"]) for r in journal
+                         if self.floor is None or r["step"] > self.floor)  # one at a time
+        first = None
         while True:
             with self._lock:  # a closer that gives up dead-letters the rest of the backlog
-                if self._abandoned or not self._backlog:
+                item = None if self._abandoned else next(self._backlog, None)
+                if item is None:
                     break
-                item = self._current = self._backlog.popleft()
+                self._current = item
+            first = item[1] if first is None else first
             self._deliver_step(item)
             self.stats["replayed"] += 1
             with self._lock:
@@ -329,7 +331,7 @@ class _SinkWorker:
             self._abandoned = True
             current = self._current
             waiting = list(self._backlog)  # journaled steps its replay never reached
-            self._backlog.clear()
+            self._backlog = iter(())
         while True:
             try:
                 waiting.append(self.queue.get_nowait())
@@ -355,10 +357,12 @@ class SinkDispatcher:
 
     def __init__(
         self, sinks: Sequence[Sink], run_dir: Path, delivery: DeliveryConfig | None = None,
-        redactor: Redactor | None = None, replay: Sequence[dict[str, Any]] | None = None,
+        redactor: Redactor | None = None,
+        replay: Callable[[], Iterator[dict[str, Any]]] | None = None,
     ) -> None:
-        """``replay``: the journal's step records when this continues a run (after a
-        restart); each sink then continues its backend run and gets what it lacks."""
+        """``replay``: reads the journal's step records when this continues a run (after a
+        restart; each sink reads it in its own pass); each sink then continues its backend
+        run and gets what it lacks."""
         self.run_dir = run_dir
         delivery = self.delivery = delivery or DeliveryConfig()
         run_dir.mkdir(parents=True, exist_ok=True)

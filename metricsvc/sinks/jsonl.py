@@ -8,12 +8,13 @@ The reader keeps one record per step, restores non-finite values as floats, and 
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ class JsonlSink:
         """Leave out of later writes every step past ``after`` the journal already holds
         (a step finished again from resent batches after a restart, say)."""
         assert self.path is not None
-        steps = [r["step"] for r in read_journal(self.path)]
+        steps = [r["step"] for r in iter_journal(self.path)]  # one record at a time
         self._held = {s for s in steps if after is None or s > after}
         self._through = max(steps, default=None)
 
@@ -167,39 +168,70 @@ def _step_record(line: str) -> tuple[dict[str, Any] | None, str | None]:
 def read_journal(path: str | os.PathLike[str],
                  stats: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Return the finished-step records of a journal's latest segment, one per step, in
-    file order.
+    file order (``iter_journal``, as a list)."""
+    return list(iter_journal(path, stats))
+
+
+def iter_journal(path: str | os.PathLike[str],
+                 stats: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Yield the finished-step records of a journal's latest segment, one per step, in
+    file order, holding one record at a time (a restart reads a bounded part of a long
+    journal).
 
     A ``rewind`` event (``{"event": {"rewind": {"to_step": k}}}``) starts a segment: the
-    records past ``k`` before it are archived (kept in the file, left out here). Other
-    events and blank lines are passed over; a line that is not a usable step record (a
-    torn line, missing fields, a non-numeric value) is skipped with one warning naming
-    file and line; of several records of one step the first is kept and the rest counted.
-    ``stats`` (if given) receives ``skipped``, ``duplicates`` and ``archived``.
+    records past ``k`` before it are archived (kept in the file, left out here; a first
+    pass finds the rewinds). Other events and blank lines are passed over; a line that is
+    not a usable step record (a torn line, missing fields, a non-numeric value) is skipped
+    with one warning naming file and line; of several records of one step the first is
+    kept and the rest counted. ``stats`` (if given) receives ``skipped``, ``duplicates``
+    and ``archived`` once the journal has been read through.
     """
-    out, seen, duplicates, skipped, archived = [], set(), [], 0, 0
+    rewinds = _rewinds(path)  # line number -> the lowest step any later rewind goes back to
+    seen: set[int] = set()
+    duplicates: list[int] = []
+    skipped = archived = 0
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
-            to_step = _rewind(line)
-            if to_step is not None:
-                kept = [r for r in out if r["step"] <= to_step]
-                archived += len(out) - len(kept)
-                out, seen = kept, {r["step"] for r in kept}
-                continue
             record, why = _step_record(line)
             if why is not None:
                 skipped += 1
                 log.warning("%s line %d: skipped: %s", path, number, why)
-            elif record is not None and record["step"] in seen:
+                continue
+            if record is None:  # an event (a rewind was read in the first pass) or a blank
+                continue
+            limit = _later_rewind(rewinds, number)
+            if limit is not None and record["step"] > limit:
+                archived += 1
+            elif record["step"] in seen:
                 duplicates.append(record["step"])
-            elif record is not None:
+            else:
                 seen.add(record["step"])
-                out.append(record)
+                yield record
     if duplicates:
         log.warning("%s: %d duplicate step records (steps %s) skipped; the first of each kept",
                     path, len(duplicates), sorted(set(duplicates)))
     if stats is not None:
         stats.update(skipped=skipped, duplicates=len(duplicates), archived=archived)
-    return out
+
+
+def _rewinds(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
+    """``(line, to_step)`` of each rewind event, with ``to_step`` the lowest of it and every
+    later one (what a record before that line is archived past)."""
+    found = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            to_step = _rewind(line)
+            if to_step is not None:
+                found.append((number, to_step))
+    for i in range(len(found) - 2, -1, -1):
+        found[i] = (found[i][0], min(found[i][1], found[i + 1][1]))
+    return found
+
+
+def _later_rewind(rewinds: list[tuple[int, int]], number: int) -> int | None:
+    """The lowest step a rewind after line ``number`` goes back to, or None."""
+    at = bisect.bisect_right(rewinds, (number, float("inf")))
+    return rewinds[at][1] if at < len(rewinds) else None
 
 
 def _rewind(line: str) -> int | None:
