@@ -347,8 +347,18 @@ class Aggregator:
         """Ranks closing each step after every other rank closed the next one."""
         return sorted(r for r, n in self._lagging.items() if n >= self.LAG_RUN)
 
+    # How a published step's meta is read back when it is older than what is kept in
+    # memory (the worker reads its journal); None: only what is kept is known.
+    journaled_meta: Callable[[int], Mapping[str, Any] | None] | None = None
+
     def _after_emitted(self, batch: Batch, digest: bytes) -> Outcome:
-        closed, digests = self._emitted.get(batch.step, (frozenset(), None))
+        closed, digests = self._emitted.get(batch.step, (None, None))
+        if digests is None and self.journaled_meta is not None:
+            meta = self.journaled_meta(batch.step)  # rare: an old step's batch
+            if meta is not None:
+                closed = frozenset(meta.get("ranks", ()))
+                digests = _digests(meta.get("digests"))
+        closed = closed or frozenset()
         if batch.rank not in closed:
             self.counts["late"] += 1
             self.late_by_rank[batch.rank] += 1
@@ -361,9 +371,7 @@ class Aggregator:
         # never taken for a duplicate, however old the step.
         self.counts["conflict"] += 1
         what = ("was already received with other content" if known is not None else
-                "comes after the rank already closed this step" if digests is not None else
-                f"is for a step older than the last {DIGEST_STEPS}, whose batches the "
-                f"service can compare")
+                "comes after the rank already closed this step")
         raise BatchRejected(
             f"step {batch.step}: conflict: rank {batch.rank} seq {batch.seq} {what}, and "
             f"the step is already final. Rerunning steps after resuming from a checkpoint? "

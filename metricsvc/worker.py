@@ -37,7 +37,7 @@ from metricsvc.config import (
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
 from metricsvc.sinks import SinkDispatcher, build_sinks
-from metricsvc.sinks.jsonl import iter_journal
+from metricsvc.sinks.jsonl import JournalIndex, iter_journal
 from metricsvc.validation import BatchRejected
 
 log = logging.getLogger(__name__)
@@ -211,6 +211,8 @@ class MetricWorkerImpl:
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
         self.journal_stats: dict[str, Any] = {"skipped": 0, "duplicates": 0}
+        if self.journal_path is not None:  # an old step's batches, checked against it
+            self.aggregator.journaled_meta = JournalIndex(self.journal_path).meta
         self.restored_steps = 0
         journal = self._restore() if continuing else None
         self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None

@@ -228,8 +228,8 @@ def test_a_rerun_of_an_old_final_step_is_refused_never_a_silent_duplicate():
         sent[step] = batch(step, 0, world_size=1, seq=step + 1, x=float(step))
         agg.submit(sent[step])
     assert agg.submit(sent[68]).status == "duplicate"  # a recent resend: the same bytes
-    with pytest.raises(BatchRejected, match=r"step 2: conflict: rank 0 seq 1 is for a step "
-                                            r"older than the last 64.*rewind\(to_step="):
+    with pytest.raises(BatchRejected, match=r"step 2: conflict: rank 0 seq 1 comes after the "
+                                            r"rank already closed this step.*rewind\(to_step="):
         agg.submit(batch(2, 0, world_size=1, seq=1, x=99.0))
     with pytest.raises(BatchRejected, match=r"step 2: conflict.*rewind"):
-        agg.submit(sent[2])  # even the same bytes: too old to tell a resend from a rerun
+        agg.submit(sent[2])  # without a journal to read it back, not provably a resend

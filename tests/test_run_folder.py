@@ -388,3 +388,52 @@ def test_a_restart_streams_the_journal_and_keeps_a_bounded_part(tmp_path):
     assert impl.restored_steps == 5000 and sorted(impl._results) == [4995, 4996, 4997,
                                                                      4998, 4999]
     assert peak < 12 * 2**20, f"a restart held {peak / 2**20:.0f} MB"  # 6.9 MB measured
+
+
+def test_a_resend_of_an_old_step_is_told_by_its_content_read_back_from_the_journal(
+        ray_cluster, tmp_path):
+    """Past the 64 steps whose digests the service keeps in memory, the journal's digests
+    (meta.digests) still tell a byte-identical resend (a duplicate) from a rerun (refused):
+    by content, not by a window."""
+    from metricsvc.records import Batch, scalar_row
+    from metricsvc.wire import encode
+
+    handle = metricsvc.start_metric_worker(config(tmp_path, "old-resend"))
+    blobs = [encode(Batch.build(step=s, rank=0, world_size=1, seq=s + 1, final=True,
+                                keys=("x",), data=scalar_row(float(s))[None], kinds=[1],
+                                expected=[0]))
+             for s in range(70)]
+    for blob in blobs:
+        ray.get(handle.submit.remote(blob))
+    assert ray.get(handle.submit.remote(blobs[2]))["status"] == "duplicate"
+    other = encode(Batch.build(step=2, rank=0, world_size=1, seq=3, final=True, keys=("x",),
+                               data=scalar_row(99.0)[None], kinds=[1], expected=[0]))
+    with pytest.raises(ValueError, match=r"step 2: conflict: rank 0 seq 3 was already received "
+                                         r"with other content.*rewind"):
+        ray.get(handle.submit.remote(other))
+    assert ray.get(handle.wait_final_res.remote(2, 10))["x/mean"] == 2.0
+    metricsvc.stop_metric_worker(handle)
+
+
+def test_a_journal_cut_back_to_the_checkpoint_takes_the_rerun_without_a_hole(ray_cluster,
+                                                                             tmp_path):
+    """Cut the journal back to the checkpoint (step 3), resume and rerun: the journal ended
+    with steps {0-3, 8, 9}, 4-7 never written, and nothing said so."""
+    first = metricsvc.start_metric_worker(config(tmp_path, "cut-a"))
+    client = MetricClient(None, rank=0, world_size=1, name="cut-a")
+    for step in range(8):
+        client.submit_metric({"x": float(step)})
+        client.wait_submit(step=step)
+    metricsvc.stop_metric_worker(first)
+    journal = tmp_path / "e" / "fixed" / "metrics.jsonl"
+    journal.write_bytes(b"".join(journal.read_bytes().splitlines(keepends=True)[:4]))
+    resumed = metricsvc.start_metric_worker(config(tmp_path, "cut-b", run={"resume": True}))
+    rerun = MetricClient(None, rank=0, world_size=1, name="cut-b", start_step=4)
+    for step in range(4, 10):
+        rerun.submit_metric({"x": 10.0 * step})
+        rerun.wait_submit(step=step)
+    health = metricsvc.stop_metric_worker(resumed)
+    assert [r["step"] for r in read_journal(journal)] == list(range(10))
+    assert [r["metrics"]["x"] for r in read_journal(journal)][4:] == [40.0, 50.0, 60.0, 70.0,
+                                                                      80.0, 90.0]
+    assert health["sinks"]["jsonl"]["missing"] is None  # 4-7 claimed, then written

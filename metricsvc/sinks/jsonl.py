@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -212,6 +213,50 @@ def iter_journal(path: str | os.PathLike[str],
                     path, len(duplicates), sorted(set(duplicates)))
     if stats is not None:
         stats.update(skipped=skipped, duplicates=len(duplicates), archived=archived)
+
+
+class JournalIndex:
+    """Where each step's record in a journal's latest segment begins: found by one scan
+    the first time an old step is asked for, then extended as the journal grows (a batch
+    for a step older than the service keeps in memory is rare, and must not cost a read
+    of the whole journal each time)."""
+
+    _STEP = re.compile(rb'^\{"step": (\d+),')
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._at: dict[int, int] = {}
+        self._scanned = 0
+
+    def meta(self, step: int) -> dict[str, Any] | None:
+        """Return the journaled meta of ``step``, or None if the journal does not hold it."""
+        self._scan()
+        at = self._at.get(step)
+        if at is None:
+            return None
+        with open(self.path, "rb") as fh:
+            fh.seek(at)
+            record, _ = _step_record(fh.readline().decode("utf-8", "replace"))
+        return None if record is None else record["meta"]
+
+    def _scan(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as fh:
+            fh.seek(self._scanned)
+            while True:
+                start = fh.tell()
+                line = fh.readline()
+                if not line.endswith(b"\n"):
+                    break  # the end, or a line still being written
+                self._scanned = fh.tell()
+                found = self._STEP.match(line)
+                if found is not None:
+                    self._at.setdefault(int(found.group(1)), start)
+                elif b'"rewind"' in line:
+                    to_step = _rewind(line.decode("utf-8", "replace"))
+                    if to_step is not None:
+                        self._at = {s: a for s, a in self._at.items() if s <= to_step}
 
 
 def _rewinds(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
