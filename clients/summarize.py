@@ -49,6 +49,7 @@ from metricsvc.protocol import (
     SUM,
     SUM_LO,
     SketchSpec,
+    centred_exactly,
     from_pivot,
     merge,
     merge_pair,
@@ -491,12 +492,15 @@ class _HostPass:
         torch call costs more than the arithmetic here."""
         values = [float(x) for x in v.tolist()]
         n = len(values)
-        c = sum(values) / n
+        plain = sum(values)
+        c = plain / n
         dev = [x - c for x in values]
         q = math.hypot(*dev)  # no overflow or underflow of the squares
         if math.isfinite(c) and math.isfinite(q):
-            total, low_part, root = from_pivot(float(n), c, sum(dev), q, SCALARS)
-            return _row_of(sum=total, count=n, min=min(values), max=max(values), m2_root=root,
+            low, high = min(values), max(values)
+            total, low_part, root = from_pivot(float(n), c, sum(dev), q, SCALARS, plain,
+                                               centred_exactly(low, high, c))
+            return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
                            nonfinite=0.0, sum_lo=low_part)
         return self._row_nonfinite(v)
 
@@ -514,7 +518,8 @@ class _HostPass:
             np.maximum.reduce(stacked, axis=1, out=rows[:, MAX])
             if max(-rows[:, MIN].min(), rows[:, MAX].max()) < 1e150:
                 n = float(stacked.shape[1])
-                pivot = stacked.sum(axis=1) / n
+                plain = stacked.sum(axis=1)
+                pivot = plain / n
                 dev = stacked - pivot[:, None]
                 squares = np.einsum("ij,ij->i", dev, dev)
                 q = np.sqrt(squares)
@@ -522,7 +527,8 @@ class _HostPass:
                     q[i] = rss(dev[i])
                 rows[:, COUNT] = n
                 rows[:, SUM], rows[:, SUM_LO], rows[:, M2_ROOT] = from_pivot(
-                    n, pivot, dev.sum(axis=1), q)
+                    n, pivot, dev.sum(axis=1), q, np, plain,
+                    centred_exactly(rows[:, MIN], rows[:, MAX], pivot))
                 return dict(zip(group, torch.from_numpy(rows).unbind(0)))
         return {key: self._row_nonfinite(torch.from_numpy(stacked[i]))
                 for i, key in enumerate(group)}
@@ -547,6 +553,7 @@ class _HostPass:
             if not clean:
                 return self._row_nonfinite(v)
             return torch.from_numpy(summarize_array(v.numpy()))  # finite, but past 1e308
+        low, high = (t.item() for t in torch.aminmax(v))
         m2 = squares - total * total / n
         if _SAFE_SQUARES[0] < squares < _SAFE_SQUARES[1] and 100.0 * m2 >= squares:
             total_lo, root = 0.0, math.sqrt(m2)
@@ -557,9 +564,9 @@ class _HostPass:
                 q = math.sqrt(squares)
             else:  # the squares under- or overflowed: scaled
                 q = rss(v.to(torch.float64).numpy() - pivot)
-            total, total_lo, root = from_pivot(float(n), pivot, d1, q, SCALARS)
-        low, high = torch.aminmax(v)
-        return _row_of(sum=total, count=n, min=low.item(), max=high.item(), m2_root=root,
+            total, total_lo, root = from_pivot(float(n), pivot, d1, q, SCALARS, total,
+                                               centred_exactly(low, high, pivot))
+        return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
                        nonfinite=0.0, sum_lo=total_lo)
 
     def _sums(self, v: Any, pivot: float) -> tuple[float, float]:
@@ -609,17 +616,20 @@ def _eager_row(x: Any, p: _MaskPack) -> Any:
         torch.mul(x, p.weight, out=s)
     torch.nan_to_num_(s, nan=0.0, posinf=0.0, neginf=0.0)
     z = p.scratch64.copy_(s)  # exact widening
-    pivot = z.sum() / count.clamp(min=1.0)
+    plain = z.sum()
+    pivot = plain / count.clamp(min=1.0)
     valid = torch.sub(x, x, out=s).eq_(0)  # 1 where finite (NaN != 0)
     if p.weight is not None:
         valid.mul_(p.weight)
     z.sub_(pivot).mul_(valid)
     d1 = z.sum()
-    total, low_part, root = from_pivot(count, pivot, d1, _norm(z, in_place=True), torch)
+    q = _norm(z, in_place=True)
     torch.add(x, p.to_pos, out=s) if p.to_pos is not None else s.copy_(x)
-    low = torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF).amin()
+    low = torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF).amin().to(torch.float64)
     torch.add(x, p.to_neg, out=s) if p.to_neg is not None else s.copy_(x)
-    high = torch.nan_to_num_(s, nan=-_INF, posinf=-_INF, neginf=-_INF).amax()
+    high = torch.nan_to_num_(s, nan=-_INF, posinf=-_INF, neginf=-_INF).amax().to(torch.float64)
+    total, low_part, root = from_pivot(count, pivot, d1, q, torch, plain,
+                                       centred_exactly(low, high, pivot))
     return _row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
                    nonfinite=nonfinite, sum_lo=low_part)
 
@@ -655,13 +665,16 @@ def _kernel(x: Any, m: Any) -> Any:
     bad = ~finite if m is None else m & ~finite
     z = torch.where(use, x, 0).to(torch.float64)  # exact: selection, then widening
     count = use.sum(dtype=torch.float64)
-    pivot = z.sum() / count.clamp(min=1.0)
+    plain = z.sum()
+    pivot = plain / count.clamp(min=1.0)
     dev = torch.where(use, z - pivot, 0.0)
-    total, low_part, root = from_pivot(count, pivot, dev.sum(), _norm(dev), torch)
+    low = torch.where(use, x, _INF).amin().to(torch.float64)
+    high = torch.where(use, x, -_INF).amax().to(torch.float64)
+    total, low_part, root = from_pivot(count, pivot, dev.sum(), _norm(dev), torch, plain,
+                                       centred_exactly(low, high, pivot))
     cols = [total] * NFIELDS
     cols[COUNT], cols[M2_ROOT], cols[SUM_LO] = count, root, low_part
-    cols[MIN] = torch.where(use, x, _INF).amin().to(torch.float64)
-    cols[MAX] = torch.where(use, x, -_INF).amax().to(torch.float64)
+    cols[MIN], cols[MAX] = low, high
     cols[NONFINITE] = bad.sum(dtype=torch.float64)
     return torch.stack(cols)
 

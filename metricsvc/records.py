@@ -109,18 +109,30 @@ def _half_plus(x: Any) -> Any:
     return x * 0.5 + abs(x) * 0.5  # max(x, 0) in arithmetic only, for any namespace
 
 
-def from_pivot(n: Any, c: Any, d1: Any, q: Any, xp: Any = np) -> tuple[Any, Any, Any]:
+def centred_exactly(low: Any, high: Any, c: Any) -> Any:
+    """Whether every value in ``[low, high]`` is within a factor 2 of ``c`` (same sign):
+    then each ``x - c`` is exact (Sterbenz), and so is the sum around the pivot ``c``."""
+    return (((low > 0) & (low * 2 >= c) & (high <= c * 2))
+            | ((high < 0) & (high * 2 <= c) & (low >= c * 2)))
+
+
+def from_pivot(n: Any, c: Any, d1: Any, q: Any, xp: Any = np, total: Any = None,
+               exact: Any = True) -> tuple[Any, Any, Any]:
     """Return ``(sum, sum_lo, m2_root)`` of ``n`` values from sums around a pivot ``c``.
 
     ``d1 = sum(x - c)`` and ``q = sqrt(sum((x - c)**2))``. With ``c`` near the mean,
     ``M2 = q**2 - d1**2 / n`` loses nothing to cancellation; it is taken as
     ``(q - r)(q + r)`` with ``r = |d1| / sqrt(n)``, so nothing is squared on the way.
-    The sum is ``n * c + d1``, carried exactly as a double-double. ``n`` may be 0 (then
-    ``c``, ``d1`` and ``q`` are 0, and so is everything returned).
+    The sum is ``n * c + d1``, carried exactly as a double-double where the deviations
+    were exact (``exact``: ``centred_exactly``); elsewhere the values span more than the
+    pivot, each ``x - c`` rounds, and the plain float64 ``total`` is the better sum. ``n``
+    may be 0 (then ``c``, ``d1`` and ``q`` are 0, and so is everything returned).
     """
     p, e = two_prod(n, c)
     hi, lo = two_sum(p, d1)
     hi, lo = _normalised(hi, lo + _finite(e, xp), xp)
+    if total is not None:
+        hi, lo = xp.where(exact, hi, total), xp.where(exact, lo, 0.0)
     r = abs(d1) / xp.sqrt(n + (n == 0))
     near = (q > 1e-150) * (q < 1e150)  # (q - r)(q + r) stays in range: one rounding less
     root = xp.where(near, xp.sqrt(_half_plus((q - r) * (q + r))),
@@ -192,6 +204,10 @@ def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
             offset[sel] = (m - pivot[idx[sel]]) + r
             d1, q = _spread(rows, idx, offset, n)
         out[:, SUM], out[:, SUM_LO], out[:, M2_ROOT] = from_pivot(total, pivot, d1, q)
+        if not far.all():  # near 0 the sums of the contributions' sums are the better sum
+            plain = _normalised(np.bincount(idx, rows[:, SUM], n),
+                                np.bincount(idx, rows[:, SUM_LO], n), np)
+            out[~far, SUM], out[~far, SUM_LO] = plain[0][~far], plain[1][~far]
     out[:, COUNT] = total
     return out
 
@@ -258,11 +274,13 @@ def pivoted_row_fields(x: np.ndarray) -> tuple[float, float, float]:
     """Return ``(sum, sum_lo, m2_root)`` of finite float64 values (not empty)."""
     # Finite values may still sum past float64's range: that is flagged, not an error.
     with np.errstate(over="ignore", invalid="ignore"):
-        c = float(x.sum()) / x.size
+        total = float(x.sum())
+        c = total / x.size
         if not math.isfinite(c):  # the sum overflowed; the mean need not
             c = float((x / x.size).sum())
         dev = x - c
-        return from_pivot(float(x.size), c, float(dev.sum()), rss(dev), SCALARS)
+        exact = bool(centred_exactly(float(x.min()), float(x.max()), c))
+        return from_pivot(float(x.size), c, float(dev.sum()), rss(dev), SCALARS, total, exact)
 
 
 def scalar_row(value: float, weight: float = 1.0) -> np.ndarray:
