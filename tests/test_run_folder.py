@@ -37,6 +37,16 @@ def one_step(name, value, world_size=1):
     return client
 
 
+def first_run(tmp_path, name, steps):
+    """A run of ``steps`` steps (x = the step) on a fresh service, stopped."""
+    handle = metricsvc.start_metric_worker(config(tmp_path, name))
+    client = MetricClient(None, rank=0, world_size=1, name=name)
+    for step in range(steps):
+        client.submit_metric({"x": float(step)})
+        client.wait_submit(step=step)
+    metricsvc.stop_metric_worker(handle)
+
+
 # -- a new run is never mistaken for a restart ---------------------------------------------
 def test_a_new_run_on_a_used_folder_is_refused_naming_it_and_resume_continues_it(
         ray_cluster, tmp_path):
@@ -315,12 +325,7 @@ def test_rerunning_final_steps_after_a_resume_is_refused_naming_rewind(ray_clust
     """Resume a run and rerun steps 4-7 from a checkpoint with new values: every close was
     acked 'duplicate' and the old values stayed, silently. Now each is refused at the
     rank, naming the step and the call to make."""
-    first = metricsvc.start_metric_worker(config(tmp_path, "rerun-a"))
-    client = MetricClient(None, rank=0, world_size=1, name="rerun-a")
-    for step in range(8):
-        client.submit_metric({"x": float(step)})
-        client.wait_submit(step=step)
-    metricsvc.stop_metric_worker(first)
+    first_run(tmp_path, "rerun-a", 8)
     resumed = metricsvc.start_metric_worker(config(tmp_path, "rerun-b", run={"resume": True}))
     rerun = MetricClient(None, rank=0, world_size=1, name="rerun-b", start_step=4)
     rerun.submit_metric({"x": 100.0})
@@ -338,12 +343,7 @@ def test_a_watermark_past_the_journal_never_stops_it_and_a_torn_step_is_written_
     (written stayed 0, no error); with its torn last line a step the ranks still owed,
     it ended [0, 1, 2, 4]. The journal's own content decides; what the watermark claims
     and the file lacks is reported in health() until it is written."""
-    first = metricsvc.start_metric_worker(config(tmp_path, "hole-a"))
-    client = MetricClient(None, rank=0, world_size=1, name="hole-a")
-    for step in range(4):
-        client.submit_metric({"x": float(step)})
-        client.wait_submit(step=step)
-    metricsvc.stop_metric_worker(first)
+    first_run(tmp_path, "hole-a", 4)
     folder = tmp_path / "e" / "fixed"
     journal = folder / "metrics.jsonl"
     lines = journal.read_bytes().splitlines(keepends=True)
@@ -419,12 +419,7 @@ def test_a_journal_cut_back_to_the_checkpoint_takes_the_rerun_without_a_hole(ray
                                                                              tmp_path):
     """Cut the journal back to the checkpoint (step 3), resume and rerun: the journal ended
     with steps {0-3, 8, 9}, 4-7 never written, and nothing said so."""
-    first = metricsvc.start_metric_worker(config(tmp_path, "cut-a"))
-    client = MetricClient(None, rank=0, world_size=1, name="cut-a")
-    for step in range(8):
-        client.submit_metric({"x": float(step)})
-        client.wait_submit(step=step)
-    metricsvc.stop_metric_worker(first)
+    first_run(tmp_path, "cut-a", 8)
     journal = tmp_path / "e" / "fixed" / "metrics.jsonl"
     journal.write_bytes(b"".join(journal.read_bytes().splitlines(keepends=True)[:4]))
     resumed = metricsvc.start_metric_worker(config(tmp_path, "cut-b", run={"resume": True}))
