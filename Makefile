@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[torch,sinks,dev]'
 	touch $(STAMP)
 
-CONFIG ?= configs/default.yaml
+CONFIG ?= default
 
 run: $(STAMP)
 	$(PY) examples/ray_driver.py --config $(CONFIG)
@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check metricsvc clients tests examples
+	$(PY) -m ruff check metricsvc tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -49,7 +49,7 @@ import torch
 import metricsvc
 from benchmarks.baselines import siirl_metrics
 from benchmarks.baselines.siirl_style import SiirlStyleWorker
-from clients import MetricClient
+from metricsvc.client import MetricClient
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 TENSORS = ("advantages", "returns", "values", "old_log_prob", "log_prob", "entropy", "ratio",

@@ -25,7 +25,7 @@ import ray
 import metricsvc
 from benchmarks.baselines.per_key import PerKeyClient, PerKeyWorker
 from benchmarks.baselines.siirl_style import SiirlStyleClient, SiirlStyleWorker
-from clients import MetricClient
+from metricsvc.client import MetricClient
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 

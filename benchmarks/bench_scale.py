@@ -25,7 +25,7 @@ import numpy as np
 import ray
 
 import metricsvc
-from clients import MetricClient
+from metricsvc.client import MetricClient
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 

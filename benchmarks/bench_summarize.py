@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from clients.summarize import accelerator_path_on_cpu, summarize_many, to_host
-from clients.synccount import HostTransferCounter
+from metricsvc.client.summarize import accelerator_path_on_cpu, summarize_many, to_host
+from metricsvc.client.synccount import HostTransferCounter
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 

@@ -14,7 +14,7 @@ Before (AReaL):
     stats = stats_tracker.export_all(reduce_group=dp_group)
     stats_logger.commit(epoch, step, global_step, stats)
 
-After (below): the same calls on a MetricClient (configs/areal.yaml: key/avg suffixes,
+After (below): the same calls on a MetricClient (the areal preset: key/avg suffixes,
 record_timing under timeperf/); export + commit become wait_submit on every rank, and
 the MetricWorker's sinks (wandb, swanlab, tensorboard, JSONL) take StatsLogger's place.
 
@@ -24,15 +24,13 @@ the MetricWorker's sinks (wandb, swanlab, tensorboard, JSONL) take StatsLogger's
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import ray
 import torch
 
 import metricsvc
-from clients import MetricClient
+from metricsvc.client import MetricClient
 
-ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 
 
@@ -61,7 +59,7 @@ class TrainEngine:
 
 def main() -> dict:
     ray.init(include_dashboard=False, log_to_driver=False)  # or joins a running cluster
-    worker = metricsvc.start_metric_worker(ROOT / "configs" / "areal.yaml", name="areal_migration")
+    worker = metricsvc.start_metric_worker("areal", name="areal_migration")
     engines = [TrainEngine.remote(r) for r in range(WORLD)]
     step = ray.get([e.train_step.remote(1e-5) for e in engines])[0]
     stats = ray.get(worker.wait_final_res.remote(step, 30))

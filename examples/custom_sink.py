@@ -39,7 +39,7 @@ def main() -> Path:
     import ray
 
     import metricsvc
-    from clients import MetricClient
+    from metricsvc.client import MetricClient
 
     ray.init(include_dashboard=False, log_to_driver=False)  # or joins a running cluster
     worker = metricsvc.start_metric_worker({

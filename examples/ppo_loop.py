@@ -15,7 +15,7 @@ import ray
 import torch
 
 import metricsvc
-from clients import MetricClient
+from metricsvc.client import MetricClient
 
 SERVICE = "ppo_loop"
 WORLD = 2

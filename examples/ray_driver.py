@@ -1,6 +1,6 @@
 """The README quickstart, runnable: a Ray driver, the MetricWorker, DAG workers submitting.
 
-    python examples/ray_driver.py [--config configs/default.yaml] [--workers 4] [--steps 10]
+    python examples/ray_driver.py [--config default] [--workers 4] [--steps 10]
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import numpy as np
 import ray
 
 import metricsvc
-from clients import MetricClient
-from clients.demo import progress
+from metricsvc.client import MetricClient
+from metricsvc.demo import progress
 
 try:
     import torch
 except ImportError:  # the demo also runs on numpy alone
     torch = None
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @ray.remote(num_cpus=0)
@@ -59,7 +58,8 @@ class DAGWorker:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    parser.add_argument("--config", default="default",
+                        help="a preset name (default, siirl, areal, all, ...) or a YAML file")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()

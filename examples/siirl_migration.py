@@ -12,7 +12,7 @@ Before (siiRL):
     metric_client.wait_submit()
     final_metrics = metric_client.wait_final_res()
 
-After (below): the MetricWorker is started once by the driver (configs/siirl.yaml keeps
+After (below): the MetricWorker is started once by the driver (the siirl preset keeps
 siiRL's names: timing_s/ -> perf/delta_time/); each DAG worker's client knows its rank.
 No .item(): a 0-d tensor stays on its device until the one copy per step.
 
@@ -21,15 +21,12 @@ No .item(): a 0-d tensor stays on its device until the one copy per step.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import ray
 import torch
 
 import metricsvc
-from clients import MetricClient
+from metricsvc.client import MetricClient
 
-ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 
 
@@ -60,7 +57,7 @@ class DAGWorker:
 
 def main() -> dict:
     ray.init(include_dashboard=False, log_to_driver=False)  # or joins a running cluster
-    worker = metricsvc.start_metric_worker(ROOT / "configs" / "siirl.yaml",
+    worker = metricsvc.start_metric_worker("siirl",
                                            name="siirl_migration")
     workers = [DAGWorker.remote(r) for r in range(WORLD)]
     final = ray.get([w.step.remote() for w in workers])[0]

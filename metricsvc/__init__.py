@@ -1,35 +1,60 @@
-"""metricsvc: exact, non-blocking metrics aggregation for distributed training on Ray."""
+"""metricsvc: exact, non-blocking metrics aggregation for distributed training on Ray.
 
-from metricsvc.aggregator import Aggregator, StepResult
-from metricsvc.combiner import Combiner, start_combiner
-from metricsvc.config import ServiceConfig, load_config
-from metricsvc.records import Batch
-from metricsvc.reduce import ReduceType
-from metricsvc.validation import BatchRejected
-from metricsvc.worker import (
-    MetricWorker,
-    StepNotFinal,
-    StepUnavailable,
-    get_metric_worker,
-    start_metric_worker,
-    stop_metric_worker,
-)
+Two halves, one package:
 
-__all__ = [
-    "Aggregator",
-    "Batch",
-    "BatchRejected",
-    "Combiner",
-    "MetricWorker",
-    "ReduceType",
-    "ServiceConfig",
-    "StepNotFinal",
-    "StepResult",
-    "StepUnavailable",
-    "get_metric_worker",
-    "load_config",
-    "start_combiner",
-    "start_metric_worker",
-    "stop_metric_worker",
-]
+- ``metricsvc.client``: what every training rank imports (``MetricClient``, ``Tracker``,
+  ``StreamRecorder``, the built-in recorders). It loads neither the service nor pydantic.
+- the service (``start_metric_worker``, ``MetricWorker``, ``load_config``, sinks): what a
+  Ray driver imports to start it.
+
+Names are imported on first use (PEP 562), so ``import metricsvc.client`` on a rank stays
+light and ``from metricsvc import start_metric_worker`` on a driver works as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "Aggregator": "metricsvc.aggregator",
+    "StepResult": "metricsvc.aggregator",
+    "Combiner": "metricsvc.combiner",
+    "start_combiner": "metricsvc.combiner",
+    "ServiceConfig": "metricsvc.config",
+    "load_config": "metricsvc.config",
+    "presets": "metricsvc.config",
+    "Batch": "metricsvc.records",
+    "ReduceType": "metricsvc.reduce",
+    "Derived": "metricsvc.declare",
+    "Metric": "metricsvc.declare",
+    "BatchRejected": "metricsvc.validation",
+    "MetricWorker": "metricsvc.worker",
+    "StepNotFinal": "metricsvc.worker",
+    "StepUnavailable": "metricsvc.worker",
+    "get_metric_worker": "metricsvc.worker",
+    "start_metric_worker": "metricsvc.worker",
+    "stop_metric_worker": "metricsvc.worker",
+    "MetricClient": "metricsvc.client",
+    "StreamRecorder": "metricsvc.client",
+    "Tracker": "metricsvc.client",
+    "ServiceUnavailable": "metricsvc.client",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'metricsvc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -23,6 +23,7 @@ import numpy as np
 
 from metricsvc.declare import decode_derived, is_internal
 from metricsvc.derive import Deriver
+from metricsvc.keys import safe_tag, tag_order
 from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, Batch
 from metricsvc.reduce import (
     AUTO,
@@ -35,7 +36,6 @@ from metricsvc.reduce import (
     is_approximate_plain_key,
 )
 from metricsvc.run_declarations import RunDeclarations
-from metricsvc.sinks.names import safe_tag, tag_order
 from metricsvc.sketch import histogram
 from metricsvc.step import Part, PendingStep, Window
 from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch

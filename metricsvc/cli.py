@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import logging
 import math
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -17,7 +19,9 @@ from typing import Any
 
 import yaml
 
-from metricsvc.config import DEFAULT_NAME, load_config
+from metricsvc import __version__
+from metricsvc.config import DEFAULT_NAME, load_config, presets
+from metricsvc.keys import NAMESPACE_ENV, default_namespace
 from metricsvc.redaction import Redactor
 from metricsvc.sinks.jsonl import read_journal
 
@@ -34,9 +38,14 @@ def journal_path(target: str) -> Path:
         found = list(path.rglob("metrics.jsonl"))
         if not found:
             raise CliError(f"no metrics.jsonl under {path}")
-        return max(found, key=lambda p: p.stat().st_mtime)  # the newest run, not the last name
-    if not path.is_file():
+        path = max(found, key=lambda p: p.stat().st_mtime)  # the newest run, not the last name
+    elif not path.is_file():
         raise CliError(f"no such run folder or journal: {path}")
+    with open(path, "rb") as fh:
+        head = fh.read(8192)
+    # (a multi-byte character cut at the 8 KiB boundary is not binary data)
+    if b"\0" in head or head.decode("utf-8", "replace").count("\ufffd") > 3:
+        raise CliError(f"{path} is not a metrics journal: it holds binary data")
     return path
 
 
@@ -44,6 +53,7 @@ def load_steps(target: str) -> list[dict[str, Any]]:
     """Return the journal's steps (one per step); say on stderr what was read and skipped."""
     path = journal_path(target)
     stats: dict[str, Any] = {}
+    logging.getLogger("metricsvc.sinks.jsonl").setLevel(logging.ERROR)  # counted below
     steps = read_journal(path, stats)
     notes = [f"{stats['duplicates']} duplicate step records dropped"] * bool(stats["duplicates"])
     notes += [f"{stats['skipped']} unreadable lines skipped"] * bool(stats["skipped"])
@@ -161,6 +171,7 @@ def cmd_health(args: argparse.Namespace) -> None:
             socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
         except (OSError, ValueError) as err:
             raise CliError(f"cannot connect to Ray at {args.address}: {err}") from None
+    _use_token_if_available()
     try:
         ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
                  logging_level="ERROR")
@@ -177,6 +188,21 @@ def cmd_health(args: argparse.Namespace) -> None:
                        f"{args.namespace!r}{hint}") from None
     health = ray.get(worker.health.remote(), timeout=30)
     print(json.dumps(health, indent=2, default=str) if args.json else health_summary(health))
+
+
+def _use_token_if_available() -> None:
+    """Present this machine's Ray token, as ``ray status`` does: Ray turns token auth on by
+    itself only for a cluster it finds without an address, not for ``--address``. Never
+    turns authentication off; an explicit ``RAY_AUTH_MODE`` is respected."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def health_summary(h: dict[str, Any]) -> str:
@@ -205,41 +231,76 @@ def cmd_validate_config(args: argparse.Namespace) -> None:
     cfg = load_config(args.file)
     from metricsvc.sinks.base import build_sinks
 
-    build_sinks(cfg.sinks)  # a custom target or entry point that cannot load fails here
+    # a sink whose library is missing, a custom target or entry point that cannot load
+    build_sinks(cfg.sinks, check=True)
     data = json.loads(cfg.model_dump_json())
     print(yaml.safe_dump(Redactor(data).value(data), sort_keys=False), end="")
     print(f"# {args.file}: valid", file=sys.stderr)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from clients.demo import run_demo  # the demo runs DAG workers, so it needs the clients
+    from metricsvc.demo import run_demo  # the demo runs DAG workers, so it needs the clients
 
     run_demo(args.config, workers=args.workers, steps=args.steps)
 
 
 # -- entry point -------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (``metricsvc report: error: ...``) and exit status 2."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="metricsvc", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="local Ray, the MetricWorker, DAG workers, finished steps")
-    demo.add_argument("--config", default=None, help="YAML config (default: built-in demo)")
-    demo.add_argument("--workers", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=20)
+    parser = _Parser(prog="metricsvc", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"metricsvc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    names = ", ".join(presets())
+    demo = sub.add_parser("demo", help="local Ray, the MetricWorker, DAG workers, finished steps",
+                          description="Run DAG workers with fake PPO batches on Ray (a running "
+                                      "cluster if there is one, else a local one).")
+    demo.add_argument("--config", default=None,
+                      help=f"a preset ({names}) or a YAML file (default: the demo's own: "
+                           "console every 5 steps and the journal, under ./runs)")
+    demo.add_argument("--workers", type=positive, default=4,
+                      help="DAG workers (ranks) to run (default 4)")
+    demo.add_argument("--steps", type=positive, default=20, help="steps to run (default 20)")
     report = sub.add_parser("report", help="a readable table of a run's journal")
-    report.add_argument("target", metavar="RUN_DIR_OR_JOURNAL")
+    report.add_argument("target", metavar="RUN_DIR_OR_JOURNAL",
+                        help="a run folder (its newest journal is read) or a metrics.jsonl")
     report.add_argument("--keys", nargs="+", help="glob patterns, e.g. 'critic/*'")
-    report.add_argument("--last", type=int, default=5, help="last N steps (default 5)")
+    report.add_argument("--last", type=positive, default=5, help="last N steps (default 5)")
     plot = sub.add_parser("plot", help="line plots of chosen keys over steps")
-    plot.add_argument("target", metavar="RUN_DIR_OR_JOURNAL")
+    plot.add_argument("target", metavar="RUN_DIR_OR_JOURNAL",
+                      help="a run folder (its newest journal is read) or a metrics.jsonl")
     plot.add_argument("--keys", nargs="+", required=True, help="glob patterns")
     plot.add_argument("-o", "--output", required=True, help="PNG file to write")
-    health = sub.add_parser("health", help="print a running MetricWorker's health")
-    health.add_argument("--name", default=DEFAULT_NAME)
-    health.add_argument("--namespace", default=None)
-    health.add_argument("--address", default="auto")
+    health = sub.add_parser("health", help="print a running MetricWorker's health",
+                            description="Connect to a running Ray cluster (as `ray status` "
+                                        "does, with this machine's Ray token) and print the "
+                                        "MetricWorker's health.")
+    health.add_argument("--name", default=DEFAULT_NAME,
+                        help=f"the service's actor name (default {DEFAULT_NAME})")
+    health.add_argument("--namespace", default=None,
+                        help=f"its Ray namespace (default ${NAMESPACE_ENV}, else metricsvc)")
+    health.add_argument("--address", default="auto",
+                        help="the cluster's GCS address, host:port as `ray status` shows it "
+                             "(default: the cluster running on this machine)")
     health.add_argument("--json", action="store_true", help="the full health() as JSON")
-    validate = sub.add_parser("validate-config", help="validate a YAML config, print it resolved")
-    validate.add_argument("file")
+    validate = sub.add_parser("validate-config", help="validate a config, print it resolved")
+    validate.add_argument("file", help=f"a YAML file or a preset ({names})")
     return parser
 
 
@@ -247,19 +308,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "namespace", "") is None:
+        args.namespace = default_namespace()
     handler = {"demo": cmd_demo, "report": cmd_report, "plot": cmd_plot, "health": cmd_health,
                "validate-config": cmd_validate_config}[args.command]
     try:
         handler(args)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `metricsvc report RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 0
     except (CliError, ValueError, OSError, KeyError) as err:
-        print(f"metricsvc {args.command}: error: {err}", file=sys.stderr)
+        print(f"metricsvc {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     except Exception as err:  # never a traceback at the user: one line, non-zero
-        print(f"metricsvc {args.command}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        cause = getattr(err, "cause", None)  # a task's error, as Ray wraps it
+        err = cause if isinstance(cause, BaseException) else err
+        print(f"metricsvc {args.command}: error: {type(err).__name__}: {one_line(err)}",
+              file=sys.stderr)
         return 1
     return 0
+
+
+def one_line(err: BaseException) -> str:
+    """The message of ``err`` as one line: its last non-empty line (where a multi-line
+    message, such as a remote traceback, ends with what went wrong)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 if __name__ == "__main__":

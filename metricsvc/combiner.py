@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
-from metricsvc.protocol import combiner_name
+from metricsvc.keys import combiner_name
 from metricsvc.records import Batch
 from metricsvc.resend import Outbox, deliver
 from metricsvc.retry import ACTOR_ERRORS, backoff

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from metricsvc.protocol import DEFAULT_NAME
+from metricsvc.keys import DEFAULT_NAME, default_namespace
 from metricsvc.reduce import OutputRules, ReduceType
 from metricsvc.sketch import MIN_ALPHA, SketchSpec
 from metricsvc.validation import Limits
@@ -267,7 +267,11 @@ class ServiceConfig(_Strict):
     """Everything the MetricWorker actor needs; the driver passes it at start."""
 
     name: str = DEFAULT_NAME
-    namespace: str | None = None
+    namespace: str = Field(
+        default_factory=default_namespace, min_length=1,
+        description="the Ray namespace of the service's actors: $METRICSVC_NAMESPACE, "
+                    "else metricsvc; any shell finds the service there by name",
+    )
     num_cpus: float = Field(0, ge=0)
     max_restarts: int = Field(3, ge=-1)
     world_size: int | None = Field(
@@ -327,13 +331,38 @@ class ServiceConfig(_Strict):
 ConfigSource = ServiceConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 
 
+PRESETS = Path(__file__).resolve().parent / "presets"  # package data: found from any directory
+
+
+def presets() -> list[str]:
+    """Return the names of the packaged presets (``load_config("siirl")`` loads one)."""
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def resolve_config_path(source: str | os.PathLike[str]) -> Path:
+    """Return the YAML file ``source`` names: a path to a file, or a preset's name
+    (``"default"``, ``"siirl"``, ...). Raise one line saying which it is not."""
+    path = Path(source)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is a folder; give a config file (.yaml) or a preset "
+                                f"name ({', '.join(presets())})")
+    preset = PRESETS / f"{path.name}.yaml"
+    if str(source) == path.name and preset.is_file():
+        return preset
+    raise FileNotFoundError(f"config file not found: {path} (not a preset either; presets: "
+                            f"{', '.join(presets())})")
+
+
 def load_config(source: ConfigSource = None, **overrides: Any) -> ServiceConfig:
-    """Return a ServiceConfig from a YAML path, a dict, a ServiceConfig or None (defaults).
+    """Return a ServiceConfig from a YAML path, a preset's name (``presets()``), a dict, a
+    ServiceConfig or None (defaults).
 
     ``overrides`` replace top-level fields (e.g. ``name=...``).
 
     Raises:
-        FileNotFoundError: the YAML path does not exist.
+        FileNotFoundError: the YAML path does not exist and is no preset's name.
         ValueError: the config is invalid; the message names each bad key.
     """
     origin = "config"
@@ -344,10 +373,8 @@ def load_config(source: ConfigSource = None, **overrides: Any) -> ServiceConfig:
     elif isinstance(source, Mapping):
         data = dict(source)
     else:
-        path = Path(source)
+        path = resolve_config_path(source)
         origin = str(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:  # one line: where, and what the parser expected

@@ -24,18 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metricsvc.formula import Formula, parse
+from metricsvc.keys import check_key, is_internal, safe_tag
 from metricsvc.reduce import KINDS, OutputRules, ReduceType, output_names
-from metricsvc.validation import check_key
 
 MAX_DECLARATIONS = 20_000
-
-
-def is_internal(key: str) -> bool:
-    """Return True for a key with a path segment ``__<name>``: an input of derived
-    metrics only, never exported."""
-    if "__" not in key:
-        return False
-    return any(part.startswith("__") and len(part) > 2 for part in key.split("/"))
 
 
 MEAN_SUFFIXES = ("mean", "avg")  # the service's is configured: a client claims both
@@ -76,7 +68,6 @@ class Metric:
 
 @functools.lru_cache(maxsize=65536)  # keys recur every step
 def _claims(name: str, kind: ReduceType) -> tuple[str, ...]:
-    from metricsvc.sinks.names import safe_tag  # sinks import this module
 
     if KINDS[kind].suffixes_vary:
         names: tuple[str, ...] = ()
@@ -164,8 +155,6 @@ class Derived:
     def claims(self) -> tuple[str, ...]:
         """Return the name this metric exports, as written and as a sink tag (a family's
         names are known only once bound: the service checks those)."""
-        from metricsvc.sinks.names import safe_tag  # sinks import this module
-
         if self.templated:
             return ()
         return tuple(dict.fromkeys((self.name, safe_tag(self.name))))

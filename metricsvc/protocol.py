@@ -1,16 +1,26 @@
 """The client/service protocol: everything a client needs from the service, and nothing else.
 
-A client (``clients/``) imports only this module: the record and its algebra, the
+A client (``metricsvc.client``) imports only this module: the record and its algebra, the
 batch and its wire encoding, the reduce kinds and the names they export, metric
 declarations, the quantile sketch layout, the key rules, the restart protocol both
 clients and combiners speak, how actors are named, and the errors a service raises.
 The rest of ``metricsvc`` (aggregation, the actor, sinks, config) may change freely
-behind it; the service never imports torch or ``clients``.
+behind it; the service never imports torch or ``metricsvc.client``.
 """
 
 from __future__ import annotations
 
-from metricsvc.declare import Derived, Metric, encode_derived, is_internal
+from metricsvc.declare import Derived, Metric, encode_derived
+from metricsvc.keys import (
+    DEFAULT_NAME,
+    DEFAULT_NAMESPACE,
+    check_key,
+    check_rank,
+    combiner_name,
+    default_namespace,
+    is_internal,
+    safe_tag,
+)
 from metricsvc.records import (
     COUNT,
     FIELDS,
@@ -36,18 +46,9 @@ from metricsvc.records import (
 from metricsvc.reduce import AUTO, KINDS, OutputRules, ReduceType, output_names
 from metricsvc.resend import Outbox, deliver
 from metricsvc.retry import ACTOR_ERRORS, backoff
-from metricsvc.sinks.names import safe_tag
 from metricsvc.sketch import SketchSpec, dense_to_sparse, merge_sparse, sparse_counts
-from metricsvc.validation import BatchRejected, check_key, check_rank
+from metricsvc.validation import BatchRejected
 from metricsvc.wire import encode
-
-DEFAULT_NAME = "metricsvc_worker"  # the MetricWorker's Ray actor name unless configured
-
-
-def combiner_name(service: str, label: str) -> str:
-    """Return the Ray actor name of the combiner ``label`` of service ``service``."""
-    return f"{service}--combiner--{label}"
-
 
 __all__ = [
     "ACTOR_ERRORS",
@@ -66,6 +67,8 @@ __all__ = [
     "merge_pair",
     "rss",
     "DEFAULT_NAME",
+    "DEFAULT_NAMESPACE",
+    "default_namespace",
     "FIELDS",
     "KINDS",
     "NFIELDS",

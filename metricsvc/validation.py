@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from metricsvc.keys import MAX_KEY_LENGTH, check_key, check_rank
 from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM, SUM_LO, Batch
 from metricsvc.reduce import KINDS, VALID_CODES
 from metricsvc.sketch import MIN_ALPHA, SketchSpec
@@ -26,42 +27,13 @@ class BatchRejected(ValueError):
 class Limits:
     """Size limits applied to every key and batch."""
 
-    max_key_length: int = 512
+    max_key_length: int = MAX_KEY_LENGTH
     max_keys_per_batch: int = 100_000
     max_batch_bytes: int = 64 * 2**20
     max_world_size: int = 4096
     max_declarations: int = 1000  # derived-metric declarations in one batch
     max_derived_outputs: int = 10_000  # derived metrics one step exports
     max_derived_reads: int = 1_000_000  # merged records the formulas of one step read
-
-
-def check_key(key: object, limits: Limits = Limits()) -> str:
-    """Return ``key`` if it is a usable metric name, else raise naming it."""
-    if not isinstance(key, str):
-        raise TypeError(f"metric keys must be str, got {type(key).__name__} ({key!r})")
-    if not key:
-        raise ValueError("metric key must be a non-empty string")
-    if len(key) > limits.max_key_length:
-        raise ValueError(
-            f"metric key {key[:60]!r}... is {len(key)} characters; "
-            f"the limit is {limits.max_key_length}"
-        )
-    if not key.isprintable():
-        raise ValueError(f"metric key {key!r} contains non-printable characters")
-    return key
-
-
-def check_rank(rank: object, world_size: object) -> tuple[int, int]:
-    """Return ``(rank, world_size)`` as ints if ``0 <= rank < world_size``, else raise."""
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    rank, world_size = int(rank), int(world_size)  # type: ignore[arg-type]
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    return rank, world_size
 
 
 class KeyCache:
@@ -126,7 +98,7 @@ def check_batch(batch: object, limits: Limits = Limits(), cache: KeyCache | None
 def _check_keys(keys: tuple, limits: Limits) -> None:
     for key in keys:
         try:
-            check_key(key, limits)
+            check_key(key, limits.max_key_length)
         except (TypeError, ValueError) as err:
             raise BatchRejected(str(err)) from None
     if len(set(keys)) != len(keys):

@@ -18,6 +18,7 @@ import socket
 import tempfile
 import time
 import uuid
+import warnings
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -34,9 +35,11 @@ from metricsvc.config import (
     load_config,
     new_trial,
 )
+from metricsvc.keys import default_namespace
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
 from metricsvc.sinks import SinkDispatcher, build_sinks
+from metricsvc.sinks.base import check_libraries
 from metricsvc.sinks.jsonl import JournalIndex, iter_journal
 from metricsvc.validation import BatchRejected
 
@@ -167,7 +170,9 @@ def config_differences(asked: Mapping[str, Any], running: Mapping[str, Any],
 
 def _restarted_by_ray() -> bool:
     try:
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # not inside an actor (the impl built directly)
         return False
 
@@ -210,6 +215,7 @@ class MetricWorkerImpl:
                       yaml.safe_dump(self.redactor.value(cfg.model_dump())))
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
+        self.job = ray.get_runtime_context().get_job_id()  # the job whose run this is
         self.journal_stats: dict[str, Any] = {"skipped": 0, "duplicates": 0}
         if self.journal_path is not None:  # an old step's batches, checked against it
             self.aggregator.journaled_meta = JournalIndex(self.journal_path).meta
@@ -218,8 +224,8 @@ class MetricWorkerImpl:
         self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None
         # Continuing a run, each sink continues its backend run and is given the journaled
         # steps past its watermark: what users look at survives the restart too.
-        self.sinks = SinkDispatcher(build_sinks(cfg.sinks), self.run_dir, cfg.sinks.delivery,
-                                    self.redactor, replay=journal)
+        self.sinks = SinkDispatcher(build_sinks(cfg.sinks, check=True), self.run_dir,
+                                    cfg.sinks.delivery, self.redactor, replay=journal)
         self._changed = asyncio.Condition()
         self._ticker: asyncio.Task[None] | None = None
         self._started = time.time()
@@ -429,6 +435,10 @@ class MetricWorkerImpl:
             return None
         return {"step": step, "metrics": result.metrics, "meta": result.meta}
 
+    def job_id(self) -> str:
+        """Return the id of the Ray job that started this service (it dies with that job)."""
+        return self.job
+
     def health(self) -> dict[str, Any]:
         """Return the actor's state: pending steps, counters, sink errors, run folder."""
         agg = self.aggregator
@@ -593,6 +603,10 @@ def start_metric_worker(
     the same actor.
     """
     cfg = load_config(config, name=name, namespace=namespace, world_size=world_size)
+    check_libraries(cfg.sinks)  # here, in one line, not as retries in the actor
+    if not Path(cfg.run.root).is_absolute():  # the driver's folder, not the cluster's cwd
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(
+            update={"root": str(Path(cfg.run.root).resolve())})})
     try:
         running = ray.get_actor(cfg.name, namespace=cfg.namespace)
     except ValueError:  # none runs yet: a new run, whose folder must be its own
@@ -630,6 +644,12 @@ def _same_service(handle: Any, cfg: ServiceConfig) -> Any:
     """Return the running service if it runs ``cfg`` (an unset trial matches any), else
     raise naming the fields that differ."""
     running = ray.get(handle.config_dump.remote())
+    job = ray.get(handle.job_id.remote())
+    if job != ray.get_runtime_context().get_job_id():
+        raise ValueError(
+            f"a MetricWorker named {cfg.name!r} already runs in namespace {cfg.namespace!r} "
+            f"for another job ({job}): two runs would merge into one service; give this run "
+            f"its own name= or namespace= (or set $METRICSVC_NAMESPACE)")
     asked = cfg.model_dump(mode="json")
     asked = Redactor(asked).value(asked)
     if cfg.run.trial is None:
@@ -672,4 +692,4 @@ def _close_at_exit(handle: Any) -> None:
 
 def get_metric_worker(name: str | None = None, namespace: str | None = None) -> Any:
     """Return the handle of a running MetricWorker by name (default: the config default)."""
-    return ray.get_actor(name or DEFAULT_NAME, namespace=namespace)
+    return ray.get_actor(name or DEFAULT_NAME, namespace=namespace or default_namespace())

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from clients import MetricClient
+from metricsvc.client import MetricClient
 
 
 @ray.remote(num_cpus=0)
@@ -33,17 +33,17 @@ class RankActor:
 
     # Built-in metric functions that are not MetricClient methods, callable through run().
     def record_train_perf_for_test(self, tokens, seconds):
-        from clients.metrics import record_train_perf
+        from metricsvc.client.metrics import record_train_perf
 
         record_train_perf(self.client, tokens, seconds)
 
     def record_logp_diagnostics_for_test(self, trainer, rollout, mask):
-        from clients.metrics import record_logp_diagnostics
+        from metricsvc.client.metrics import record_logp_diagnostics
 
         record_logp_diagnostics(self.client, trainer, rollout, mask)
 
     def record_moe_for_test(self, counts):
-        from clients.metrics import record_moe_balance
+        from metricsvc.client.metrics import record_moe_balance
 
         record_moe_balance(self.client, counts)
 

@@ -7,8 +7,8 @@ import pytest
 import ray
 import torch
 
-from clients import MetricClient
-from clients.metrics import validation_metrics
+from metricsvc.client import MetricClient
+from metricsvc.client.metrics import validation_metrics
 from tests.helpers import RankActor
 
 WORLD = 4
@@ -337,8 +337,8 @@ def test_every_built_in_family_records_exactly_what_it_declares():
     """The family declarations (name, kind, help) are the source of truth: every key a
     recorder records matches one declared Metric of its family, with that kind, and every
     derived metric it declares matches a declared Derived; every declaration is used."""
-    from clients import Derived, Metric
-    from clients.metrics import (
+    from metricsvc.client import Derived, Metric
+    from metricsvc.client.metrics import (
         FAMILIES,
         record_logp_diagnostics,
         record_moe_balance,
@@ -385,10 +385,25 @@ def test_every_built_in_family_records_exactly_what_it_declares():
 
 
 def test_moe_balance_declares_two_metrics_whatever_the_number_of_layers_and_experts():
-    from clients.metrics import record_moe_balance
+    from metricsvc.client.metrics import record_moe_balance
 
     c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
     record_moe_balance(c, {layer: torch.arange(16) for layer in range(8)})
     batch = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
     assert len(batch.keys) == 8 * 16 and len(c.buffer.declared) == 2
     assert len(batch.derived) < 600  # bytes per batch for 128 load_percent and 8 layers
+
+
+def test_a_batch_of_numpy_arrays_gets_one_line_saying_what_the_recorders_read():
+    import numpy as np
+
+    from metricsvc.client import MetricClient
+
+    c = MetricClient(None, rank=0, world_size=1)
+    batch = {"responses": np.zeros((2, 4)), "attention_mask": np.ones((2, 8), np.int64)}
+    with pytest.raises(TypeError) as err:
+        c.compute_local_data_metric(batch)
+    message = str(err.value)
+    assert "batch['attention_mask'] is a numpy.ndarray" in message and "\n" not in message
+    assert "pip install 'metricsvc[torch]'" in message and "stat()" in message
+    assert c.pending_keys() == []

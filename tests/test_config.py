@@ -1,13 +1,13 @@
 """Config loading: YAML presets, dicts, overrides, and errors that name the bad key."""
 
-from pathlib import Path
 
 import pytest
 
+import metricsvc.config
 from metricsvc import ServiceConfig, load_config
 from metricsvc.reduce import ReduceType
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted(metricsvc.config.PRESETS.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -16,7 +16,7 @@ def test_every_shipped_config_loads(path):
 
 
 def test_siirl_preset_renames_timing_and_takes_the_slowest_rank():
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "siirl.yaml")
+    cfg = load_config("siirl")
     assert cfg.renames == {"timing_s/": "perf/delta_time/"}
     assert cfg.parsed_rules()["timing_s/*"] is ReduceType.MAX  # siiRL keys: test_siirl_preset
 

@@ -42,7 +42,7 @@ def test_a_ratio_of_values_is_omitted_where_its_denominator_is_zero_or_missing()
 
 
 def test_explained_variance_declared_by_the_client_uses_unbiased_merged_variances():
-    from clients.metrics.data import EXPLAINED_VARIANCE as ev
+    from metricsvc.client.metrics.data import EXPLAINED_VARIANCE as ev
 
     returns, residual = np.array([1.0, 2.0, 4.0, 7.0]), np.array([0.5, -0.5, 0.2, 0.1])
     out = derive(Deriver(), [ev], {"critic/returns": rec(returns, ReduceType.AVG_MIN_MAX),
@@ -55,7 +55,7 @@ def test_explained_variance_declared_by_the_client_uses_unbiased_merged_variance
 
 
 def test_running_totals_continue_across_steps_and_after_a_restart():
-    from clients.metrics.timing import train_perf
+    from metricsvc.client.metrics.timing import train_perf
 
     declared = train_perf("tp")
     d = Deriver()
@@ -79,7 +79,7 @@ def test_a_total_keeps_counting_a_step_whose_whole_formula_is_undefined():
 
 
 def test_group_inputs_read_every_key_they_match_within_one_segment():
-    from clients.metrics.moe import moe_balance
+    from metricsvc.client.metrics.moe import moe_balance
 
     declared = moe_balance("moe")
     recs = {f"moe/layer_0/expert_{e}/tokens": rec([float(t)]) for e, t in enumerate((1, 2, 5))}
@@ -99,7 +99,7 @@ def test_group_inputs_read_every_key_they_match_within_one_segment():
 
 
 def test_a_templated_declaration_binds_its_placeholders_from_the_recorded_keys():
-    from clients.metrics.timing import PER_TOKEN_MS
+    from metricsvc.client.metrics.timing import PER_TOKEN_MS
 
     recs = {f"__timing_per_token_ms/{stage}/{part}": rec([v])
             for stage, ms, tokens in (("gen", 500.0, 100.0), ("ref", 90.0, 30.0))
@@ -216,7 +216,7 @@ def test_a_formula_with_no_real_value_is_omitted_with_its_reason_and_steps_go_on
     Now it is omitted, meta says why, and every step is published exact."""
     import ray
 
-    from clients import MetricClient
+    from metricsvc.client import MetricClient
 
     handle, cfg = make_worker(world_size=2)
     clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]

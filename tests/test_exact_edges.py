@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clients import MetricClient
-from clients.summarize import accelerator_path_on_cpu, sketch, summarize
 from metricsvc import records
+from metricsvc.client import MetricClient
+from metricsvc.client.summarize import accelerator_path_on_cpu, sketch, summarize
 from metricsvc.declare import Derived
 from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, SUM, SUM_LO
 from metricsvc.sinks.jsonl import read_journal

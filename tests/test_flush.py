@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import ray
 
-from clients import MetricClient
+from metricsvc.client import MetricClient
 from metricsvc.validation import BatchRejected
 from tests.helpers import wait_for_new_incarnation
 
@@ -130,7 +130,7 @@ def test_discard_after_a_timed_out_close_withdraws_nothing_sent_and_says_so(make
     published with it (loss 501.5, 1000.0 included), and closing again was refused as
     'two clients with rank 0?'. A sent batch cannot be withdrawn: discard() now counts
     only what it withdrew, says the step may hold the batch, and the step agrees."""
-    from clients import ServiceNotice
+    from metricsvc.client import ServiceNotice
 
     handle, cfg = make_worker(world_size=1)
     c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
@@ -167,3 +167,25 @@ def test_a_refusal_raised_at_a_later_flush_never_costs_that_flush_its_step(make_
         raise AssertionError("step 0's refusal was not raised")
     c.wait_acks(timeout_s=30)
     assert ray.get(handle.wait_final_res.remote(1, 30)) == {"ok": 1.0}
+
+
+def test_log_with_a_step_records_and_closes_it_as_wandb_and_verl_do(make_worker):
+    """``log(metrics, step=)``: verl's ``Tracking.log(data, step)`` and ``wandb.log`` moved
+    over as they are; ``commit=False`` builds one step over several calls."""
+    from metricsvc.client import StepMismatch
+
+    handle, cfg = make_worker(world_size=2)
+    ranks = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    for step in (3, 4):  # steps named by the caller, as a resumed loop does
+        for r, c in enumerate(ranks):
+            c.log({"actor/pg_loss": float(step + r)}, step=step, commit=False)
+            c.log({"response_length/max": float(10 * step + r)}, step=step)
+    got = [ray.get(handle.wait_final_res.remote(s, 30)) for s in (3, 4)]
+    assert [g["actor/pg_loss"] for g in got] == [3.5, 4.5]  # the mean over ranks
+    assert [g["response_length/max"] for g in got] == [31.0, 41.0]  # a max by its name
+    assert all(c.step == 5 and c.rpc_count == 2 for c in ranks)  # one message per step
+    ranks[0].log({"x": 1.0}, step=5, commit=False)
+    with pytest.raises(StepMismatch, match=r"log\(step=6\)"):
+        ranks[0].log({"x": 2.0}, step=6)  # step 5's record was never closed
+    with pytest.raises(TypeError, match="step must be an int"):
+        ranks[0].log({"x": 2.0}, step=-1)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import metricsvc
-from clients import MetricClient
 from metricsvc import records
+from metricsvc.client import MetricClient
 from metricsvc.declare import is_internal
 from metricsvc.records import COUNT, SUM
 from metricsvc.reduce import finalize, kind_for_key

@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from clients import MetricClient
+from metricsvc.client import MetricClient
 from metricsvc.sinks.jsonl import read_journal
 from metricsvc.sketch import SketchSpec, histogram, sparse_counts
 from tests import readback

@@ -113,7 +113,7 @@ def test_hostile_declarations_are_refused_or_cheap_and_honest_steps_stay_exact(m
     import numpy as np
     import ray
 
-    from clients import MetricClient
+    from metricsvc.client import MetricClient
     from metricsvc.declare import encode_derived
 
     handle, cfg = make_worker(world_size=2, limits={"max_keys_per_batch": 5000})

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import ray
 
-from clients import MetricClient
 from metricsvc import records
 from metricsvc.aggregator import Aggregator
+from metricsvc.client import MetricClient
 from metricsvc.records import Batch
 from metricsvc.reduce import AUTO, ReduceType
 from metricsvc.sketch import SketchSpec, sparse_counts

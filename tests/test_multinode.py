@@ -63,7 +63,7 @@ def test_per_node_combiners_on_real_nodes_equal_flat_bit_for_bit_one_call_per_no
         members = sorted(r for r, n in PLACEMENT.items() if n == node)
         node_id = node_of(ranks[members[0]])
         assert {node_of(ranks[r]) for r in members} == {node_id}
-        combiner = ray.get_actor(combiner_name(cfg.name, node_id), namespace="metricsvc-tests")
+        combiner = ray.get_actor(combiner_name(cfg.name, node_id), namespace=cfg.namespace)
         h = ray.get(combiner.health.remote())
         assert h["local_ranks"] == members  # found by the ranks' real node id
         assert h["calls"]["submit"] == len(members) * STEPS and h["calls"]["forward"] == STEPS

@@ -10,29 +10,140 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_service_package_never_imports_torch_or_clients():
-    code = "import sys, metricsvc; print('torch' in sys.modules, 'clients' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=ROOT)
-    assert out.stdout.split() == ["False", "False"]
+# What ``import metricsvc.client`` may load of this package: the client, and the service
+# modules the protocol is made of. Never the aggregator, the actor, sinks or config (nor
+# pydantic): a training rank imports the client, not the service.
+CLIENT_IMPORTS = {
+    "metricsvc", "metricsvc.client", "metricsvc.client.buffer", "metricsvc.client.client",
+    "metricsvc.client.metrics", "metricsvc.client.metrics.batch",
+    "metricsvc.client.metrics.data", "metricsvc.client.metrics.diagnostics",
+    "metricsvc.client.metrics.moe", "metricsvc.client.metrics.timing",
+    "metricsvc.client.metrics.validation", "metricsvc.client.rpc", "metricsvc.client.stream",
+    "metricsvc.client.summarize", "metricsvc.client.tracker", "metricsvc.declare",
+    "metricsvc.formula", "metricsvc.keys", "metricsvc.protocol", "metricsvc.records",
+    "metricsvc.reduce", "metricsvc.resend", "metricsvc.retry", "metricsvc.sketch",
+    "metricsvc.validation", "metricsvc.wire",
+}
 
 
-def test_clients_depend_on_the_service_only_through_its_protocol_module():
-    """The client library imports one module of the service, ``metricsvc.protocol``
-    (``clients/demo.py`` is a driver: it starts the service through ``metricsvc``)."""
+def _loaded_by(statement: str) -> dict[str, list[str]]:
+    code = (f"import json, sys; {statement}; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('metricsvc', 'clients', 'pydantic', 'yaml', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    import json
+
+    return json.loads(out.stdout)
+
+
+def test_importing_the_client_loads_no_service_module_and_no_pydantic():
+    loaded = _loaded_by("import metricsvc.client")
+    assert {m for m in loaded if m.startswith("metricsvc")} == CLIENT_IMPORTS
+    assert not any(m.startswith(("pydantic", "torch")) for m in loaded)
+
+
+def test_the_service_package_never_imports_torch_or_the_client():
+    loaded = _loaded_by("import metricsvc; metricsvc.start_metric_worker, metricsvc.load_config")
+    assert "metricsvc.worker" in loaded and "metricsvc.sinks" in loaded
+    assert not any(m.startswith(("torch", "metricsvc.client", "clients")) for m in loaded)
+
+
+def test_one_top_level_package_and_the_old_clients_name_is_gone():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["metricsvc*"]
+    assert not (ROOT / "clients").exists()
+    out = subprocess.run([sys.executable, "-c", "import clients"], capture_output=True,
+                         text=True, cwd=ROOT / "tests")
+    assert "No module named 'clients'" in out.stderr
+
+
+def _imports_of(path: Path) -> set[str]:
+    """The ``metricsvc`` modules a file imports, at any depth of its code."""
     import ast
 
-    seen = {}
-    for path in sorted((ROOT / "clients").rglob("*.py")):
-        if path.name == "demo.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            for name in names:
-                if name == "metricsvc" or name.startswith("metricsvc."):
-                    seen.setdefault(name, []).append(path.relative_to(ROOT).as_posix())
-    assert set(seen) == {"metricsvc.protocol"}, seen
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # where a is a module
+            found.add(node.module)
+    return {name for name in found if name.split(".")[0] == "metricsvc"}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``from a import b`` counts ``a.b`` where
+    that is a module). Lazy imports in functions count too: a loop is a loop."""
+    modules = {}
+    for path in (ROOT / "metricsvc").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {name: {m for m in _imports_of(path) if m in modules and m != name}
+             for name, path in modules.items()}
+    for name, edges in graph.items():  # `from pkg import module` imports the module
+        edges -= {m for m in set(edges) if any(e.startswith(m + ".") for e in edges)
+                  and name.startswith(m + ".")}
+    return graph
+
+
+def test_no_import_loop_anywhere_in_the_package():
+    graph = import_graph()
+    state: dict[str, int] = {}
+    loops = []
+
+    def visit(node, trail):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if nxt == "metricsvc":  # the top level imports nothing (names load on first use)
+                continue
+            if state.get(nxt) == 1:
+                loops.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not loops, loops
+
+
+def test_the_key_rules_live_in_one_leaf_module_both_sides_use():
+    graph = import_graph()
+    assert graph["metricsvc.keys"] == set()
+    assert "metricsvc.keys" in graph["metricsvc.protocol"]
+    assert "metricsvc.keys" in graph["metricsvc.sinks.names"]
+    assert "metricsvc.keys" in graph["metricsvc.validation"]
+
+
+def test_every_module_imports_on_its_own():
+    """No module works only when another was imported first (an empty ``__init__`` used
+    to break ``import metricsvc.protocol`` with a partially initialised module)."""
+    names = sorted(import_graph())
+    code = ("import sys\n"
+            "for name in sys.argv[1:]:\n"
+            "    for m in [m for m in sys.modules if m.split('.')[0] == 'metricsvc']:\n"
+            "        del sys.modules[m]\n"
+            "    try:\n"
+            "        __import__(name)\n"
+            "    except Exception as err:\n"
+            "        print(f'{name}: {type(err).__name__}: {err}')\n")
+    out = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True,
+                         cwd=ROOT / "tests", timeout=120)
+    assert out.returncode == 0 and out.stdout == "", out.stdout + out.stderr[-2000:]
+
+
+def test_the_client_depends_on_the_service_only_through_its_protocol_module():
+    """The client package imports one module of the service, ``metricsvc.protocol`` (which
+    re-exports the record, the wire format and the key rules)."""
+    graph = import_graph()
+    client = {n for n in graph if n.startswith("metricsvc.client")}
+    used = set().union(*(graph[n] for n in client)) - client - {"metricsvc"}
+    assert used == {"metricsvc.protocol"}, used
 
 
 def test_the_recording_layer_uses_no_private_method_of_the_buffer():
@@ -40,10 +151,10 @@ def test_the_recording_layer_uses_no_private_method_of_the_buffer():
     through the buffer's public methods (no `_record` forwarding chain)."""
     import re
 
-    from clients import MetricClient, StreamRecorder, Tracker
+    from metricsvc.client import MetricClient, StreamRecorder, Tracker
 
     assert issubclass(MetricClient, Tracker) and issubclass(StreamRecorder, Tracker)
-    source = (ROOT / "clients" / "tracker.py").read_text()
+    source = (ROOT / "metricsvc" / "client" / "tracker.py").read_text()
     assert not re.findall(r"self\.buffer\._\w+", source)
     assert MetricClient.stat is Tracker.stat  # no forwarding layer in between
 

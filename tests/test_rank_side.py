@@ -9,8 +9,8 @@ import pytest
 import ray
 import torch
 
-from clients import MetricClient, StepAlreadyFinal, StepMismatch
-from clients.summarize import summarize_many
+from metricsvc.client import MetricClient, StepAlreadyFinal, StepMismatch
+from metricsvc.client.summarize import summarize_many
 from metricsvc.records import summarize_array
 from metricsvc.sinks.jsonl import read_journal
 
@@ -165,7 +165,7 @@ def test_a_user_key_ending_in_double_underscore_count_reaches_every_output(make_
 
 
 def test_a_derived_metric_owns_its_name_and_its_sink_tag(ray_cluster):
-    from clients import Derived
+    from metricsvc.client import Derived
 
     c = MetricClient(object(), rank=0, world_size=1)  # never flushed: no service needed
     c.declare(Derived("eval/acc rate", "mean(x)", {"x": "eval/__acc"}))

@@ -96,8 +96,8 @@ def test_a_kinds_table_entry_is_the_one_place_a_kind_is_defined(monkeypatch):
     an entry changes every one of them (here STD exporting ``/sd`` as a variance)."""
     import numpy as np
 
-    from clients import buffer
     from metricsvc import reduce
+    from metricsvc.client import buffer
     from metricsvc.records import summarize_array
 
     def clear():

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 import metricsvc
-from clients import MetricClient
+from metricsvc.client import MetricClient
 from metricsvc.sinks.jsonl import read_journal
 from tests import readback
 

@@ -15,8 +15,8 @@ import pytest
 import ray
 
 import metricsvc
-from clients import MetricClient, ServiceUnavailable
 from metricsvc.cli import main as cli_main
+from metricsvc.client import MetricClient, ServiceUnavailable
 from metricsvc.sinks.jsonl import JsonlSink, read_journal
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,7 +236,7 @@ def test_one_redaction_rule_hides_every_planted_secret_and_no_number(tmp_path):
     secret = "S3CRETpw-71c2"
     script = textwrap.dedent(f"""
         import json, subprocess, sys, ray, metricsvc
-        from clients import MetricClient
+        from metricsvc.client import MetricClient
         ray.init(num_cpus=1, include_dashboard=False)
         cfg = {{"name": "secret-places", "run": {{"root": {str(tmp_path)!r}, "trial": "t"}},
                "sinks": {{"console": {{"every": 1}},

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 import metricsvc
-from clients import MetricClient
+from metricsvc.client import MetricClient
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def test_a_planted_api_key_appears_in_no_log_journal_health_or_config(tmp_path):
     secret = "sk-planted-5f3c9a0e7d41"
     script = textwrap.dedent(f"""
         import json, ray, metricsvc
-        from clients import MetricClient
+        from metricsvc.client import MetricClient
         ray.init(num_cpus=1, include_dashboard=False)
         cfg = {{"name": "secret-holder", "run": {{"root": {str(tmp_path)!r}, "trial": "t"}},
                "sinks": {{"console": {{"every": 1}}, "wandb": {{"mode": "offline"}},

@@ -1,15 +1,12 @@
-"""configs/siirl.yaml means what siiRL means: its sum / max / min keys reduce so, exactly."""
+"""The siirl preset means what siiRL means: its sum / max / min keys reduce so, exactly."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 
 import metricsvc
-from clients import MetricClient
-
-ROOT = Path(__file__).resolve().parent.parent
+from metricsvc.client import MetricClient
 
 # Every siiRL key name (its metric helpers, MetricsCollector, DAPO sampling, the docs)
 # whose meaning is a sum, a max or a min; and means that must stay means.
@@ -40,7 +37,7 @@ SIIRL_KEYS = {
 
 
 def test_the_siirl_preset_reduces_each_siirl_key_as_siirl_means_it(ray_cluster, tmp_path):
-    cfg = metricsvc.load_config(ROOT / "configs" / "siirl.yaml", name="siirl-preset")
+    cfg = metricsvc.load_config("siirl", name="siirl-preset")
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"root": str(tmp_path)}),
                                  "sinks": cfg.sinks.model_copy(update={"console": None})})
     world = 3

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import ray
 
-from clients import MetricClient
+from metricsvc.client import MetricClient
 from metricsvc.config import load_config
 from metricsvc.sinks import SinkDispatcher, build_sinks, default_registry
 from metricsvc.sinks.jsonl import read_journal
@@ -50,7 +50,7 @@ def assert_same(got, journal, rename=lambda k: k, rel=1e-12):
 
 @pytest.mark.slow
 def test_every_sink_of_all_yaml_gets_the_same_numbers_as_the_journal(make_worker, tmp_path):
-    cfg_all = load_config(ROOT / "configs" / "all.yaml")
+    cfg_all = load_config("all")
     handle, cfg = make_worker(sinks={**cfg_all.sinks.model_dump(), "console": None})
     run_steps(cfg)
     health = ray.get(handle.close.remote())
@@ -189,7 +189,7 @@ def test_a_driver_that_exits_without_close_still_finishes_the_wandb_run(tmp_path
     script = textwrap.dedent(f"""
         import os
         import ray, metricsvc
-        from clients import MetricClient
+        from metricsvc.client import MetricClient
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
         cfg = {{"name": "exit-wandb", "run": {{"root": {str(tmp_path)!r}, "trial": "t"}},
                "sinks": {{"console": None, "wandb": {{}}}}}}

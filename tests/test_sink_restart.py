@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import ray
 
-from clients import MetricClient
+from metricsvc.client import MetricClient
 from metricsvc.sinks.jsonl import read_journal
 from metricsvc.sinks.names import safe_tag
 from tests import readback

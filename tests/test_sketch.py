@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients.summarize import accelerator_path_on_cpu, sketch
+from metricsvc.client.summarize import accelerator_path_on_cpu, sketch
 from metricsvc.sketch import (
     SketchSpec,
     dense_counts,

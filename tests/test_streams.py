@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import ray
 
-from clients import MetricClient
 from metricsvc import records
 from metricsvc.aggregator import Aggregator
+from metricsvc.client import MetricClient
 from metricsvc.records import Batch
 from metricsvc.validation import BatchRejected
 

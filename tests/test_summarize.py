@@ -8,14 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clients.summarize import (
+from metricsvc.client.summarize import (
     accelerator_path_on_cpu,
     merge_rows,
     rows_to_host,
     summarize,
     summarize_many,
 )
-from clients.synccount import HostTransferCounter
+from metricsvc.client.synccount import HostTransferCounter
 from metricsvc.records import (
     COUNT,
     M2_ROOT,
@@ -122,7 +122,7 @@ def test_compiled_kernel_equals_eager_and_never_recompiles_for_new_shapes():
 
     from torch._dynamo.utils import counters
 
-    s = importlib.import_module("clients.summarize")  # the module, not the function
+    s = importlib.import_module("metricsvc.client.summarize")  # the module, not the function
 
     big = s.COMPILE_MIN_NUMEL
     g = torch.Generator().manual_seed(1)
@@ -191,7 +191,7 @@ def test_values_sharing_a_mask_share_its_preparation():
 
 
 def test_a_mask_is_prepared_once_per_step_and_an_in_place_change_is_noticed():
-    from clients import MetricClient
+    from metricsvc.client import MetricClient
 
     c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
     mask = torch.rand(4, 64) > 0.3
@@ -212,7 +212,7 @@ def test_a_mask_is_prepared_once_per_step_and_an_in_place_change_is_noticed():
 def test_threads_recording_masked_tensors_into_one_client_stay_exact():
     import threading
 
-    from clients import MetricClient
+    from metricsvc.client import MetricClient
 
     c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
     g = torch.Generator().manual_seed(3)
@@ -241,7 +241,7 @@ def test_threads_recording_masked_tensors_into_one_client_stay_exact():
 @pytest.mark.parametrize("n", [7, 5000, 70_000])  # numpy's small path, torch's, several chunks
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_a_difference_is_summarised_exactly_over_the_valid_positions(n, dtype):
-    from clients.summarize import Difference
+    from metricsvc.client.summarize import Difference
 
     g = torch.Generator().manual_seed(n)
     a = (torch.randn(n, generator=g) * 3 + 1).to(dtype)
@@ -287,7 +287,7 @@ def test_small_values_of_one_call_are_summarised_together_each_exactly(n):
 def test_each_tensor_of_a_call_is_gathered_once_whatever_it_is_recorded_as():
     from torch.overrides import TorchFunctionMode
 
-    from clients.summarize import Difference
+    from metricsvc.client.summarize import Difference
 
     class Count(TorchFunctionMode):
         def __init__(self):

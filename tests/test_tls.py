@@ -79,7 +79,7 @@ DRIVER = textwrap.dedent('''
     from pathlib import Path
     import ray
     import metricsvc
-    from clients import MetricClient
+    from metricsvc.client import MetricClient
     from tests.helpers import RankActor
 
     root = sys.argv[1]

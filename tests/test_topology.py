@@ -42,7 +42,7 @@ def test_two_fake_nodes_of_four_ranks_equal_the_flat_topology_exactly(make_worke
     assert health["calls"].get("submit", 0) == 0
     assert health["calls"]["submit_many"] == 2 * STEPS
     for label in ("nodeA", "nodeB"):
-        combiner = ray.get_actor(combiner_name(cfg.name, label), namespace="metricsvc-tests")
+        combiner = ray.get_actor(combiner_name(cfg.name, label), namespace=cfg.namespace)
         h = ray.get(combiner.health.remote())
         assert h["calls"]["submit"] == 4 * STEPS and h["calls"]["forward"] == STEPS
         assert h["local_ranks"] == ([0, 1, 2, 3] if label == "nodeA" else [4, 5, 6, 7])
@@ -52,8 +52,8 @@ def test_two_fake_nodes_of_four_ranks_equal_the_flat_topology_exactly(make_worke
 def test_per_node_start_places_one_combiner_on_each_node(make_worker):
     handle, cfg = make_worker(topology="per_node")
     node = ray.get_runtime_context().get_node_id()
-    combiner = ray.get_actor(combiner_name(cfg.name, node), namespace="metricsvc-tests")
-    from clients import MetricClient
+    combiner = ray.get_actor(combiner_name(cfg.name, node), namespace=cfg.namespace)
+    from metricsvc.client import MetricClient
 
     c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
     c.submit_metric({"x": 2.0})
@@ -66,7 +66,7 @@ def test_per_node_start_places_one_combiner_on_each_node(make_worker):
 def test_a_lone_combiner_resends_an_owed_step_before_the_new_one_after_a_restart(make_worker):
     from pathlib import Path
 
-    from clients import MetricClient
+    from metricsvc.client import MetricClient
 
     handle, cfg = make_worker(topology="per_node", sinks={"console": None, "jsonl": {}})
     combiner = metricsvc.start_combiner(cfg, "solo")
@@ -97,7 +97,7 @@ def test_batches_reaching_a_combiner_while_it_forwards_their_step_are_not_held_b
     at once. Batches of that step arriving while that forward is still in flight used to
     start a second gathering for the step, which then waited for the first rank again,
     until combiner_timeout_s (30 s)."""
-    from clients import MetricClient
+    from metricsvc.client import MetricClient
 
     handle, cfg = make_worker(topology="per_node", world_size=4)
     clients = [MetricClient(None, rank=r, world_size=4, name=cfg.name) for r in range(4)]
@@ -110,4 +110,4 @@ def test_batches_reaching_a_combiner_while_it_forwards_their_step_are_not_held_b
     for c in clients:
         c.wait_acks(30)
     node = ray.get_runtime_context().get_node_id()
-    ray.kill(ray.get_actor(combiner_name(cfg.name, node), namespace="metricsvc-tests"))
+    ray.kill(ray.get_actor(combiner_name(cfg.name, node), namespace=cfg.namespace))

@@ -9,10 +9,10 @@ import pytest
 import ray
 import torch
 
-from clients import MetricClient, ReduceType
-from clients.summarize import accelerator_path_on_cpu
-from clients.synccount import HostTransferCounter
 from metricsvc import ReduceType as ServiceReduceType
+from metricsvc.client import MetricClient, ReduceType
+from metricsvc.client.summarize import accelerator_path_on_cpu
+from metricsvc.client.synccount import HostTransferCounter
 
 
 def final(handle, step=0):

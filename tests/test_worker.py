@@ -11,9 +11,9 @@ import ray
 import torch
 
 import metricsvc
-from clients import MetricClient, ReduceType
-from clients.summarize import accelerator_path_on_cpu
-from clients.synccount import HostTransferCounter
+from metricsvc.client import MetricClient, ReduceType
+from metricsvc.client.summarize import accelerator_path_on_cpu
+from metricsvc.client.synccount import HostTransferCounter
 from metricsvc.records import Batch, scalar_row
 from tests.helpers import RankActor, random_rank_data
 
@@ -330,7 +330,7 @@ def test_a_rank_whose_counted_steps_shifted_by_one_is_named_and_told_to_pass_ste
     late, silently (steps 1-3 were 23.7 / 334 / 3364 against the truth, partial=False).
     The service sees it close each step only after every other rank closed the next one:
     meta and health() name it, and it is told to pass step=."""
-    from clients import ServiceNotice
+    from metricsvc.client import ServiceNotice
 
     handle, cfg = make_worker()
     ok, shifted = clients_for(cfg, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -105,6 +106,33 @@ def _builtin(module: str, cls: str) -> SinkFactory:
     return lambda config: getattr(importlib.import_module(module), cls)(config)
 
 
+# The library each optional built-in sink writes with, and the extra that installs it.
+LIBRARIES = {
+    "tensorboard": ("tensorboardX", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "swanlab": ("swanlab", "swanlab"),
+    "mlflow": ("mlflow", "mlflow"),
+}
+
+
+def missing_libraries(sinks_config: Any) -> list[str]:
+    """Return one sentence per enabled sink whose library is not installed here."""
+    out = []
+    for name, _ in sinks_config.enabled():
+        module, extra = LIBRARIES.get(name, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            out.append(f"sinks.{name} needs {module}, which is not installed: "
+                       f"pip install 'metricsvc[{extra}]' (or turn it off: sinks.{name}: null)")
+    return out
+
+
+def check_libraries(sinks_config: Any) -> None:
+    """Raise one line naming each configured sink whose library is missing, and its extra."""
+    missing = missing_libraries(sinks_config)
+    if missing:
+        raise ValueError("; ".join(missing))
+
+
 def default_registry(with_entry_points: bool = True) -> SinkRegistry:
     """Return a registry of the built-in sinks (and installed entry points)."""
     registry = SinkRegistry()
@@ -122,8 +150,12 @@ def default_registry(with_entry_points: bool = True) -> SinkRegistry:
     return registry
 
 
-def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None) -> list[Sink]:
-    """Return one sink per enabled entry of a ``SinksConfig``: built-ins, then custom ones."""
+def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None, *,
+                check: bool = False) -> list[Sink]:
+    """Return one sink per enabled entry of a ``SinksConfig``: built-ins, then custom ones.
+    ``check``: first refuse, in one line, a sink whose library is not installed."""
+    if check:
+        check_libraries(sinks_config)
     registry = registry or default_registry()
     out = [registry.create(name, cfg) for name, cfg in sinks_config.enabled()]
     for custom in sinks_config.custom:

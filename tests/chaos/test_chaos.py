@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 
-from clients import MetricClient
+from metricsvc.client import MetricClient
 from metricsvc.sinks.jsonl import read_journal
 from tests import readback
 from tests.helpers import RankActor
@@ -135,7 +135,7 @@ def test_resent_and_reordered_batches_merge_once_and_publish_in_order(make_worke
 
 
 def test_a_client_whose_actor_is_gone_for_good_raises_at_once_and_keeps_its_batch(make_worker):
-    from clients import ServiceUnavailable
+    from metricsvc.client import ServiceUnavailable
 
     handle, cfg = make_worker()
     c = MetricClient(handle, rank=0, world_size=1, retry_s=1.0)

@@ -6,17 +6,17 @@ syncs a device. Values that the peers compute per rank and then average
 the merge, so they equal the value computed on the whole global batch.
 """
 
-from clients.metrics import data, diagnostics, moe, timing, validation
-from clients.metrics.data import record_data_metrics, record_process_memory
-from clients.metrics.diagnostics import record_logp_diagnostics
-from clients.metrics.moe import record_moe_balance
-from clients.metrics.timing import (
+from metricsvc.client.metrics import data, diagnostics, moe, timing, validation
+from metricsvc.client.metrics.data import record_data_metrics, record_process_memory
+from metricsvc.client.metrics.diagnostics import record_logp_diagnostics
+from metricsvc.client.metrics.moe import record_moe_balance
+from metricsvc.client.metrics.timing import (
     TOKENS_OF_STAGE,
     record_throughput_metrics,
     record_timing_metrics,
     record_train_perf,
 )
-from clients.metrics.validation import record_validation_metrics, validation_metrics
+from metricsvc.client.metrics.validation import record_validation_metrics, validation_metrics
 
 # Every built-in family's declarations (name, kind, help, unit; formulas of derived ones),
 # next to the code that records them. ``<name>`` stands for one path segment.

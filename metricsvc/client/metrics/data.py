@@ -7,8 +7,8 @@ import resource
 from collections.abc import Mapping
 from typing import Any
 
-from clients.metrics.batch import get, response_info
-from clients.summarize import Difference
+from metricsvc.client.metrics.batch import get, response_info
+from metricsvc.client.summarize import Difference
 from metricsvc.protocol import Derived, Metric, ReduceType
 
 EXPLAINED_VARIANCE = Derived(

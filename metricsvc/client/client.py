@@ -11,11 +11,11 @@ from typing import Any
 
 import ray
 
-from clients import metrics
-from clients.buffer import RecordBuffer
-from clients.rpc import ServiceUnavailable, call
-from clients.stream import StreamRecorder
-from clients.tracker import Tracker
+from metricsvc.client import metrics
+from metricsvc.client.buffer import RecordBuffer
+from metricsvc.client.rpc import ServiceUnavailable, call
+from metricsvc.client.stream import StreamRecorder
+from metricsvc.client.tracker import Tracker
 from metricsvc.protocol import (
     DEFAULT_NAME,
     Batch,
@@ -23,6 +23,7 @@ from metricsvc.protocol import (
     SketchSpec,
     check_rank,
     combiner_name,
+    default_namespace,
     deliver,
     encode,
 )
@@ -87,7 +88,7 @@ class MetricClient(Tracker):
         self._worker = worker
         self._via = via
         self._name = name or DEFAULT_NAME
-        self._namespace = namespace
+        self._namespace = namespace or default_namespace()
         super().__init__(RecordBuffer(sketch_spec, compile))  # the client is its own tracker
         self.buffer.label = f"step {start_step}"
         self.step = int(start_step)
@@ -164,6 +165,20 @@ class MetricClient(Tracker):
         if not isinstance(metrics, Mapping):
             raise TypeError(f"submit_metric expects a mapping, got {type(metrics).__name__}")
         self.buffer.record_plain(metrics, self._expected(world_size, metrics))
+
+    def log(self, metrics: Mapping[str, Any], step: int | None = None, *,
+            commit: bool = True) -> None:
+        """Record a plain dict for ``step`` and close it, as ``wandb.log(metrics, step=)``
+        and verl's ``Tracking.log(data, step)`` do (reductions from the key names, as
+        ``submit_metric``). ``step`` defaults to the open step; ``commit=False`` records
+        without closing, so that several calls build one step. Closing is ``flush()``: it
+        does not wait for the service."""
+        if step is not None:
+            with self.buffer.lock:
+                self._name_step(step, "log")  # before recording: the dict is ``step``'s
+        self.submit_metric(metrics)
+        if commit:
+            self.flush()
 
     # siiRL's MetricClient methods; ``world_size`` is checked, the client's own is used.
     def compute_local_data_metric(self, batch: Mapping[str, Any],
@@ -397,7 +412,7 @@ class MetricClient(Tracker):
         return (ack["status"] == "late" and self._flushes == 1 and last_final is not None
                 and batch.step < last_final)
 
-    def _name_step(self, step: int) -> None:
+    def _name_step(self, step: int, caller: str = "wait_submit") -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
         if step == self.step:
@@ -412,7 +427,7 @@ class MetricClient(Tracker):
                     else f"holds records of step {self.step} ({origin}), which was never closed "
                          f"(an exception between recording and wait_submit? call discard() "
                          f"after a failed step; or start the client with start_step={step})")
-            raise StepMismatch(f"rank {self.rank}: wait_submit(step={step}), but this client "
+            raise StepMismatch(f"rank {self.rank}: {caller}(step={step}), but this client "
                                f"{what}; nothing was sent")
         self._open(step)
 

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clients.summarize import is_tensor
+from metricsvc.client.summarize import is_tensor
 from metricsvc.protocol import Derived, ReduceType, check_key
 
 if TYPE_CHECKING:
-    from clients.buffer import RecordBuffer
+    from metricsvc.client.buffer import RecordBuffer
 
 _ids = itertools.count()
 
@@ -182,7 +182,12 @@ class Tracker:
 
     def get(self, name: str) -> Tracker:
         """Return the named tracker ``name``: keys prefixed ``name/``, scopes of its own."""
-        return self.buffer.named(self.prefix + name)
+        prefix = check_key(self.prefix + name)
+        with self.buffer.lock:
+            tracker = self.buffer.trackers.get(prefix)
+            if tracker is None:
+                tracker = self.buffer.trackers[prefix] = Tracker(self.buffer, prefix=f"{prefix}/")
+            return tracker
 
     def pending_keys(self) -> list[str]:
         """Return the keys recorded since the last flush."""

@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from clients.buffer import RecordBuffer
-from clients.rpc import call
-from clients.tracker import Tracker
+from metricsvc.client.buffer import RecordBuffer
+from metricsvc.client.rpc import call
+from metricsvc.client.tracker import Tracker
 from metricsvc.protocol import Batch, SketchSpec, check_key, encode
 
 

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from clients.metrics.batch import plain_if_host, response_info
+from metricsvc.client.metrics.batch import plain_if_host, response_info
 from metricsvc.protocol import Derived, Metric, ReduceType
 
 THROUGHPUT = Derived(

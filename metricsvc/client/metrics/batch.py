@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from metricsvc.client.summarize import is_tensor
+
 
 @dataclass(frozen=True)
 class ResponseInfo:
@@ -46,6 +48,12 @@ def response_info(batch: Mapping[str, Any]) -> ResponseInfo:
     max_response = int(batch["responses"].shape[-1])
     attention = batch["attention_mask"]
     given = get(batch, "response_mask")
+    for key, value in (("attention_mask", attention), ("response_mask", given)):
+        if value is not None and not is_tensor(value):
+            raise TypeError(
+                f"batch[{key!r}] is a {type(value).__module__}.{type(value).__name__}: the "
+                f"built-in recorders read a verl/siiRL batch of torch tensors (pip install "
+                f"'metricsvc[torch]'); record other arrays with stat(), as any metric")
     versions = (attention._version, None if given is None else given._version, max_response)
     held = _last_info[0] if _last_info else None
     if (held is not None and held[0]() is attention and held[1]() is given

@@ -1,16 +1,16 @@
 """Worker-side API: summarise on the device, merge micro-batches, one RPC per step."""
 
-from clients.client import (
+from metricsvc.client.client import (
     LateBatch,
     MetricClient,
     ServiceNotice,
     StepAlreadyFinal,
     StepMismatch,
 )
-from clients.rpc import ServiceUnavailable
-from clients.stream import StreamRecorder
-from clients.summarize import summarize
-from clients.tracker import Tracker
+from metricsvc.client.rpc import ServiceUnavailable
+from metricsvc.client.stream import StreamRecorder
+from metricsvc.client.summarize import summarize
+from metricsvc.client.tracker import Tracker
 from metricsvc.protocol import Derived, Metric, ReduceType
 
 __all__ = [

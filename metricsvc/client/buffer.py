@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from clients.summarize import (
+from metricsvc.client.summarize import (
     MaskCache,
     Row,
     add_sketches,
@@ -22,7 +22,6 @@ from clients.summarize import (
     summarize_many,
     to_host,
 )
-from clients.tracker import Tracker
 from metricsvc.protocol import (
     AUTO,
     KINDS,
@@ -81,26 +80,17 @@ class RecordBuffer:
         self._declared: dict[str, Derived] = {}  # derived metrics, for every step
         self._declared_names: dict[str, str] = {}  # a name (or sink tag) one of them exports
         self._declared_wire = b""
-        self._trackers: dict[str, Tracker] = {}  # named trackers, by prefix
-        self._attached: list[Tracker] = []  # every tracker recording here (step-scoped state)
+        self.trackers: dict[str, Any] = {}  # named trackers, by prefix (Tracker.get)
+        self._attached: list[Any] = []  # what records here and has step-scoped state
         self.host_copies = 0
         self.label = "this step"  # how errors name the open window
         self.on_record: Any = None  # called after each successful recording (auto-flush)
 
     # -- trackers ------------------------------------------------------------------------
-    def attach(self, tracker: Tracker) -> None:
-        """Let ``tracker`` record here; its step-scoped state ends with each step."""
+    def attach(self, tracker: Any) -> None:
+        """Let ``tracker`` record here; its ``end_step()`` is called as each step ends."""
         with self.lock:
             self._attached.append(tracker)
-
-    def named(self, prefix: str) -> Tracker:
-        """Return the tracker whose keys start with ``prefix/`` (made on first use)."""
-        check_key(prefix)
-        with self.lock:
-            tracker = self._trackers.get(prefix)
-            if tracker is None:
-                tracker = self._trackers[prefix] = Tracker(self, prefix=f"{prefix}/")
-            return tracker
 
     # -- recording -----------------------------------------------------------------------
     def record_plain(self, metrics: Mapping[str, Any], expected: int) -> None:
