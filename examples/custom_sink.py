@@ -1,6 +1,7 @@
 """A third-party sink, used by dotted path: every finished step also lands in a CSV file.
 
-    python examples/custom_sink.py        (from the repository root)
+    python examples/custom_sink.py        (from the repository root; joins a running
+                                           Ray cluster if there is one)
 
 Packaged code would declare it as an entry point instead:
     [project.entry-points."metricsvc.sinks"]
@@ -41,7 +42,11 @@ def main() -> Path:
     import metricsvc
     from metricsvc.client import MetricClient
 
-    ray.init(include_dashboard=False, log_to_driver=False)  # or joins a running cluster
+    # Joins a running cluster if there is one. The actor imports the sink where it runs,
+    # which on a running cluster is not this folder: the module travels with the job
+    # (an installed package needs nothing).
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env={"py_modules": [str(Path(__file__).resolve().parent)]})
     worker = metricsvc.start_metric_worker({
         "name": "custom_sink_demo",
         "run": {"root": "runs", "experiment": "custom_sink"},

@@ -18,10 +18,11 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 _names = itertools.count()
 
-# A driver a test starts in a child process (examples, README blocks) must get a Ray of its
-# own, as on a user's machine, not join the session's cluster: ``ray.init()`` joins a
-# running cluster it finds unless RAY_ADDRESS says "local". Set before any test module
-# copies the environment; the session's own driver names its cluster's address.
+# A driver a test starts in a child process gets a Ray of its own, as on a machine with no
+# cluster running: ``ray.init()`` joins a running cluster it finds unless RAY_ADDRESS says
+# "local". Tests whose subject is not starting Ray (examples, README blocks) pass the
+# session cluster's address instead (``joined_env``): the same scripts, on a cluster that
+# is already up. Set before any test module copies the environment.
 os.environ["RAY_ADDRESS"] = "local"
 
 
@@ -34,8 +35,17 @@ NODES = ("node_a", "node_b")
 def ray_cluster():
     """Start a real multi-node Ray cluster on this machine (Ray's own ``Cluster``: a head
     and two more raylets) for the whole session; yield it (tests may add and remove nodes)."""
+    from ray._private.authentication.authentication_token_setup import (
+        enable_token_auth_by_default,
+        ensure_token_if_auth_enabled,
+    )
     from ray.cluster_utils import Cluster
 
+    # Ray's default: token authentication, turned on (and a token made where the machine
+    # has none) by Ray's own functions, as ``ray.init()`` does for a cluster it starts;
+    # ``Cluster`` does not by itself. Child drivers inherit RAY_AUTH_MODE from here.
+    enable_token_auth_by_default()
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 4, "include_dashboard": False})
     for name in NODES:
@@ -50,6 +60,28 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+_joined = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def joined_env(ray_cluster):
+    """Return ``env(**more)``: this process's environment for a child driver that joins the
+    session's running cluster, in a namespace of its own (its services keep their default
+    names, as a user's script does, without meeting another test's). The namespace goes
+    where a job submitted with ``ray job submit --runtime-env-json`` has it: in the job's
+    runtime environment, so that its workers on the cluster see it too."""
+    import json
+
+    def env(**more):
+        namespace = f"joined-{os.getpid()}-{next(_joined)}"
+        job = {"runtime_env": {"env_vars": {"METRICSVC_NAMESPACE": namespace}}}
+        return {**os.environ, "RAY_ADDRESS": ray_cluster.address,
+                "METRICSVC_NAMESPACE": namespace,
+                "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(job), **more}
+
+    return env
 
 
 @pytest.fixture

@@ -1,4 +1,6 @@
-"""Every example runs from a fresh checkout and does what its docstring says."""
+"""Every example runs from a fresh checkout and does what its docstring says, on a Ray
+cluster that is already running (the session's; ``make run`` without one is tested in
+test_packaging, the demo in test_cli and test_install)."""
 
 import os
 import subprocess
@@ -7,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each starts a Ray of its own
+pytestmark = pytest.mark.slow  # subprocesses
 
 ROOT = Path(__file__).resolve().parent.parent
 # Run as from the repository root (examples/ importable), but in a temporary folder: the
@@ -27,8 +29,9 @@ RUNS = {  # name: (script, arguments); each runs in its own folder, all at once
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory):
-    """Start every example at once (each starts its own Ray: most of the time is waiting)."""
+def outputs(tmp_path_factory, joined_env):
+    """Start every example at once, each joining the session's cluster (as ``ray.init()``
+    does where a cluster runs), each in a namespace of its own."""
     running = {}
     for name, (script, *args) in RUNS.items():
         tmp = tmp_path_factory.mktemp(name)
@@ -36,7 +39,8 @@ def outputs(tmp_path_factory):
         running[name] = subprocess.Popen(
             [sys.executable, str(ROOT / "examples" / script),
              *(a.format(tmp=tmp) for a in args)],
-            cwd=tmp, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=tmp, env=joined_env(PYTHONPATH=ENV["PYTHONPATH"]),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = {}
     for name, proc in running.items():
         try:

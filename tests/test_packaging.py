@@ -161,6 +161,7 @@ def test_the_recording_layer_uses_no_private_method_of_the_buffer():
 
 @pytest.mark.slow
 def test_example_driver_runs_and_writes_the_journal(tmp_path):
+    """``make run`` where no cluster runs: the driver starts a local Ray of its own."""
     config = tmp_path / "demo.yaml"
     config.write_text(f"name: demo_worker\nrun:\n  root: {tmp_path}\n  experiment: demo\n"
                       "sinks:\n  console:\n    every: 1\n")
@@ -181,3 +182,4 @@ def test_example_driver_runs_and_writes_the_journal(tmp_path):
     # right after its last step may exit before some arrive, on either stream.)
     both = out.stdout + out.stderr
     assert "(MetricWorker pid=" in both and "MetricWorkerImpl" not in both
+    assert "DeprecationWarning" not in both  # Ray's own, from a property it deprecated

@@ -1,6 +1,6 @@
-"""Every Python block of the README runs as pasted, each on a fresh local Ray cluster."""
+"""Every Python block of the README runs as pasted: each joins a running Ray cluster (the
+session's), as ``ray.init()`` does where one runs, in a namespace of its own."""
 
-import os
 import re
 import subprocess
 import sys
@@ -8,24 +8,22 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each starts a Ray of its own
+pytestmark = pytest.mark.slow  # subprocesses
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
 
-def test_every_readme_python_block_runs_as_pasted(tmp_path):
+def test_every_readme_python_block_runs_as_pasted(tmp_path, joined_env):
     assert len(BLOCKS) >= 5
-    # As from a checkout (configs/ and the packages found), each in its own folder under
-    # tmp_path, all at once (each starts its own Ray: most of the time is waiting).
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # As from a checkout, each in its own folder under tmp_path, all at once.
     running = []
     for index, block in enumerate(BLOCKS):
         where = tmp_path / f"block_{index}"
         where.mkdir()
-        (where / "configs").symlink_to(ROOT / "configs")
         (where / "block.py").write_text(block)
-        running.append(subprocess.Popen([sys.executable, "block.py"], cwd=where, env=env,
+        running.append(subprocess.Popen([sys.executable, "block.py"], cwd=where,
+                                        env=joined_env(PYTHONPATH=str(ROOT)),
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True))
     failed = []
