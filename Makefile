@@ -34,3 +34,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.bench_rpc
 	$(PY) -m benchmarks.bench_scale
 	$(PY) -m benchmarks.bench_restart
+	$(PY) -m benchmarks.bench_import
