@@ -649,7 +649,7 @@ def _same_service(handle: Any, cfg: ServiceConfig) -> Any:
         raise ValueError(
             f"a MetricWorker named {cfg.name!r} already runs in namespace {cfg.namespace!r} "
             f"for another job ({job}): two runs would merge into one service; give this run "
-            f"its own name= or namespace= (or set $METRICSVC_NAMESPACE)")
+            f"its own name (start_metric_worker(name=) and MetricClient(name=)) or namespace")
     asked = cfg.model_dump(mode="json")
     asked = Redactor(asked).value(asked)
     if cfg.run.trial is None:

@@ -33,6 +33,26 @@ def test_two_namespaces_get_their_own_singleton_and_no_metric_crosses(ray_cluste
 
 
 @pytest.mark.slow
+def test_a_second_job_on_the_cluster_cannot_join_a_live_jobs_service(make_worker, joined_env,
+                                                                     tmp_path):
+    """Two training jobs on one cluster with the default names would merge into one service:
+    the second job's start is refused in one line, and the first job's service is untouched."""
+    handle, cfg = make_worker()
+    script = ("import ray, metricsvc\nray.init(logging_level='ERROR')\n"
+              f"cfg = {cfg.model_dump(mode='json')!r}\n"
+              "try:\n    metricsvc.start_metric_worker(cfg)\n"
+              "except ValueError as err:\n    print('REFUSED', err)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=tmp_path, env=joined_env(METRICSVC_NAMESPACE=cfg.namespace),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    refused = [line for line in out.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 1 and "for another job" in refused[0], out.stdout
+    assert f"named {cfg.name!r} already runs in namespace {cfg.namespace!r}" in refused[0]
+    assert ray.get(handle.health.remote(), timeout=30)["name"] == cfg.name
+
+
+@pytest.mark.slow
 def test_a_planted_api_key_appears_in_no_log_journal_health_or_config(tmp_path):
     """The documented way: the key is in the environment of the driver (or of `ray start`)."""
     secret = "sk-planted-5f3c9a0e7d41"
