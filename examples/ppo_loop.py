@@ -52,7 +52,7 @@ class Trainer:
         self.m.submit_metric({"actor/loss/mean": loss})
         timing = {"gen": 0.01, "step": time.perf_counter() - start}
         self.m.compute_local_timing_metrics(batch, timing)
-        self.m.compute_local_throughput_metrics(batch, timing, n_gpus=WORLD)
+        self.m.compute_local_throughput_metrics(batch, timing, n_gpus=1)  # this rank's GPUs
         if validate:  # each prompt group on one rank
             prompts = [f"rank{self.rank}-q{i}" for i in range(3) for _ in range(4)]
             acc = (self.rng.random(len(prompts)) > 0.4).astype(float).tolist()

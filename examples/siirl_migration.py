@@ -49,7 +49,7 @@ class DAGWorker:
         c = self.metric_client
         c.compute_local_data_metric(batch, WORLD)
         c.compute_local_timing_metrics(batch, timing_raw, WORLD)
-        c.compute_local_throughout_metrics(batch, timing_raw, 8, WORLD)  # siiRL's spelling
+        c.compute_local_throughout_metrics(batch, timing_raw, 1, WORLD)  # 1 GPU per worker
         c.submit_metric({"training/grad_norm/mean": grad_norm}, WORLD)  # no .item()
         c.wait_submit()
         return c.wait_final_res()

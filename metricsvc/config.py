@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from metricsvc.keys import DEFAULT_NAME, default_namespace
-from metricsvc.reduce import OutputRules, ReduceType
+from metricsvc.reduce import OutputRules, ReduceType, framework_conflict
 from metricsvc.sketch import MIN_ALPHA, SketchSpec
 from metricsvc.validation import Limits
 
@@ -300,9 +300,12 @@ class ServiceConfig(_Strict):
     @classmethod
     def _known_kinds(cls, rules: dict[str, str]) -> dict[str, str]:
         for pattern, kind in rules.items():
-            ReduceType.parse(kind)  # raises ValueError naming the kind
+            parsed = ReduceType.parse(kind)  # raises ValueError naming the kind
             if not pattern:
                 raise ValueError("reduce_rules: empty glob pattern")
+            conflict = framework_conflict(pattern, parsed)
+            if conflict:
+                raise ValueError(f"reduce_rules: {conflict}")
         return rules
 
     @model_validator(mode="after")

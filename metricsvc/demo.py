@@ -42,7 +42,7 @@ class DemoWorker:
             tensors = {k: torch.from_numpy(v) for k, v in batch.items()}
             self.metrics.compute_local_data_metric(tensors)
             self.metrics.compute_local_timing_metrics(tensors, timing)
-            self.metrics.compute_local_throughput_metrics(tensors, timing, n_gpus=8)
+            self.metrics.compute_local_throughput_metrics(tensors, timing, n_gpus=1)
         else:  # a base install: the same arrays, recorded as any metric is
             mask = batch["response_mask"].astype(bool)
             self.metrics.stat(mask=mask, **{"critic/advantages": batch["advantages"],

@@ -2,8 +2,9 @@
 
 The reduction is declared per key when it is recorded (``ReduceType``) and
 dispatched through a table here. Plain ``submit_metric`` dicts carry the
-``AUTO`` code; the service resolves it from config rules (glob -> kind), then
-the *exact* last path segment of the key, then the mean. Never substrings.
+``AUTO`` code; the service resolves it from what the frameworks define for the key
+(``FRAMEWORK_KINDS``), then config rules (glob -> kind), then the *exact* last path
+segment of the key, then the mean. Never substrings.
 """
 
 from __future__ import annotations
@@ -72,8 +73,49 @@ _SEGMENT_KINDS: dict[str, ReduceType] = {
 _APPROXIMATE_SEGMENT = re.compile(r"^(std|median|p\d{1,2}(\.\d+)?)$")
 
 
+# Plain-dict keys whose meaning the frameworks define (siiRL, verl and AReaL agree on each),
+# under every config: a rule that would give one of them another kind is refused when the
+# config loads (``framework_conflict``). siiRL picks these by substring ("max" anywhere);
+# here the suffix is exact, so "val-core/minerva_math/acc/mean" stays a mean.
+FRAMEWORK_KINDS: tuple[tuple[str, ReduceType, str], ...] = (
+    ("perf/total_num_tokens", ReduceType.SUM, "siiRL and verl count as the tokens of every rank"),
+    ("perf/max_memory_allocated_gb", ReduceType.MAX, "is the busiest rank's peak"),
+    ("perf/max_memory_reserved_gb", ReduceType.MAX, "is the busiest rank's peak"),
+    ("perf/time_per_step_max", ReduceType.MAX, "siiRL reduces as the slowest rank's step"),
+    ("dapo_sampling/total_groups", ReduceType.SUM, "siiRL counts over every rank"),
+    ("*_max", ReduceType.MAX, "siiRL reduces as a max (its *_max keys)"),
+    ("*_min", ReduceType.MIN, "siiRL reduces as a min (its *_min keys)"),
+    ("*_sum", ReduceType.SUM, "siiRL reduces as a sum (its *_sum keys)"),
+    ("*_total", ReduceType.SUM, "siiRL reduces as a sum (its *_total keys)"),
+)
+
+
+def framework_kind(key: str) -> ReduceType | None:
+    """Return the kind a framework defines for plain-dict ``key``, or None."""
+    for pattern, kind, _ in FRAMEWORK_KINDS:
+        if fnmatch.fnmatchcase(key, pattern):
+            return kind
+    return None
+
+
+def framework_conflict(pattern: str, kind: ReduceType) -> str | None:
+    """Return why a config rule ``pattern -> kind`` would change a framework key's meaning
+    (a key of ``FRAMEWORK_KINDS`` it matches, with another kind), or None."""
+    for framework, fkind, why in FRAMEWORK_KINDS:
+        witness = framework.replace("*", "x")  # a key the framework entry covers
+        if fkind is not kind and fnmatch.fnmatchcase(witness, pattern):
+            return (f"{pattern!r} -> {kind.name.lower()} would cover {framework!r}, which "
+                    f"{why}: {fkind.name.lower()}; a rule cannot change what a framework's "
+                    f"key means (narrow the pattern)")
+    return None
+
+
 def kind_for_key(key: str, rules: Sequence[tuple[str, ReduceType]] = ()) -> ReduceType:
-    """Return the reduce kind of a plain-dict key: config rules, last segment, else mean."""
+    """Return the reduce kind of a plain-dict key: the frameworks' meaning of the key
+    (``FRAMEWORK_KINDS``), config rules, the exact last segment, else the mean."""
+    kind = framework_kind(key)
+    if kind is not None:
+        return kind
     for pattern, kind in rules:
         if fnmatch.fnmatchcase(key, pattern):
             return kind

@@ -435,6 +435,15 @@ class MetricWorkerImpl:
             return None
         return {"step": step, "metrics": result.metrics, "meta": result.meta}
 
+    async def start(self) -> None:
+        """siiRL's ``MetricWorker.start()``: the service serves from its creation, so this
+        only answers (``ray.get(metric_worker.start.remote())`` works as in siiRL)."""
+
+    async def stop(self) -> None:
+        """siiRL's ``MetricWorker.stop()``: nothing to stop between steps here (siiRL's loop
+        restarts on the next ``wait_final_res``). The service keeps serving; end it with
+        ``metricsvc.stop_metric_worker`` (or ``close()``)."""
+
     def job_id(self) -> str:
         """Return the id of the Ray job that started this service (it dies with that job)."""
         return self.job

@@ -22,7 +22,8 @@ RULE_TABLE = [
     ("critic/score/min", ReduceType.MIN),
     ("critic/score/max", ReduceType.MAX),
     ("critic/maximum_thing", ReduceType.AVG),
-    ("perf/total_num_tokens", ReduceType.AVG),  # "total" only counts as the whole last segment
+    ("perf/total_num_tokens", ReduceType.SUM),  # a framework's key: siiRL and verl sum it
+    ("perf/total_num_tokens_seen", ReduceType.AVG),  # "total" inside a name is no sum
     ("tokens/total", ReduceType.SUM),
     ("reward/sum", ReduceType.SUM),
     ("samples/count", ReduceType.SUM),

@@ -70,8 +70,8 @@ class MetricClient(Tracker):
         self,
         worker: Any = None,
         *,
-        rank: int,
-        world_size: int,
+        rank: int | None = None,
+        world_size: int | None = None,
         start_step: int = 0,
         name: str | None = None,
         namespace: str | None = None,
@@ -82,6 +82,11 @@ class MetricClient(Tracker):
         max_unacked: int = 4,
         via: str | None = None,
     ) -> None:
+        if rank is None or world_size is None:  # siiRL's MetricClient(metric_worker)
+            raise TypeError(
+                "MetricClient needs rank= and world_size=: siiRL's client passes world_size "
+                "to each call, this one is one rank's (MetricClient(metric_worker, "
+                "rank=rank, world_size=world_size))")
         self.rank, self.world_size = check_rank(rank, world_size)
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
@@ -164,7 +169,29 @@ class MetricClient(Tracker):
         """
         if not isinstance(metrics, Mapping):
             raise TypeError(f"submit_metric expects a mapping, got {type(metrics).__name__}")
+        for key, value in metrics.items():
+            if _is_std_stats(value):
+                raise TypeError(
+                    f"submit_metric: {key!r} is a siiRL StdStats (sum, sum_sq, count): record "
+                    f"the values themselves, stat(reduce='std', **{{{key.removesuffix('/std')!r}: "
+                    f"values}}), an exact std over every rank's values")
         self.buffer.record_plain(metrics, self._expected(world_size, metrics))
+
+    def stop(self) -> None:
+        """siiRL's ``MetricClient.stop()``: wait until the service has taken every batch this
+        rank handed over. The service keeps serving the other ranks; the driver ends it with
+        ``metricsvc.stop_metric_worker``."""
+        self.wait_acks()
+
+    def compute_log_prob_diff_metrics(self, data: Mapping[str, Any],
+                                      world_size: int | None = None) -> None:
+        """siiRL's rollout-vs-trainer probability gap: |exp(rollout_log_prob) -
+        exp(old_log_probs)| over the response mask, as ``actor/rollout_probs_diff_max``,
+        ``actor/rollout_probs_diff_mean`` and ``actor/rollout_probs_diff/std`` (siiRL's
+        StdStats), each exact over every rank's tokens. Records nothing when the batch lacks
+        either log-prob, as siiRL."""
+        self._expected(world_size, {"actor/rollout_probs_diff_max": None})
+        metrics.record_rollout_probs_diff(self, data)
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None, *,
             commit: bool = True) -> None:
@@ -509,3 +536,11 @@ class MetricClient(Tracker):
         # The actor enforces ``timeout_s``; the margin here only guards a lost actor.
         return self._call("wait_final_res", step, timeout_s,
                           timeout_s=None if timeout_s is None else timeout_s + 30)
+
+
+def _is_std_stats(value: Any) -> bool:
+    """True for siiRL's ``StdStats`` (or its dict form): a sum, a sum of squares, a count."""
+    fields = ("sum", "sum_sq", "count")
+    if isinstance(value, Mapping):
+        return all(f in value for f in fields)
+    return all(hasattr(value, f) for f in fields) and not hasattr(value, "shape")

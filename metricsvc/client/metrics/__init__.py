@@ -8,7 +8,7 @@ the merge, so they equal the value computed on the whole global batch.
 
 from metricsvc.client.metrics import data, diagnostics, moe, timing, validation
 from metricsvc.client.metrics.data import record_data_metrics, record_process_memory
-from metricsvc.client.metrics.diagnostics import record_logp_diagnostics
+from metricsvc.client.metrics.diagnostics import record_logp_diagnostics, record_rollout_probs_diff
 from metricsvc.client.metrics.moe import record_moe_balance
 from metricsvc.client.metrics.timing import (
     TOKENS_OF_STAGE,
@@ -33,6 +33,7 @@ __all__ = [
     "TOKENS_OF_STAGE",
     "record_data_metrics",
     "record_logp_diagnostics",
+    "record_rollout_probs_diff",
     "record_moe_balance",
     "record_process_memory",
     "record_throughput_metrics",

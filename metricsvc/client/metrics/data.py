@@ -34,6 +34,12 @@ METRICS = (  # what record_data_metrics and record_process_memory record (tested
     Metric("prompt/length", AMM, "valid prompt tokens per sequence", "tokens"),
     Metric("num_turns", AMM, "turns per sequence (when the batch has them)"),
     Metric("response/clip_ratio/mean", AVG, "share of responses at the maximum length"),
+    Metric("response/aborted_ratio", AVG, "share of responses with no valid token (verl)"),
+    Metric("response/length_non_aborted", AMM, "valid tokens per response, of responses with "
+           "at least one (verl)", "tokens"),
+    Metric("response/clip_ratio_non_aborted/mean", AVG,
+           "share of responses with at least one token that are at the maximum length (verl)"),
+    Metric("tool_call_counts", AMM, "tool calls per sequence (when the batch has them)"),
     Metric("prompt/clip_ratio/mean", AVG, "share of prompts at the maximum length"),
     Metric("response/correct_length", AMM, "length of responses with reward > 0.5", "tokens"),
     Metric("response/wrong_length", AMM, "length of responses with reward <= 0.5", "tokens"),
@@ -51,10 +57,11 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     token. ``critic/vf_explained_var`` is declared (``EXPLAINED_VARIANCE``) and
     derived by the service from the merged moments of returns and returns - values.
 
-    Five ``stat`` calls: the per-sequence values together, the token-level ones under the
+    Seven ``stat`` calls: the per-sequence values together, the token-level ones under the
     response mask together (each tensor read once: the explained-variance inputs reuse
     the returns and values gathered for their own keys), the clip ratios, and the lengths
-    of correct and of wrong responses under their own masks.
+    of correct and of wrong responses under their own masks, and verl's non-aborted
+    lengths and clip ratio under theirs.
     """
     torch = __import__("torch")  # the batch is made of torch tensors: it is loaded already
     info = response_info(batch)
@@ -67,6 +74,9 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     turns = get(batch, "__num_turns__", get(batch, "num_turns"))
     if turns is not None:
         per_sequence["num_turns"] = turns
+    tools = get(batch, "tool_call_counts")
+    if tools is not None:
+        per_sequence["tool_call_counts"] = tools
     m.stat(**per_sequence)
     returns, values = batch["returns"], get(batch, "values")
     token_level = {"critic/advantages": batch["advantages"], "critic/returns": returns}
@@ -76,10 +86,17 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
         # Over the valid tokens only, in float64: a float32 difference would round.
         token_level["critic/__vf_explained_var/residual"] = Difference(returns, values)
     m.stat(mask=info.response_mask, **token_level)
+    clipped = (length == info.max_response_length).double()
+    aborted = length == 0
     m.stat(reduce=ReduceType.AVG, **{
-        "response/clip_ratio/mean": (length == info.max_response_length).double(),
+        "response/clip_ratio/mean": clipped,
         "prompt/clip_ratio/mean": (info.prompt_length == info.max_prompt_length).double(),
+        "response/aborted_ratio": aborted.double(),
     })
+    kept = ~aborted
+    m.stat(mask=kept, **{"response/length_non_aborted": length})
+    m.stat(mask=kept, reduce=ReduceType.AVG,
+           **{"response/clip_ratio_non_aborted/mean": clipped})
     # A rank without correct (or wrong) responses contributes nothing: no 0 placeholder.
     correct = rewards > 0.5
     m.stat(mask=correct, **{"response/correct_length": length})

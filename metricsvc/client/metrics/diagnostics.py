@@ -20,6 +20,10 @@ METRICS = (  # what record_logp_diagnostics records (tested); d = log p_trainer 
     Metric("kl_k3", _AVG, "exp(d) - 1 - d"),
     Metric("ratio_outside_<t>", _AVG, "share of tokens with |d| > log t"),
     Metric("nonfinite_logp_fraction", _AVG, "share of masked tokens where a log-prob is NaN/inf"),
+    # record_rollout_probs_diff (siiRL's compute_log_prob_diff_metrics): p = exp(log-prob)
+    Metric("actor/rollout_probs_diff_max", ReduceType.MAX, "max |p_rollout - p_trainer|"),
+    Metric("actor/rollout_probs_diff_mean", _AVG, "mean |p_rollout - p_trainer| per token"),
+    Metric("actor/rollout_probs_diff", ReduceType.STD, "std of |p_rollout - p_trainer|"),
 )
 
 
@@ -45,3 +49,19 @@ def record_logp_diagnostics(
     m.stat(mask=valid, reduce=ReduceType.AVG, logp_diff_squared=d * d, trainer_nll=-t,
            rollout_nll=-r, kl_k1=-d, kl_k2=d * d / 2, kl_k3=torch.expm1(d) - d, **ratios)
     m.stat(mask=mask, reduce=ReduceType.AVG, nonfinite_logp_fraction=(~finite).double())
+
+
+def record_rollout_probs_diff(m: Any, data: Any) -> None:
+    """Record siiRL's ``actor/rollout_probs_diff_{max,mean}`` and its std (``/std``) of
+    |exp(rollout log-prob) - exp(old_log_probs)| over ``response_mask`` (every token without
+    one). The rollout log-probs are ``rollout_log_prob`` or ``rollout_log_probs`` (siiRL has
+    used both); a batch without them records nothing, as siiRL's."""
+    keys = set(data.keys())
+    rollout = next((k for k in ("rollout_log_prob", "rollout_log_probs") if k in keys), None)
+    if rollout is None or "old_log_probs" not in keys:
+        return
+    diff = (data[rollout].double().exp() - data["old_log_probs"].double().exp()).abs()
+    mask = data["response_mask"].bool() if "response_mask" in keys else None
+    m.stat(mask=mask, reduce=ReduceType.MAX, **{"actor/rollout_probs_diff_max": diff})
+    m.stat(mask=mask, reduce=_AVG, **{"actor/rollout_probs_diff_mean": diff})
+    m.stat(mask=mask, reduce=ReduceType.STD, **{"actor/rollout_probs_diff": diff})

@@ -6,13 +6,15 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from metricsvc.client.metrics.batch import plain_if_host, response_info
+from metricsvc.client.metrics.batch import get, plain_if_host, response_info
 from metricsvc.protocol import Derived, Metric, ReduceType
 
 THROUGHPUT = Derived(
-    "perf/throughput", "value(tokens) / value(gpu_seconds)",
-    {"tokens": "perf/total_num_tokens", "gpu_seconds": "__perf/throughput/gpu_seconds"},
-    help="tokens of every rank per second of the slowest rank's step per GPU",
+    "perf/throughput", "value(tokens) / (value(seconds) * value(gpus))",
+    {"tokens": "perf/total_num_tokens", "seconds": "perf/time_per_step",
+     "gpus": "__perf/throughput/gpus"},
+    help="tokens per second per GPU: the tokens of every rank over the slowest rank's step "
+         "time and the GPUs of every rank (siiRL's and verl's meaning)",
     unit="tokens/s/GPU",
 )
 
@@ -48,11 +50,11 @@ METRICS = (  # what the timing, throughput and train_perf recorders record (test
     Metric("__timing_per_token_ms/<stage>/tokens", ReduceType.SUM,
            "tokens a stage's time is divided by, summed over ranks"),
     PER_TOKEN_MS,
-    Metric("perf/total_num_tokens", ReduceType.SUM, "attention-mask tokens of every rank",
-           "tokens"),
+    Metric("perf/total_num_tokens", ReduceType.SUM,
+           "tokens of every rank (global_token_num, else the attention mask)", "tokens"),
     Metric("perf/time_per_step", ReduceType.MAX, "seconds of the slowest rank's step", "s"),
-    Metric("__perf/throughput/gpu_seconds", ReduceType.MAX,
-           "the slowest step's seconds x n_gpus (an input of perf/throughput)"),
+    Metric("__perf/throughput/gpus", ReduceType.SUM,
+           "GPUs of every rank (each rank's n_gpus; an input of perf/throughput)"),
     THROUGHPUT,
     Metric("train_perf/tokens", ReduceType.SUM, "tokens of every rank this step", "tokens"),
     Metric("train_perf/seconds", ReduceType.MAX, "seconds of the slowest rank", "s"),
@@ -96,18 +98,41 @@ def record_timing_metrics(
 
 
 def record_throughput_metrics(
-    m: Any, batch: Mapping[str, Any], timing_raw: Mapping[str, float], n_gpus: int
+    m: Any, batch: Mapping[str, Any], timing_raw: Mapping[str, float], n_gpus: int = 1
 ) -> None:
-    """Record ``perf/total_num_tokens`` (SUM), ``perf/time_per_step`` (MAX) and
-    ``perf/throughput`` = total tokens / (time per step * n_gpus), derived after the merge."""
-    if n_gpus < 1:
-        raise ValueError(f"n_gpus must be >= 1, got {n_gpus}")
-    tokens = plain_if_host(batch["attention_mask"].sum())
+    """Record ``perf/total_num_tokens`` (SUM over ranks), ``perf/time_per_step`` (MAX) and
+    ``perf/throughput``, tokens per second per GPU, derived after the merge as
+    total tokens / (slowest step time * GPUs of every rank), as siiRL's trainer does.
+
+    ``n_gpus`` is the GPUs this rank's step used (siiRL passes 1 per DAG worker); verl's
+    driver-side call passes the job's GPU count once, which is the sum of these. Tokens
+    are the batch's ``global_token_num`` (a list, a tensor or a NonTensorData of per-sample
+    counts, as siiRL and verl fill it), else its attention mask's.
+    """
+    if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
+        raise ValueError(f"n_gpus must be an int >= 1 (the GPUs this rank used), got {n_gpus!r}")
+    tokens = _token_count(batch)
     seconds = float(timing_raw["step"])
     m.declare(THROUGHPUT)
-    m.stat(reduce=ReduceType.SUM, **{"perf/total_num_tokens": tokens})
-    m.stat(reduce=ReduceType.MAX, **{"perf/time_per_step": seconds,
-                                     "__perf/throughput/gpu_seconds": seconds * n_gpus})
+    m.stat(reduce=ReduceType.SUM, **{"perf/total_num_tokens": tokens,
+                                     "__perf/throughput/gpus": float(n_gpus)})
+    m.stat(reduce=ReduceType.MAX, **{"perf/time_per_step": seconds})
+
+
+def _token_count(batch: Mapping[str, Any]) -> Any:
+    """This rank's tokens: ``global_token_num`` where the batch has it, else the mask's."""
+    counts = get(batch, "global_token_num")
+    if counts is None:
+        if get(batch, "attention_mask") is None:
+            raise KeyError("batch has neither 'global_token_num' nor 'attention_mask'; "
+                           "throughput metrics need one")
+        return plain_if_host(batch["attention_mask"].sum())
+    counts = getattr(counts, "data", counts)  # a tensordict NonTensorData holds a list
+    if hasattr(counts, "sum") and not isinstance(counts, (list, tuple)):
+        return plain_if_host(counts.sum())
+    if isinstance(counts, (int, float)):
+        return float(counts)
+    return float(sum(counts))
 
 
 def record_train_perf(m: Any, tokens: Any, seconds: float, name: str = "train_perf") -> None:
