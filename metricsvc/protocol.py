@@ -3,7 +3,7 @@
 A client (``metricsvc.client``) imports only this module: the record and its algebra, the
 batch and its wire encoding, the reduce kinds and the names they export, metric
 declarations, the quantile sketch layout, the key rules, the restart protocol both
-clients and combiners speak, how actors are named, and the errors a service raises.
+clients and combiners speak, how actors are named, and the errors (``metricsvc.errors``).
 The rest of ``metricsvc`` (aggregation, the actor, sinks, config) may change freely
 behind it; the service never imports torch or ``metricsvc.client``.
 """
@@ -11,6 +11,22 @@ behind it; the service never imports torch or ``metricsvc.client``.
 from __future__ import annotations
 
 from metricsvc.declare import Derived, Metric, encode_derived
+from metricsvc.errors import (
+    BatchRejected,
+    Late,
+    LateBatch,
+    MetricsvcError,
+    NotFinal,
+    Refused,
+    ServiceNotice,
+    ServiceUnavailable,
+    StepAlreadyFinal,
+    StepMismatch,
+    StepNotFinal,
+    StepUnavailable,
+    Unavailable,
+    is_refusal,
+)
 from metricsvc.keys import (
     DEFAULT_NAME,
     DEFAULT_NAMESPACE,
@@ -47,7 +63,6 @@ from metricsvc.reduce import AUTO, KINDS, OutputRules, ReduceType, output_names
 from metricsvc.resend import Outbox, deliver
 from metricsvc.retry import ACTOR_ERRORS, backoff
 from metricsvc.sketch import SketchSpec, dense_to_sparse, merge_sparse, sparse_counts
-from metricsvc.validation import BatchRejected
 from metricsvc.wire import encode
 
 __all__ = [
@@ -74,6 +89,19 @@ __all__ = [
     "NFIELDS",
     "Batch",
     "BatchRejected",
+    "Late",
+    "LateBatch",
+    "MetricsvcError",
+    "NotFinal",
+    "Refused",
+    "ServiceNotice",
+    "ServiceUnavailable",
+    "StepAlreadyFinal",
+    "StepMismatch",
+    "StepNotFinal",
+    "StepUnavailable",
+    "Unavailable",
+    "is_refusal",
     "Derived",
     "Metric",
     "Outbox",

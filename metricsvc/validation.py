@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from metricsvc.errors import BatchRejected
 from metricsvc.keys import MAX_KEY_LENGTH, check_key, check_rank
 from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM, SUM_LO, Batch
 from metricsvc.reduce import KINDS, VALID_CODES
@@ -17,10 +18,6 @@ from metricsvc.sketch import MIN_ALPHA, SketchSpec
 # Counts up to 2**53 are exact in float64; merged over any world size they stay finite,
 # so turning them into ints when a step finishes cannot overflow.
 MAX_COUNT = float(2**53)
-
-
-class BatchRejected(ValueError):
-    """A batch the service refused; nothing of it was merged."""
 
 
 @dataclass(frozen=True)

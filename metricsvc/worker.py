@@ -35,6 +35,7 @@ from metricsvc.config import (
     load_config,
     new_trial,
 )
+from metricsvc.errors import StepNotFinal, StepUnavailable
 from metricsvc.keys import default_namespace
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
@@ -44,14 +45,6 @@ from metricsvc.sinks.jsonl import JournalIndex, iter_journal
 from metricsvc.validation import BatchRejected
 
 log = logging.getLogger(__name__)
-
-
-class StepNotFinal(TimeoutError):
-    """``wait_final_res`` gave up: the step did not become final within the timeout."""
-
-
-class StepUnavailable(LookupError):
-    """The asked-for step has no result here (never submitted, or evicted from memory)."""
 
 
 RUN_MARKER = "run.json"  # written by a run's first incarnation: the folder is taken

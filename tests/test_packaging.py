@@ -20,6 +20,7 @@ CLIENT_IMPORTS = {
     "metricsvc.client.metrics.moe", "metricsvc.client.metrics.timing",
     "metricsvc.client.metrics.validation", "metricsvc.client.rpc", "metricsvc.client.stream",
     "metricsvc.client.summarize", "metricsvc.client.tracker", "metricsvc.declare",
+    "metricsvc.errors",
     "metricsvc.formula", "metricsvc.keys", "metricsvc.protocol", "metricsvc.records",
     "metricsvc.reduce", "metricsvc.resend", "metricsvc.retry", "metricsvc.sketch",
     "metricsvc.validation", "metricsvc.wire",

@@ -13,43 +13,29 @@ import ray
 
 from metricsvc.client import metrics
 from metricsvc.client.buffer import RecordBuffer
-from metricsvc.client.rpc import ServiceUnavailable, call
+from metricsvc.client.rpc import call
 from metricsvc.client.stream import StreamRecorder
 from metricsvc.client.tracker import Tracker
 from metricsvc.protocol import (
     DEFAULT_NAME,
     Batch,
+    LateBatch,
     Outbox,
+    Refused,
+    ServiceNotice,
+    ServiceUnavailable,
     SketchSpec,
+    StepAlreadyFinal,
+    StepMismatch,
     check_rank,
     combiner_name,
     default_namespace,
     deliver,
     encode,
+    is_refusal,
 )
 
 log = logging.getLogger(__name__)
-
-
-class LateBatch(UserWarning):
-    """A closed step reached the service after the step was published (partial) without it.
-
-    Its data is journaled as late and never merged. ``warnings.simplefilter("error",
-    LateBatch)`` turns it into an exception.
-    """
-
-
-class StepMismatch(ValueError):
-    """The step a caller names is not the step this client holds records for."""
-
-
-class StepAlreadyFinal(ValueError):
-    """A client's first flush named a step the service had already published (a late
-    joiner); the client has moved to the open step."""
-
-
-class ServiceNotice(UserWarning):
-    """The service dropped an earlier batch of this rank (e.g. a world-size disagreement)."""
 
 
 class MetricClient(Tracker):
@@ -339,7 +325,7 @@ class MetricClient(Tracker):
             self._outbox.sent(batch.step, blob)
             try:
                 return self._deliver(blob, timeout_s)
-            except ValueError:
+            except Refused:
                 self._outbox.drop(blob)
                 raise
             except BaseException:
@@ -358,7 +344,7 @@ class MetricClient(Tracker):
                     return acks
                 batch, ack, error = self._answers.popleft()
             if error is not None:
-                what = ("refused" if isinstance(error, ValueError) else
+                what = ("refused" if is_refusal(error) else
                         "not delivered (kept for a restarted actor that lacks it)")
                 error.add_note(f"rank {self.rank}: the batch of step {batch.step}, sent by "
                                f"flush(), was {what}")
@@ -395,7 +381,7 @@ class MetricClient(Tracker):
         While the actor restarts the call waits (up to ``retry_s``). On a timeout
         the batch is kept and calling again resends it; the service merges it
         once. If the service rejects the batch, it is dropped, the step stays
-        open and the error (a ``ValueError``) is raised.
+        open and the error (a ``metricsvc.errors.Refused``) is raised.
         """
         with self._cv:  # earlier flushes are delivered first: steps go out in order
             if not self._cv.wait_for(lambda: self._sending == 0, timeout=timeout_s):
@@ -406,7 +392,7 @@ class MetricClient(Tracker):
         blob = encode(batch)
         try:  # undelivered stays in _unacked: the next call sends it again
             ack = self._send(batch, blob, timeout_s, keep_undelivered=False)
-        except ValueError:
+        except Refused:
             self._unacked = None  # rejected by the service: retrying cannot help
             raise
         self._closed(batch)

@@ -9,13 +9,9 @@ from typing import Any
 
 import ray
 
-from metricsvc.protocol import ACTOR_ERRORS, backoff
+from metricsvc.protocol import ACTOR_ERRORS, ServiceUnavailable, backoff
 
 log = logging.getLogger(__name__)
-
-
-class ServiceUnavailable(RuntimeError):
-    """The MetricWorker is gone for good, or stayed unreachable for the whole budget."""
 
 
 def gone_for_good(handle: Any) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.rpc import call
 from metricsvc.client.tracker import Tracker
-from metricsvc.protocol import Batch, SketchSpec, check_key, encode
+from metricsvc.protocol import Batch, Refused, SketchSpec, check_key, encode
 
 
 class StreamRecorder(Tracker):
@@ -73,7 +73,7 @@ class StreamRecorder(Tracker):
         try:
             ack = call(self._worker, "stream_submit", self.name, self.client_id, encode(batch),
                        retry_s=self.retry_s, timeout_s=timeout_s)
-        except ValueError:
+        except Refused:
             self._unacked = None  # rejected: resending the same batch cannot help
             raise
         self._unacked = None
