@@ -22,7 +22,7 @@ import ray
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
 from metricsvc.keys import combiner_name
 from metricsvc.records import Batch
-from metricsvc.resend import Outbox, deliver
+from metricsvc.resend import Outbox, deliver, is_stale
 from metricsvc.retry import ACTOR_ERRORS, backoff
 from metricsvc.validation import check_batch
 from metricsvc.wire import as_batch, encode
@@ -66,7 +66,7 @@ class CombinerImpl:
         Like the MetricWorker's: a client that last heard from another incarnation
         (``epoch``) is told ``epoch_changed`` and nothing is taken, so it resends its
         older batches first."""
-        if epoch is not None and epoch != self.epoch:
+        if is_stale(epoch, self.epoch):
             self.calls["epoch_changed"] = self.calls.get("epoch_changed", 0) + 1
             return self._ack("epoch_changed")
         return await self._submit(item)

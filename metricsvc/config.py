@@ -7,7 +7,6 @@ need an API key read it from the environment themselves.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,17 +22,15 @@ from pydantic import (
     model_validator,
 )
 
-from metricsvc.keys import DEFAULT_NAME, default_namespace
+from metricsvc.keys import DEFAULT_NAME, default_namespace, is_plain_part
 from metricsvc.reduce import OutputRules, ReduceType, framework_conflict
 from metricsvc.sketch import MIN_ALPHA, SketchSpec
 from metricsvc.validation import Limits
 
-_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
 
 def _plain(value: str, what: str) -> str:
     """Return ``value`` if it is one plain path part: nothing can escape the run folder."""
-    if not _SAFE_PART.match(value):
+    if not is_plain_part(value):
         raise ValueError(f"{what} must be a plain file name (letters, digits, ._-), got {value!r}")
     return value
 
@@ -176,7 +173,7 @@ class RunConfig(_Strict):
     @field_validator("experiment", "trial")
     @classmethod
     def _one_path_part(cls, v: str | None) -> str | None:
-        if v is not None and not _SAFE_PART.match(v):
+        if v is not None and not is_plain_part(v):
             raise ValueError(f"must be one plain path part (letters, digits, ._-), got {v!r}")
         return v
 
@@ -192,6 +189,9 @@ def new_trial() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(6).hex()}"  # 48 random bits
 
 
+_LIMITS = Limits()  # the defaults: one source, validation.Limits
+
+
 class LimitsConfig(_Strict):
     """Bounds that keep the actor's memory finite; past them a batch is rejected."""
 
@@ -199,20 +199,23 @@ class LimitsConfig(_Strict):
     max_steps_ahead: int = Field(
         32, ge=0, description="a batch this many steps past the oldest open step is refused"
     )
-    max_keys_per_batch: int = Field(100_000, ge=1)
-    max_key_length: int = Field(512, ge=8)
-    max_batch_bytes: int = Field(64 * 2**20, ge=1024)
-    max_world_size: int = Field(1024, ge=1)
+    max_keys_per_batch: int = Field(_LIMITS.max_keys_per_batch, ge=1)
+    max_key_length: int = Field(_LIMITS.max_key_length, ge=8)
+    max_batch_bytes: int = Field(_LIMITS.max_batch_bytes, ge=1024)
+    max_world_size: int = Field(_LIMITS.max_world_size, ge=1)
     keep_results: int = Field(1000, ge=1, description="finished steps kept for wait_final_res")
     max_declarations: int = Field(
-        1000, ge=0, description="derived-metric declarations one batch may carry")
+        _LIMITS.max_declarations, ge=0,
+        description="derived-metric declarations one batch may carry")
     max_derived_outputs: int = Field(
-        10_000, ge=0, description="derived metrics one step may export (a templated "
-                                  "declaration exports one per binding); they count toward "
-                                  "max_keys_per_batch with the batch's keys")
+        _LIMITS.max_derived_outputs, ge=0,
+        description="derived metrics one step may export (a templated declaration exports "
+                    "one per binding); they count toward max_keys_per_batch with the "
+                    "batch's keys")
     max_derived_reads: int = Field(
-        1_000_000, ge=0, description="merged records the formulas of one step may read "
-                                     "(a group input reads every key it matches)")
+        _LIMITS.max_derived_reads, ge=0,
+        description="merged records the formulas of one step may read (a group input reads "
+                    "every key it matches)")
 
     def to_limits(self) -> Limits:
         """Return the validation limits this config sets."""

@@ -68,6 +68,17 @@ def safe_tag(key: str, max_length: int = 255) -> str:
     return tag[:max_length]
 
 
+def safe_file_name(name: str) -> str:
+    """Return ``name`` as one plain file-name part: a sink tag with ``/`` replaced too."""
+    return safe_tag(name).replace("/", "_") or "_"
+
+
+def is_plain_part(value: str) -> bool:
+    """Return True if ``value`` is one plain path part, unchanged by ``safe_file_name``,
+    starting with a letter or digit: nothing built from it can leave its folder."""
+    return value[:1].isalnum() and value.isascii() and safe_file_name(value) == value
+
+
 def tag_order(name: str, tag: str) -> tuple[bool, str]:
     """Order the names sharing one sink tag: the first is the one sinks show. The name
     written as its tag comes first, then the others alphabetically: the same name every

@@ -59,7 +59,7 @@ from metricsvc.records import (
     scalar_rows,
     summarize_array,
 )
-from metricsvc.reduce import AUTO, KINDS, OutputRules, ReduceType, output_names
+from metricsvc.reduce import AUTO, KINDS, OutputRules, ReduceType, kind_name, output_names
 from metricsvc.resend import Outbox, deliver
 from metricsvc.retry import ACTOR_ERRORS, backoff
 from metricsvc.sketch import SketchSpec, dense_to_sparse, merge_sparse, sparse_counts
@@ -119,6 +119,7 @@ __all__ = [
     "encode",
     "encode_derived",
     "is_internal",
+    "kind_name",
     "merge",
     "output_names",
     "safe_tag",

@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 
 from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, mean
-from metricsvc.sketch import SketchSpec, quantile_name, quantiles
+from metricsvc.sketch import Sketch, SketchSpec, quantile_name, quantiles
 
 
 class ReduceType(IntEnum):
@@ -57,6 +57,11 @@ class ReduceType(IntEnum):
 
 AUTO = 0  # wire code: "choose from the key name" (plain submit_metric values)
 VALID_CODES = frozenset({AUTO, *(int(k) for k in ReduceType)})
+
+
+def kind_name(code: int) -> str:
+    """Return a reduce code's name for messages."""
+    return "AUTO (from the key name)" if code == AUTO else ReduceType(code).name
 
 # Exact last path segment -> kind. ``std``, ``median`` and ``pNN`` of plain
 # per-rank numbers cannot be merged exactly; they are averaged and flagged
@@ -180,7 +185,6 @@ def population_var(row: np.ndarray) -> float:
     return float(row[M2_ROOT]) ** 2 / float(row[COUNT])
 
 
-Sketch = tuple[np.ndarray, np.ndarray]
 Finalise = Callable[[np.ndarray, "Sketch | None", OutputRules], "tuple[float, ...] | None"]
 
 

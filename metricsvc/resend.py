@@ -62,6 +62,13 @@ class Outbox:
         return [p for s, p in self._owed if durable_through is None or s > durable_through]
 
 
+def is_stale(heard: str | None, epoch: str) -> bool:
+    """Return True if a sender that last heard from incarnation ``heard`` talks to
+    incarnation ``epoch``: it is told ``epoch_changed`` and nothing is taken, so that it
+    resends what the new incarnation lacks first (None: a sender's first call)."""
+    return heard is not None and heard != epoch
+
+
 def deliver(outbox: Outbox, payload: Any) -> Generator[Any, Ack, Ack]:
     """Send ``payload`` (already ``outbox.sent``); yield each payload to send, with
     ``outbox.epoch``, and receive its ack; return the ack of ``payload``."""

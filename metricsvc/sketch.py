@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# A sparse sketch: bucket codes and their counts.
+Sketch = tuple[np.ndarray, np.ndarray]
+
 MIN_ALPHA = 0.001  # finer buckets make the dense device layout past 10 MB per key
 _SMALLEST_NORMAL = 2.2250738585072014e-308
 

@@ -17,16 +17,9 @@ import numpy as np
 from metricsvc import records
 from metricsvc.declare import Derived, decode_derived
 from metricsvc.records import Batch
-from metricsvc.reduce import AUTO, ReduceType
-from metricsvc.sketch import merge_sparse
+from metricsvc.reduce import kind_name
+from metricsvc.sketch import Sketch, merge_sparse
 from metricsvc.validation import BatchRejected
-
-Sketch = tuple[np.ndarray, np.ndarray]
-
-
-def kind_name(code: int) -> str:
-    """Return a reduce code's name for messages."""
-    return "AUTO" if code == AUTO else ReduceType(code).name
 
 
 @dataclass

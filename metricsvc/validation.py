@@ -27,7 +27,7 @@ class Limits:
     max_key_length: int = MAX_KEY_LENGTH
     max_keys_per_batch: int = 100_000
     max_batch_bytes: int = 64 * 2**20
-    max_world_size: int = 4096
+    max_world_size: int = 1024
     max_declarations: int = 1000  # derived-metric declarations in one batch
     max_derived_outputs: int = 10_000  # derived metrics one step exports
     max_derived_reads: int = 1_000_000  # merged records the formulas of one step read

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import socket
-import tempfile
 import time
 import uuid
 import warnings
@@ -36,9 +35,11 @@ from metricsvc.config import (
     new_trial,
 )
 from metricsvc.errors import StepNotFinal, StepUnavailable
+from metricsvc.files import write_atomic
 from metricsvc.keys import default_namespace
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
+from metricsvc.resend import is_stale
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.sinks.base import check_libraries
 from metricsvc.sinks.jsonl import JournalIndex, iter_journal
@@ -170,13 +171,6 @@ def _restarted_by_ray() -> bool:
         return False
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
 class MetricWorkerImpl:
     """Actor body; use ``MetricWorker`` (the Ray actor class) or ``start_metric_worker``."""
 
@@ -204,7 +198,7 @@ class MetricWorkerImpl:
         if not continuing:
             _claim_run_dir(self.run_dir, cfg)
         self.redactor = Redactor(cfg.model_dump())
-        _write_atomic(self.run_dir / "config.yaml",
+        write_atomic(self.run_dir / "config.yaml",
                       yaml.safe_dump(self.redactor.value(cfg.model_dump())))
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
@@ -261,7 +255,7 @@ class MetricWorkerImpl:
 
     def _stale(self, epoch: str | None) -> bool:
         """Return True (and count it) if a caller last heard from another incarnation."""
-        if epoch is None or epoch == self.epoch:
+        if not is_stale(epoch, self.epoch):
             return False
         self.calls["epoch_changed"] += 1
         return True

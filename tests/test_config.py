@@ -57,3 +57,13 @@ def test_overrides_and_round_trip():
 def test_run_dir_is_root_experiment_trial(tmp_path):
     cfg = load_config({"run": {"root": str(tmp_path), "experiment": "e", "trial": "t1"}})
     assert cfg.run.run_dir() == tmp_path / "e" / "t1"
+
+
+def test_the_limits_config_and_the_validation_limits_share_their_defaults():
+    from dataclasses import fields
+
+    from metricsvc.config import LimitsConfig
+    from metricsvc.validation import Limits
+
+    assert LimitsConfig().to_limits() == Limits()
+    assert {f.name for f in fields(Limits)} <= set(LimitsConfig.model_fields)

@@ -34,6 +34,7 @@ from metricsvc.protocol import (
     dense_to_sparse,
     encode_derived,
     is_internal,
+    kind_name,
     safe_tag,
     scalar_row,
     scalar_rows,
@@ -41,10 +42,6 @@ from metricsvc.protocol import (
 
 _PLAIN_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64,
                             np.int32, np.int16, np.int8, np.uint8, np.bool_})
-
-
-def _kind_name(code: int) -> str:
-    return "AUTO (from the key name)" if code == AUTO else ReduceType(code).name
 
 
 @functools.lru_cache(maxsize=65536)  # keys recur every step
@@ -228,14 +225,14 @@ class RecordBuffer:
             for name in _exported(key, code):
                 if name in declared:
                     raise ValueError(
-                        f"key {key!r} ({_kind_name(code)}) would export {name!r}, which the "
+                        f"key {key!r} ({kind_name(code)}) would export {name!r}, which the "
                         f"derived metric {declared[name]!r} declared in this client exports: "
                         f"one exported name, one source (rename one of them)"
                     )
                 owner = names.get(name, claimed.get(name, key))
                 if owner != key:
                     raise ValueError(
-                        f"key {key!r} ({_kind_name(code)}) would export {name!r}, which key "
+                        f"key {key!r} ({kind_name(code)}) would export {name!r}, which key "
                         f"{owner!r} already exports in {self.label}: one exported name, one "
                         f"source (rename one of them)"
                     )
@@ -250,8 +247,8 @@ class RecordBuffer:
             entry = entries.get(key)
             if entry is not None and entry.code != code:
                 raise ValueError(
-                    f"key {key!r} was recorded as {_kind_name(entry.code)} in "
-                    f"{self.label}; recording it as {_kind_name(code)} would mix reductions"
+                    f"key {key!r} was recorded as {kind_name(entry.code)} in "
+                    f"{self.label}; recording it as {kind_name(code)} would mix reductions"
                 )
         self._claim_names(rows, code)
         for key, row in rows.items():

@@ -9,20 +9,18 @@ backend run (wandb's run id, MLflow's run id).
 from __future__ import annotations
 
 import json
-import os
-import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+from metricsvc.files import write_atomic
+from metricsvc.keys import safe_file_name
 
 
 class SinkState:
     """The durable record of sink ``name`` in ``run_dir``; read and written by its thread."""
 
     def __init__(self, run_dir: Path, name: str) -> None:
-        self.path = Path(run_dir) / "sinks" / f"{_UNSAFE.sub('_', name) or '_'}.json"
+        self.path = Path(run_dir) / "sinks" / f"{safe_file_name(name)}.json"
 
     def load(self) -> dict[str, Any]:
         """Return the record ({} when none was written or it cannot be read)."""
@@ -36,11 +34,4 @@ class SinkState:
         """Merge ``values`` into the record and replace the file whole."""
         data = {**self.load(), **values}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(data, fh)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(self.path, json.dumps(data))
