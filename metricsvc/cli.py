@@ -21,9 +21,9 @@ import yaml
 
 from metricsvc import __version__
 from metricsvc.config import DEFAULT_NAME, load_config, presets
+from metricsvc.journal import DEFAULT_JOURNAL, read_journal, run_journal
 from metricsvc.keys import NAMESPACE_ENV, default_namespace
 from metricsvc.redaction import Redactor
-from metricsvc.sinks.jsonl import read_journal
 
 
 class CliError(Exception):
@@ -35,9 +35,9 @@ def journal_path(target: str) -> Path:
     """Return the journal of a run folder, or the journal file itself."""
     path = Path(target)
     if path.is_dir():
-        found = list(path.rglob("metrics.jsonl"))
+        found = journals_under(path)
         if not found:
-            raise CliError(f"no metrics.jsonl under {path}")
+            raise CliError(f"no journal under {path}")
         path = max(found, key=lambda p: p.stat().st_mtime)  # the newest run, not the last name
     elif not path.is_file():
         raise CliError(f"no such run folder or journal: {path}")
@@ -47,6 +47,15 @@ def journal_path(target: str) -> Path:
     if b"\0" in head or head.decode("utf-8", "replace").count("\ufffd") > 3:
         raise CliError(f"{path} is not a metrics journal: it holds binary data")
     return path
+
+
+def journals_under(folder: Path) -> list[Path]:
+    """Return the journals of the runs under ``folder``: each run folder's (``config.yaml``
+    names its file), and files with the default name in folders without a saved config."""
+    runs = {p.parent for p in folder.rglob("config.yaml")} | {folder}
+    found = {run_journal(run) for run in runs}
+    found |= {p for p in folder.rglob(DEFAULT_JOURNAL) if not (p.parent / "config.yaml").exists()}
+    return sorted(p for p in found if p is not None and p.is_file())
 
 
 def load_steps(target: str) -> list[dict[str, Any]]:

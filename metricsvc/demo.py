@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -110,7 +109,7 @@ def run_demo(config: Any = None, *, workers: int = 4, steps: int = 20) -> dict[s
         health = metricsvc.stop_metric_worker(worker)
     finally:
         ray.shutdown()
-    journal = Path(health["run_dir"]) / "metrics.jsonl"
+    journal = health["journal"]
     print(f"{steps} steps final; journal: {journal}")
     print(f"report: metricsvc report {health['run_dir']} --keys 'critic/*'")
     return health

@@ -1,4 +1,5 @@
-"""Writing a file whole or not at all: the one atomic write the service and sinks use."""
+"""Writing files whole or not at all: the atomic replace and the append-only line file
+the service, the journal and the sinks use."""
 
 from __future__ import annotations
 
@@ -19,3 +20,34 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class LineFile:
+    """An append-only file of whole lines: a failed append is cut back to where it began."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        if end and os.pread(self._fd, 1, end - 1) != b"\n":
+            self.append(b"\n")  # a crash cut the last line short: ours start on their own
+
+    def append(self, data: bytes, fsync: bool = False) -> None:
+        """Append ``data`` whole, or raise with the file as it was."""
+        if self._fd is None:
+            raise RuntimeError(f"{self.path} is closed")
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            if fsync:
+                os.fsync(self._fd)
+        except BaseException:
+            os.ftruncate(self._fd, start)
+            raise
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

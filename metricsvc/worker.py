@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import fcntl
-import json
 import logging
 import os
-import socket
 import time
 import uuid
 import warnings
@@ -36,117 +33,22 @@ from metricsvc.config import (
 )
 from metricsvc.errors import StepNotFinal, StepUnavailable
 from metricsvc.files import write_atomic
+from metricsvc.journal import Journal, iter_journal
 from metricsvc.keys import default_namespace
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
 from metricsvc.resend import is_stale
+from metricsvc.run_folder import (
+    check_run_dir,
+    claim_run_dir,
+    hold_run_dir,
+    probe_run_dir,
+)
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.sinks.base import check_libraries
-from metricsvc.sinks.jsonl import JournalIndex, iter_journal
 from metricsvc.validation import BatchRejected
 
 log = logging.getLogger(__name__)
-
-
-RUN_MARKER = "run.json"  # written by a run's first incarnation: the folder is taken
-
-
-def run_dir_in_use(run_dir: Path, journal: Path | None) -> str | None:
-    """Return what shows that ``run_dir`` already holds a run, or None for a fresh folder."""
-    marker = run_dir / RUN_MARKER
-    if marker.exists():
-        try:
-            started = json.loads(marker.read_text()).get("started", "?")
-        except (OSError, ValueError, AttributeError):
-            started = "?"
-        return f"a run started {started}"
-    if journal is not None and journal.exists() and journal.stat().st_size:
-        return f"a journal ({journal.name})"
-    return None
-
-
-def check_run_dir(cfg: ServiceConfig) -> None:
-    """Refuse to start a new run in a folder that holds another one (unless it resumes).
-
-    Raises:
-        ValueError: naming the folder, and the two ways out.
-    """
-    if cfg.run.resume or cfg.run.trial is None:
-        return
-    run_dir = cfg.run.run_dir().resolve()
-    jsonl = cfg.sinks.jsonl
-    found = run_dir_in_use(run_dir, None if jsonl is None or not jsonl.enabled
-                           else run_dir / jsonl.filename)
-    if found is not None:
-        raise ValueError(
-            f"run folder {run_dir} already holds a run ({found}); a new run needs its own "
-            f"folder: choose another run.trial (or leave it unset for a fresh one), or set "
-            f"run.resume: true to continue that run"
-        )
-
-
-def _claim_run_dir(run_dir: Path, cfg: ServiceConfig) -> None:
-    """Mark ``run_dir`` as this run's (refused as ``check_run_dir`` refuses); of two
-    launches racing for one folder, the exclusive create lets one win."""
-    check_run_dir(cfg)
-    marker = json.dumps({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "service": cfg.name})
-    try:
-        fd = os.open(run_dir / RUN_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        check_run_dir(cfg)  # the other launch won meanwhile: raises, naming the folder
-        raise
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(marker)
-
-
-OWNER_LOCK = "owner.lock"  # held (flock) by the live service of a run folder
-
-
-def hold_run_dir(run_dir: Path, service: str) -> int:
-    """Take the run folder's owner lock for this process; return its descriptor (keep it
-    open: the kernel releases the lock when the process ends, SIGKILL included).
-
-    Raises:
-        ValueError: another live service holds the folder (it is named).
-    """
-    path = run_dir / OWNER_LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
-        os.close(fd)
-        raise ValueError(
-            f"run folder {run_dir} is held by a live service ({holder}); one folder has one "
-            f"live owner: stop that service first (metricsvc.stop_metric_worker), or give "
-            f"this one another run.trial") from None
-    owner = json.dumps({"service": service, "pid": os.getpid(), "host": socket.gethostname(),
-                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, owner.encode(), 0)
-    return fd
-
-
-def probe_run_dir(run_dir: Path) -> None:
-    """Raise (naming the holder) if a live service on this machine holds ``run_dir``: a
-    driver hears it at once (the service checks again where it runs, with the lock)."""
-    path = run_dir / OWNER_LOCK
-    if not path.exists():
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
-        raise ValueError(
-            f"run folder {run_dir} is held by a live service ({holder}); one folder has one "
-            f"live owner: stop that service first (metricsvc.stop_metric_worker), or give "
-            f"this one another run.trial") from None
-    finally:
-        os.close(fd)
 
 
 def config_differences(asked: Mapping[str, Any], running: Mapping[str, Any],
@@ -189,30 +91,28 @@ class MetricWorkerImpl:
         )
         self.run_dir = cfg.run.run_dir().resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        jsonl = cfg.sinks.jsonl
-        self.journal_path = (None if jsonl is None or not jsonl.enabled
-                             else self.run_dir / jsonl.filename)
+        self.journal = Journal(self.run_dir, cfg.sinks)  # the service's log, its own
         self._owner_fd: int | None = hold_run_dir(self.run_dir, cfg.name)
         # Only a restart of this run (by Ray, or an explicit resume) reloads the folder.
         continuing = _restarted_by_ray() or cfg.run.resume
         if not continuing:
-            _claim_run_dir(self.run_dir, cfg)
+            claim_run_dir(self.run_dir, cfg)
         self.redactor = Redactor(cfg.model_dump())
         write_atomic(self.run_dir / "config.yaml",
                       yaml.safe_dump(self.redactor.value(cfg.model_dump())))
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
         self.job = ray.get_runtime_context().get_job_id()  # the job whose run this is
-        self.journal_stats: dict[str, Any] = {"skipped": 0, "duplicates": 0}
-        if self.journal_path is not None:  # an old step's batches, checked against it
-            self.aggregator.journaled_meta = JournalIndex(self.journal_path).meta
+        self.aggregator.journaled_meta = self.journal.meta  # an old step's batches: checked
         self.restored_steps = 0
         journal = self._restore() if continuing else None
         self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None
         # Continuing a run, each sink continues its backend run and is given the journaled
         # steps past its watermark: what users look at survives the restart too.
-        self.sinks = SinkDispatcher(build_sinks(cfg.sinks, check=True), self.run_dir,
-                                    cfg.sinks.delivery, self.redactor, replay=journal)
+        writer = {} if self.journal.writer is None else {"jsonl": self.journal.writer}
+        self.sinks = SinkDispatcher(build_sinks(cfg.sinks, check=True, built=writer),
+                                    self.run_dir, cfg.sinks.delivery, self.redactor,
+                                    replay=journal)
         self._changed = asyncio.Condition()
         self._ticker: asyncio.Task[None] | None = None
         self._started = time.time()
@@ -225,7 +125,7 @@ class MetricWorkerImpl:
         The journal is streamed: what stays is the last ``keep_results`` steps, the running
         totals and the recent steps' digests, whatever its length. Returns how the sinks
         read it again for their replay (None: no journal)."""
-        path = self.journal_path
+        path = self.journal.path
         if path is None or not path.exists():
             return None
         recent: deque[dict[str, Any]] = deque(maxlen=self.config.limits.keep_results)
@@ -236,7 +136,7 @@ class MetricWorkerImpl:
                 self.restored_steps += 1
                 yield record
 
-        self.aggregator.restore(kept(iter_journal(path, self.journal_stats)))
+        self.aggregator.restore(kept(self.journal.stream()))
         for record in recent:
             step = int(record["step"])
             self._results[step] = StepResult(step, record["metrics"], record["meta"])
@@ -247,9 +147,9 @@ class MetricWorkerImpl:
 
     def _durable_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""
-        if self.journal_path is None:  # every ack asks: no path building on the hot path
+        if self.journal.writer is None:  # no journal: nothing more durable than memory
             return self.aggregator.last_emitted
-        written = self.sinks.last_step("jsonl")
+        written = self.sinks.last_step(self.journal.writer)
         # After a restart the journal already holds the reloaded steps.
         return self._reloaded_through if written is None else written
 
@@ -444,8 +344,9 @@ class MetricWorkerImpl:
             "epoch": self.epoch,
             "pid": os.getpid(),
             "restored_steps": self.restored_steps,
-            "journal_skipped_lines": self.journal_stats["skipped"],
-            "journal_duplicate_steps": self.journal_stats["duplicates"],
+            "journal_skipped_lines": self.journal.stats["skipped"],
+            "journal_duplicate_steps": self.journal.stats["duplicates"],
+            "journal": self.journal.health()["path"],
             "pending_steps": agg.pending_summary(),
             "last_final_step": agg.last_emitted,
             "newest_closed_step": agg.newest_closed,
@@ -510,8 +411,8 @@ class MetricWorkerImpl:
         kept = self._results.get(to_step)
         if kept is not None:
             totals = kept.meta.get("derived_totals")
-        elif to_step >= 0 and self.journal_path is not None and self.journal_path.exists():
-            record = next((r for r in iter_journal(self.journal_path)
+        elif to_step >= 0 and self.journal.holds_steps():
+            record = next((r for r in iter_journal(self.journal.path)
                            if r["step"] == to_step), None)
             totals = None if record is None else record["meta"].get("derived_totals")
         superseded = self.aggregator.rewind(to_step, totals)

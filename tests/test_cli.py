@@ -247,3 +247,24 @@ def test_health_reaches_the_service_from_another_shell_under_default_auth(make_w
                          capture_output=True, text=True, cwd=ROOT, env=shell, timeout=120)
     assert out.returncode == 2
     assert "it runs in namespace metricsvc: pass --namespace" in out.stderr
+
+
+def test_report_finds_a_journal_under_its_configured_file_name(tmp_path):
+    """A run whose config names its journal otherwise (``sinks.jsonl.filename``) is found
+    by its run folder's saved config, not by the default name."""
+    import yaml
+
+    from metricsvc.config import JsonlSinkConfig
+    from metricsvc.sinks.jsonl import JsonlSink
+
+    run = tmp_path / "exp" / "trial"
+    run.mkdir(parents=True)
+    saved = {"sinks": {"jsonl": {"filename": "steps.log"}}}
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    sink = JsonlSink(JsonlSinkConfig(filename="steps.log"))
+    sink.open(run)
+    sink.write(0, {"loss": 0.5}, {})
+    sink.close()
+    out = cli("report", tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"# {run / 'steps.log'}: 1 steps" in out.stderr and "loss" in out.stdout

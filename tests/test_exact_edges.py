@@ -19,8 +19,8 @@ from metricsvc import records
 from metricsvc.client import MetricClient
 from metricsvc.client.summarize import accelerator_path_on_cpu, sketch, summarize
 from metricsvc.declare import Derived
+from metricsvc.journal import read_journal
 from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, SUM, SUM_LO
-from metricsvc.sinks.jsonl import read_journal
 from metricsvc.sketch import SketchSpec, histogram, merge_sparse, quantiles, sparse_counts
 
 SPEC = SketchSpec()

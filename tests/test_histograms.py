@@ -10,7 +10,7 @@ import ray
 import torch
 
 from metricsvc.client import MetricClient
-from metricsvc.sinks.jsonl import read_journal
+from metricsvc.journal import read_journal
 from metricsvc.sketch import SketchSpec, histogram, sparse_counts
 from tests import readback
 

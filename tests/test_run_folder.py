@@ -17,7 +17,8 @@ import ray
 import metricsvc
 from metricsvc.cli import main as cli_main
 from metricsvc.client import MetricClient, ServiceUnavailable
-from metricsvc.sinks.jsonl import JsonlSink, read_journal
+from metricsvc.journal import read_journal
+from metricsvc.sinks.jsonl import JsonlSink
 
 ROOT = Path(__file__).resolve().parent.parent
 

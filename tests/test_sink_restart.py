@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from metricsvc.client import MetricClient
-from metricsvc.sinks.jsonl import read_journal
+from metricsvc.journal import read_journal
 from metricsvc.sinks.names import safe_tag
 from tests import readback
 from tests.helpers import wait_for_new_incarnation

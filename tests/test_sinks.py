@@ -7,9 +7,10 @@ import math
 import pytest
 
 from metricsvc.config import ConsoleSinkConfig, DeliveryConfig, JsonlSinkConfig, SinksConfig
+from metricsvc.journal import read_journal
 from metricsvc.sinks import Sink, SinkDispatcher, SinkRegistry, build_sinks, default_registry
 from metricsvc.sinks.console import ConsoleSink
-from metricsvc.sinks.jsonl import JsonlSink, read_journal
+from metricsvc.sinks.jsonl import JsonlSink
 
 
 def test_builtin_sinks_satisfy_the_protocol_and_build_from_config():

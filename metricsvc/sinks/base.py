@@ -151,13 +151,16 @@ def default_registry(with_entry_points: bool = True) -> SinkRegistry:
 
 
 def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None, *,
-                check: bool = False) -> list[Sink]:
+                check: bool = False, built: Mapping[str, Sink] | None = None) -> list[Sink]:
     """Return one sink per enabled entry of a ``SinksConfig``: built-ins, then custom ones.
-    ``check``: first refuse, in one line, a sink whose library is not installed."""
+    ``check``: first refuse, in one line, a sink whose library is not installed.
+    ``built``: sinks made by their owner, used as they are (the worker's journal writer)."""
     if check:
         check_libraries(sinks_config)
     registry = registry or default_registry()
-    out = [registry.create(name, cfg) for name, cfg in sinks_config.enabled()]
+    built = built or {}
+    out = [built[name] if name in built else registry.create(name, cfg)
+           for name, cfg in sinks_config.enabled()]
     for custom in sinks_config.custom:
         sink = registry.create(custom.target, dict(custom.options))
         if custom.name:

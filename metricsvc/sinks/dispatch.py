@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from metricsvc.config import DeliveryConfig
+from metricsvc.files import LineFile
 from metricsvc.redaction import Redactor
 from metricsvc.sinks.base import Sink
-from metricsvc.sinks.jsonl import LineFile
 from metricsvc.sinks.names import public_metrics
 from metricsvc.sinks.state import SinkState
 
@@ -423,10 +423,11 @@ class SinkDispatcher:
         for worker in self._workers:
             worker.finish_close(deadline)
 
-    def last_step(self, name: str) -> int | None:
-        """Return the last step sink ``name`` has written (None if none, or no such sink)."""
+    def last_step(self, sink: Sink) -> int | None:
+        """Return the last step ``sink`` (one of this dispatcher's) has written (None if
+        none yet, or not one of them)."""
         for worker in self._workers:
-            if worker.name == name:
+            if worker.sink is sink:
                 return worker.stats["last_step"]
         return None
 

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from metricsvc.client import MetricClient
-from metricsvc.sinks.jsonl import read_journal
+from metricsvc.journal import read_journal
 from tests import readback
 from tests.helpers import RankActor
 
