@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench docs clean
 
 setup: $(STAMP)
 
@@ -24,8 +24,11 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check metricsvc tests examples benchmarks
 
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.bench_rank
@@ -35,3 +38,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.bench_scale
 	$(PY) -m benchmarks.bench_restart
 	$(PY) -m benchmarks.bench_import
+	$(PY) -m benchmarks.bench_alternatives
