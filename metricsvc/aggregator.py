@@ -674,6 +674,30 @@ class Aggregator:
         return out
 
     # -- introspection -----------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """The merge's part of the service's health: steps, ranks and batch counts."""
+        counts = self.counts
+        return {
+            "pending_steps": self.pending_summary(),
+            "last_final_step": self.last_emitted,
+            "newest_closed_step": self.newest_closed,
+            "rank_last_seen": dict(sorted(self.rank_last_seen.items())),
+            "batches": counts["batches"],
+            "stream_batches": counts["stream_batches"],
+            "stream_windows": self.windows_summary(),
+            "rejected_batches": counts["rejected"],
+            "duplicate_batches": counts["duplicate"],
+            "late_batches": counts["late"],
+            "late_by_rank": dict(sorted(self.late_by_rank.items())),
+            "lagging_ranks": self.lagging_ranks,
+            "conflicting_batches": counts["conflict"],
+            "dropped_batches": counts["dropped"],
+            "steps_with_collisions": counts["collisions"],
+            "world_size": self.world_size,
+            "world_size_source": self.world_source,
+            "partial_steps": counts["partial"],
+        }
+
     def pending_summary(self) -> dict[int, dict[str, Any]]:
         """Return, per pending step, which ranks have closed it and how many keys it holds."""
         return {s: p.summary() for s, p in sorted(self._pending.items())}

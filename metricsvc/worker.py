@@ -1,23 +1,23 @@
-"""The MetricWorker Ray actor: a thin async shell around the Aggregator.
+"""The MetricWorker Ray actor: the run's components, behind Ray calls.
 
-The actor is asynchronous: a rank's ``submit`` merges and returns at once, and
-any number of ``wait_final_res`` callers wait on a condition without holding a
-thread. Finished steps go to the sinks through a background dispatcher, so no
-sink I/O sits on the merge path.
+It owns the run folder (``run_folder``), the merge (``Aggregator``), the journal
+(``Journal``, the service's log), the readers' results (``Results``) and the sinks
+(``SinkDispatcher``). The actor is asynchronous: a rank's ``submit`` merges and returns at
+once, any number of ``wait_final_res`` callers wait without holding a thread, and finished
+steps reach the sinks through background threads, so no sink I/O sits on the merge path.
+Starting it from a driver is ``metricsvc.service``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import os
 import time
 import uuid
 import warnings
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -25,43 +25,24 @@ import yaml
 
 from metricsvc.aggregator import Aggregator, StepResult
 from metricsvc.config import (
-    DEFAULT_NAME,
     ConfigSource,
     ServiceConfig,
     load_config,
-    new_trial,
 )
-from metricsvc.errors import StepNotFinal, StepUnavailable
 from metricsvc.files import write_atomic
 from metricsvc.journal import Journal, iter_journal
-from metricsvc.keys import default_namespace
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
 from metricsvc.resend import is_stale
+from metricsvc.results import Results
 from metricsvc.run_folder import (
-    check_run_dir,
     claim_run_dir,
     hold_run_dir,
-    probe_run_dir,
 )
 from metricsvc.sinks import SinkDispatcher, build_sinks
-from metricsvc.sinks.base import check_libraries
 from metricsvc.validation import BatchRejected
 
 log = logging.getLogger(__name__)
-
-
-def config_differences(asked: Mapping[str, Any], running: Mapping[str, Any],
-                       prefix: str = "") -> list[str]:
-    """Return the dotted names of the fields where two config dumps differ."""
-    out = []
-    for key in sorted(set(asked) | set(running)):
-        a, b = asked.get(key), running.get(key)
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out += config_differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}")
-    return out
 
 
 def _restarted_by_ray() -> bool:
@@ -100,7 +81,7 @@ class MetricWorkerImpl:
         self.redactor = Redactor(cfg.model_dump())
         write_atomic(self.run_dir / "config.yaml",
                       yaml.safe_dump(self.redactor.value(cfg.model_dump())))
-        self._results: OrderedDict[int, StepResult] = OrderedDict()
+        self.results = Results(self.aggregator, cfg.limits.keep_results, self.run_dir)
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
         self.job = ray.get_runtime_context().get_job_id()  # the job whose run this is
         self.aggregator.journaled_meta = self.journal.meta  # an old step's batches: checked
@@ -113,7 +94,6 @@ class MetricWorkerImpl:
         self.sinks = SinkDispatcher(build_sinks(cfg.sinks, check=True, built=writer),
                                     self.run_dir, cfg.sinks.delivery, self.redactor,
                                     replay=journal)
-        self._changed = asyncio.Condition()
         self._ticker: asyncio.Task[None] | None = None
         self._started = time.time()
         self.calls: Counter[str] = Counter()
@@ -139,7 +119,7 @@ class MetricWorkerImpl:
         self.aggregator.restore(kept(self.journal.stream()))
         for record in recent:
             step = int(record["step"])
-            self._results[step] = StepResult(step, record["metrics"], record["meta"])
+            self.results.put(StepResult(step, record["metrics"], record["meta"]))
         if self.restored_steps:
             log.warning("restarted: %d finished steps reloaded from %s (last step %s)",
                         self.restored_steps, path, self.aggregator.last_emitted)
@@ -202,7 +182,7 @@ class MetricWorkerImpl:
         if outcome.finished:
             await self._publish(outcome.finished)
         elif self.aggregator.newest_closed != newest:
-            await self._notify()  # wait_final_res(step=None) watches newest_closed
+            await self.results.notify()  # wait_final_res(step=None) watches newest_closed
         ack = self._ack(outcome.status, step=batch.step, seq=batch.seq)
         if outcome.notice is not None:
             ack["notice"] = outcome.notice
@@ -233,7 +213,7 @@ class MetricWorkerImpl:
         if finished:
             await self._publish(finished)
         else:
-            await self._notify()
+            await self.results.notify()
         return self._ack("batch", statuses=statuses)
 
     # -- streams -----------------------------------------------------------------------
@@ -264,60 +244,16 @@ class MetricWorkerImpl:
         ``step=None`` means the newest step any rank has closed (waiting for one
         if none has). Raises ``StepNotFinal`` (a TimeoutError) after ``timeout_s``.
         """
-        return (await self._wait(step, timeout_s)).metrics
+        return (await self.results.wait(step, timeout_s)).metrics
 
     async def wait_final(self, step: int | None = None, timeout_s: float | None = None) -> dict:
         """Like ``wait_final_res`` but return ``{"step", "metrics", "meta"}``."""
-        result = await self._wait(step, timeout_s)
+        result = await self.results.wait(step, timeout_s)
         return {"step": result.step, "metrics": result.metrics, "meta": result.meta}
-
-    async def _wait(self, step: int | None, timeout_s: float | None) -> StepResult:
-        agg = self.aggregator
-        try:
-            async with self._changed:
-                if step is None:
-                    await asyncio.wait_for(
-                        self._changed.wait_for(lambda: agg.newest_closed is not None), timeout_s
-                    )
-                    step = agg.newest_closed
-                target = int(step)  # type: ignore[arg-type]
-                await asyncio.wait_for(
-                    self._changed.wait_for(
-                        lambda: agg.last_emitted is not None and agg.last_emitted >= target
-                    ),
-                    timeout_s,
-                )
-        except asyncio.TimeoutError:
-            raise StepNotFinal(self._not_final_message(step, timeout_s)) from None
-        result = self._results.get(target)
-        if result is None:
-            raise StepUnavailable(
-                f"step {target} has no result: no rank submitted it, or it was evicted "
-                f"(keep_results={self.config.limits.keep_results}); "
-                f"the journal under {self.run_dir} holds every finished step"
-            )
-        return result
-
-    def _not_final_message(self, step: int | None, timeout_s: float | None) -> str:
-        if step is None:
-            return f"no rank closed any step within {timeout_s} s"
-        missing = self.aggregator.missing_ranks(step)
-        if missing is None:
-            return f"step {step} not final after {timeout_s} s: no rank has submitted it yet"
-        if not missing:  # every rank closed it: an earlier step holds it back
-            holder = min(self.aggregator.pending_summary())
-            return (f"step {step} not final after {timeout_s} s: every rank closed it, but "
-                    f"steps are published in order and step {holder} holds it: ranks "
-                    f"{self.aggregator.missing_ranks(holder)} have not closed step {holder} "
-                    f"(wait_submit)")
-        return (
-            f"step {step} not final after {timeout_s} s: "
-            f"ranks {missing} have not closed it (wait_submit)"
-        )
 
     def get_result(self, step: int) -> dict | None:
         """Return ``{"step", "metrics", "meta"}`` of a finished step, or None; never waits."""
-        result = self._results.get(step)
+        result = self.results.get(step)
         if result is None:
             return None
         return {"step": step, "metrics": result.metrics, "meta": result.meta}
@@ -337,36 +273,19 @@ class MetricWorkerImpl:
 
     def health(self) -> dict[str, Any]:
         """Return the actor's state: pending steps, counters, sink errors, run folder."""
-        agg = self.aggregator
         sinks = self.sinks.health()
+        journal = self.journal.health()
         return {
             "name": self.config.name,
             "epoch": self.epoch,
             "pid": os.getpid(),
             "restored_steps": self.restored_steps,
-            "journal_skipped_lines": self.journal.stats["skipped"],
-            "journal_duplicate_steps": self.journal.stats["duplicates"],
-            "journal": self.journal.health()["path"],
-            "pending_steps": agg.pending_summary(),
-            "last_final_step": agg.last_emitted,
-            "newest_closed_step": agg.newest_closed,
+            "journal_skipped_lines": journal["skipped_lines"],
+            "journal_duplicate_steps": journal["duplicate_steps"],
+            "journal": journal["path"],
+            **self.aggregator.health(),  # each component reports its own
             "durable_through": self._durable_through(),
-            "rank_last_seen": dict(sorted(agg.rank_last_seen.items())),
-            "batches": agg.counts["batches"],
-            "stream_batches": agg.counts["stream_batches"],
-            "stream_windows": agg.windows_summary(),
-            "rejected_batches": agg.counts["rejected"],
-            "duplicate_batches": agg.counts["duplicate"],
-            "late_batches": agg.counts["late"],
-            "late_by_rank": dict(sorted(agg.late_by_rank.items())),
-            "lagging_ranks": agg.lagging_ranks,
-            "conflicting_batches": agg.counts["conflict"],
-            "dropped_batches": agg.counts["dropped"],
-            "steps_with_collisions": agg.counts["collisions"],
-            "world_size": agg.world_size,
-            "world_size_source": agg.world_source,
             "timer_errors": self.timer_errors,
-            "partial_steps": agg.counts["partial"],
             "failing_sinks": sorted(name for name, h in sinks.items() if h["failing"]),
             "calls": dict(self.calls),
             "sinks": sinks,
@@ -408,7 +327,7 @@ class MetricWorkerImpl:
             raise ValueError(f"rewind(to_step=...) takes a step >= -1 (-1: before step 0), "
                              f"got {to_step!r}")
         totals = None
-        kept = self._results.get(to_step)
+        kept = self.results.get(to_step)
         if kept is not None:
             totals = kept.meta.get("derived_totals")
         elif to_step >= 0 and self.journal.holds_steps():
@@ -416,13 +335,12 @@ class MetricWorkerImpl:
                            if r["step"] == to_step), None)
             totals = None if record is None else record["meta"].get("derived_totals")
         superseded = self.aggregator.rewind(to_step, totals)
-        for step in [s for s in self._results if s > to_step]:
-            del self._results[step]
+        self.results.forget_after(to_step)
         if self._reloaded_through is not None:
             self._reloaded_through = min(self._reloaded_through, to_step)
         self.sinks.rewind(to_step)
         log.warning("rewound to step %d: %d published steps superseded", to_step, superseded)
-        await self._notify()
+        await self.results.notify()
         return {"to_step": to_step, "superseded": superseded}
 
     def config_dump(self) -> dict[str, Any]:
@@ -438,17 +356,10 @@ class MetricWorkerImpl:
 
     # -- internals ---------------------------------------------------------------------
     async def _publish(self, finished: list[StepResult]) -> None:
-        keep = self.config.limits.keep_results
         for result in finished:
-            self._results[result.step] = result
-            while len(self._results) > keep:
-                self._results.popitem(last=False)
+            self.results.put(result)
             self.sinks.publish(result.step, result.metrics, result.meta)
-        await self._notify()
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        await self.results.notify()
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None and self.config.straggler_timeout_s is not None:
@@ -480,113 +391,3 @@ MetricWorker = ray.remote(
 )(type("MetricWorker", (MetricWorkerImpl,), {"__doc__": MetricWorkerImpl.__doc__}))
 # (Named MetricWorker so that Ray's log lines read "(MetricWorker pid=...)".)
 """The Ray actor class. ``start_metric_worker`` creates the named singleton from a config."""
-
-
-def start_metric_worker(
-    config: ConfigSource = None,
-    *,
-    name: str | None = None,
-    namespace: str | None = None,
-    world_size: int | None = None,
-    runtime_env: dict[str, Any] | None = None,
-) -> Any:
-    """Create (or return the existing) named MetricWorker singleton and wait until it serves.
-
-    ``config`` is a YAML path, a dict, a ServiceConfig or None; ``name``, ``namespace``
-    and ``world_size`` (the run's number of ranks: set it, and no confused rank can
-    claim another) override the config's; ``runtime_env`` is passed to Ray. Never put
-    API keys in ``runtime_env``: Ray writes runtime environments to its logs. Export
-    them where the driver (or ``ray start``) runs instead. Calling it twice returns
-    the same actor.
-    """
-    cfg = load_config(config, name=name, namespace=namespace, world_size=world_size)
-    check_libraries(cfg.sinks)  # here, in one line, not as retries in the actor
-    if not Path(cfg.run.root).is_absolute():  # the driver's folder, not the cluster's cwd
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(
-            update={"root": str(Path(cfg.run.root).resolve())})})
-    try:
-        running = ray.get_actor(cfg.name, namespace=cfg.namespace)
-    except ValueError:  # none runs yet: a new run, whose folder must be its own
-        check_run_dir(cfg)
-        if cfg.run.trial is not None:
-            probe_run_dir(cfg.run.run_dir().resolve())
-    else:
-        return _same_service(running, cfg)
-    if cfg.run.trial is None:
-        # Fixed here, not in the actor: a restarted actor must find the same run folder.
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"trial": new_trial()})})
-    handle = MetricWorker.options(  # type: ignore[attr-defined]
-        name=cfg.name,
-        namespace=cfg.namespace,
-        get_if_exists=True,
-        max_restarts=cfg.max_restarts,
-        max_concurrency=cfg.max_concurrency,
-        num_cpus=cfg.num_cpus,
-        runtime_env=runtime_env,
-    ).remote(cfg.model_dump())
-    ray.get(handle.health.remote())  # surfaces a failing __init__ here, not later
-    if cfg.topology == "per_node":
-        from metricsvc.combiner import start_combiner
-
-        for node in ray.nodes():
-            if node.get("Alive"):
-                start_combiner(cfg, node["NodeID"], node_id=node["NodeID"])
-    # Registered after ray.init's own exit hook, so it runs first, while Ray still answers:
-    # a driver that ends without close() must not lose what the sinks buffer.
-    atexit.register(_close_at_exit, handle)
-    return handle
-
-
-def _same_service(handle: Any, cfg: ServiceConfig) -> Any:
-    """Return the running service if it runs ``cfg`` (an unset trial matches any), else
-    raise naming the fields that differ."""
-    running = ray.get(handle.config_dump.remote())
-    job = ray.get(handle.job_id.remote())
-    if job != ray.get_runtime_context().get_job_id():
-        raise ValueError(
-            f"a MetricWorker named {cfg.name!r} already runs in namespace {cfg.namespace!r} "
-            f"for another job ({job}): two runs would merge into one service; give this run "
-            f"its own name (start_metric_worker(name=) and MetricClient(name=)) or namespace")
-    asked = cfg.model_dump(mode="json")
-    asked = Redactor(asked).value(asked)
-    if cfg.run.trial is None:
-        asked["run"]["trial"] = running["run"]["trial"]
-    differ = config_differences(asked, running)
-    if differ:
-        raise ValueError(
-            f"a MetricWorker named {cfg.name!r} already runs in namespace {cfg.namespace!r} "
-            f"with another config: {', '.join(differ[:12])} differ; stop it first "
-            f"(metricsvc.stop_metric_worker) or start this one under another name")
-    return handle
-
-
-def stop_metric_worker(handle: Any = None, *, name: str | None = None,
-                       namespace: str | None = None,
-                       timeout_s: float = 120.0) -> dict[str, Any]:
-    """Close every sink (wandb finishes its run), then end the actor; return its last health.
-
-    The sinks get ``sinks.delivery.close_timeout_s``; a step a sink has not taken by then
-    is dead-lettered, and the returned health says so per sink (``dead_lettered``,
-    ``in_flight_at_close``, ``lost``). ``timeout_s`` only guards an actor that does not
-    answer: keep it above ``close_timeout_s``. Call this (or ``worker.close.remote()``) before
-    ``ray.shutdown()``: Ray ends an actor's child processes first, and wandb's writer is
-    one of them.
-    """
-    handle = handle or get_metric_worker(name, namespace)
-    health = ray.get(handle.close.remote(), timeout=timeout_s)
-    ray.kill(handle, no_restart=True)
-    return health
-
-
-def _close_at_exit(handle: Any) -> None:
-    if not ray.is_initialized():
-        return
-    try:
-        ray.get(handle.close.remote(), timeout=60)
-    except Exception as err:  # already closed, killed or never started: nothing to save
-        log.debug("closing the MetricWorker at exit: %s", err)
-
-
-def get_metric_worker(name: str | None = None, namespace: str | None = None) -> Any:
-    """Return the handle of a running MetricWorker by name (default: the config default)."""
-    return ray.get_actor(name or DEFAULT_NAME, namespace=namespace or default_namespace())
