@@ -32,7 +32,7 @@ from metricsvc.files import LineFile
 from metricsvc.redaction import Redactor
 from metricsvc.sinks.base import Sink
 from metricsvc.sinks.names import public_metrics
-from metricsvc.sinks.state import SinkState
+from metricsvc.sinks.state import SinkState, Watermark
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,11 @@ class _SinkWorker:
         self._current: tuple | None = None
         self._backlog: Iterator[tuple] = iter(())  # the replay's steps not yet given
         self._abandoned = False
-        self.floor: int | None = None  # after a restart: the watermark it started from
         self._uncommitted = 0
         self.stats = {"written": 0, "failures": 0, "dead_lettered": 0, "lost": 0,
                       "in_flight_at_close": 0, "last_step": None, "last_error": None,
                       "durable_through": None, "replayed": 0, "missing": None}
+        self.mark = Watermark(self.state, self.stats, self.name, self.redact)
         self.thread = threading.Thread(target=self._serve, name=f"metricsvc-sink-{self.name}",
                                        daemon=True)
         self.thread.start()
@@ -145,22 +145,24 @@ class _SinkWorker:
             if error is not None:
                 log.error("sink %s failed to close: %s", self.name, error)
             elif not self._abandoned:
-                self._advance(self.stats["last_step"])  # closing flushes whatever was written
+                self.mark.advance(self.stats["last_step"])  # closing flushes what was written
 
     def _continue_run(self, journal: Iterator[dict[str, Any]]) -> None:
         """Reopen the backend run, then replay the journal past the watermark."""
-        floor = self.state.load().get("durable_through")
-        self.floor = self.stats["durable_through"] = floor if isinstance(floor, int) else None
+        floor = self.mark.load()
         resume = getattr(self.sink, "resume", None)
         if resume is not None:
-            error = self._attempt(lambda: resume(self.floor), retry=True)
+            error = self._attempt(lambda: resume(floor), retry=True)
         else:
             error = self._attempt(lambda: None, retry=True)  # opens the sink
         if error is not None:
             log.error("sink %s could not continue the run: %s", self.name, error)
-        self._check_content()
+        held_through = getattr(self.sink, "held_through", None)
+        if held_through is not None and self.opened:  # a sink that can read back its content
+            self.mark.believe_content(held_through())
+        floor = self.mark.floor
         self._backlog = (("write", r["step"], r["metrics"], r["meta"]) for r in journal
-                         if self.floor is None or r["step"] > self.floor)  # one at a time
+                         if floor is None or r["step"] > floor)  # one at a time
         first = None
         while True:
             with self._lock:  # a closer that gives up dead-letters the rest of the backlog
@@ -190,26 +192,7 @@ class _SinkWorker:
             if self._attempt(lambda: said.__setitem__(0, commit())) is not None:
                 return  # the sink could not say: the watermark stays
         durable = said[0]
-        self._advance(last if durable is None else min(durable, last))
-
-    def _check_content(self) -> None:
-        """A sink that can read back what it holds (the journal) is believed, not its
-        watermark file: a watermark past the content would make it skip steps for good.
-        Steps the watermark claims but the content lacks are reported until written."""
-        held_through = getattr(self.sink, "held_through", None)
-        if held_through is None or not self.opened:
-            return
-        held = held_through()
-        if self.floor is not None and (held is None or held < self.floor):
-            first = 0 if held is None else held + 1
-            self.stats["missing"] = {
-                "steps": list(range(first, min(self.floor, first + 999) + 1)),
-                "count": self.floor - first + 1,
-                "reason": f"the watermark said the file held steps through {self.floor}, "
-                          f"but it ends at {held} (a torn, cut or lost tail); a step ranks "
-                          f"send again is written again"}
-            log.error("sink %s: %s", self.name, self.stats["missing"]["reason"])
-        self.floor = self.stats["durable_through"] = held
+        self.mark.advance(last if durable is None else min(durable, last))
 
     def _rewind(self, to_step: int) -> None:
         """Steps past ``to_step`` will be written again: the backend is told (where it can
@@ -218,32 +201,13 @@ class _SinkWorker:
             error = self._attempt(functools.partial(self.sink.rewind, to_step))
             if error is not None:
                 log.error("sink %s could not rewind to step %d: %s", self.name, to_step, error)
-        for field in ("last_step", "durable_through"):
-            if self.stats[field] is not None and self.stats[field] > to_step:
-                self.stats[field] = to_step
-        try:
-            if (self.state.load().get("durable_through") or -1) > to_step:
-                self.state.update(durable_through=to_step)
-        except OSError as err:
-            log.error("sink %s: its watermark could not be saved: %s", self.name,
-                      self.redact(str(err)))
-
-    def _advance(self, through: int | None) -> None:
-        known = self.stats["durable_through"]
-        if through is None or through < 0 or (known is not None and through <= known):
-            return  # nothing durable yet, or no progress
-        try:
-            self.state.update(durable_through=through)
-            self.stats["durable_through"] = through
-        except OSError as err:
-            log.error("sink %s: its watermark could not be saved: %s", self.name,
-                      self.redact(str(err)))
+        self.mark.back_to(to_step)
 
     def _deliver_step(self, item: tuple) -> None:
         _, step, metrics, meta = item
         last = self.stats["last_step"]
         if last is None:
-            last = self.floor
+            last = self.mark.floor
         if last is not None and step <= last:
             return  # each step once, in increasing order, whatever the producer did
         visible = public_metrics(metrics, self.allow_nan)
@@ -255,12 +219,7 @@ class _SinkWorker:
                 self.stats["written"] += 1
                 self.stats["last_step"] = step
                 self._uncommitted += 1
-                missing = self.stats["missing"]
-                if missing is not None and step in missing["steps"]:
-                    missing["steps"].remove(step)
-                    missing["count"] -= 1
-                    if not missing["count"]:
-                        self.stats["missing"] = None
+                self.mark.written(step)
         if error is not None:
             self._dead_letter(item, error, visible)
         elif self._uncommitted >= _COMMIT_EVERY:

@@ -9,6 +9,8 @@ backend run (wandb's run id, MLflow's run id).
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +37,71 @@ class SinkState:
         data = {**self.load(), **values}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(data))
+
+
+log = logging.getLogger(__name__)
+
+
+class Watermark:
+    """A sink's durable progress: the newest step its backend has made durable (kept in
+    its ``SinkState``), where a restart started from (``floor``), and the steps the saved
+    watermark claims but the content lacks (reported until they are written). Its figures
+    live in the sink's delivery record (``stats``)."""
+
+    def __init__(self, state: SinkState, stats: dict, name: str,
+                 redact: Callable[[str], str]) -> None:
+        self.state, self.stats, self.name, self.redact = state, stats, name, redact
+        self.floor: int | None = None
+
+    def load(self) -> int | None:
+        """Start from the saved watermark (a restart); return it."""
+        floor = self.state.load().get("durable_through")
+        self.floor = self.stats["durable_through"] = floor if isinstance(floor, int) else None
+        return self.floor
+
+    def believe_content(self, held: int | None) -> None:
+        """The sink read back what it holds (``held``: its last step): believe that, not the
+        saved watermark, which past the content would make it skip steps for good."""
+        if self.floor is not None and (held is None or held < self.floor):
+            first = 0 if held is None else held + 1
+            self.stats["missing"] = {
+                "steps": list(range(first, min(self.floor, first + 999) + 1)),
+                "count": self.floor - first + 1,
+                "reason": f"the watermark said the file held steps through {self.floor}, "
+                          f"but it ends at {held} (a torn, cut or lost tail); a step ranks "
+                          f"send again is written again"}
+            log.error("sink %s: %s", self.name, self.stats["missing"]["reason"])
+        self.floor = self.stats["durable_through"] = held
+
+    def written(self, step: int) -> None:
+        """Count ``step`` as written: it is no longer missing."""
+        missing = self.stats["missing"]
+        if missing is not None and step in missing["steps"]:
+            missing["steps"].remove(step)
+            missing["count"] -= 1
+            if not missing["count"]:
+                self.stats["missing"] = None
+
+    def advance(self, through: int | None) -> None:
+        """Save ``through`` as durable, if it is progress."""
+        known = self.stats["durable_through"]
+        if through is None or through < 0 or (known is not None and through <= known):
+            return  # nothing durable yet, or no progress
+        try:
+            self.state.update(durable_through=through)
+            self.stats["durable_through"] = through
+        except OSError as err:
+            log.error("sink %s: its watermark could not be saved: %s", self.name,
+                      self.redact(str(err)))
+
+    def back_to(self, step: int) -> None:
+        """Steps past ``step`` will be written again (a rewind): go back to it, saved too."""
+        for field in ("last_step", "durable_through"):
+            if self.stats[field] is not None and self.stats[field] > step:
+                self.stats[field] = step
+        try:
+            if (self.state.load().get("durable_through") or -1) > step:
+                self.state.update(durable_through=step)
+        except OSError as err:
+            log.error("sink %s: its watermark could not be saved: %s", self.name,
+                      self.redact(str(err)))
