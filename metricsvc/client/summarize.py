@@ -24,37 +24,45 @@ shapes, so batch shapes never recompile), with the eager path as fallback.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import math
 import numbers
-import os
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from metricsvc.client.device import (
+    COMPILE_MIN_NUMEL,
+    _MaskPack,
+    _on_host,
+    _run_compiled,
+    _use_compiled,
+    accelerator_path_on_cpu,
+    compile_default,
+)
+from metricsvc.client.host import _HostPass
+from metricsvc.client.tensors import (
+    _INF,
+    Difference,
+    MaskCache,
+    Row,
+    _check_mask,
+    _identity_row,
+    _real_dtypes,
+    _torch,
+    is_tensor,
+)
 from metricsvc.protocol import (
     COUNT,
-    FIELDS,
-    IDENTITY,
-    M2_ROOT,
     MAX,
     MIN,
     NFIELDS,
     NONFINITE,
-    SCALARS,
     SUM,
-    SUM_LO,
     SketchSpec,
-    centred_exactly,
-    from_pivot,
     merge,
     merge_pair,
     merge_sparse,
-    rss,
     scalar_row,
     scalar_rows,
     sparse_counts,
@@ -62,69 +70,6 @@ from metricsvc.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-Row = Any  # np.ndarray on the host, torch.Tensor on a device
-
-COMPILE_MIN_NUMEL = 1 << 16  # below this, kernel launch and guard checks cost more than they save
-_INF = float("inf")
-
-
-def _torch() -> Any:
-    # Only a program that made a torch tensor can pass one; never import torch ourselves.
-    return sys.modules.get("torch")
-
-
-def is_tensor(value: object) -> bool:
-    """Return True for a torch tensor (without importing torch)."""
-    torch = _torch()
-    return torch is not None and isinstance(value, torch.Tensor)
-
-
-_accelerator_path_on_cpu = 0
-
-
-@contextlib.contextmanager
-def accelerator_path_on_cpu() -> Iterator[None]:
-    """Summarise CPU tensors with the accelerator path (sync-free, whole-tensor ops) inside
-    the block: how a machine without an accelerator tests that path and counts its host
-    reads (there must be none). Outside it, CPU tensors take the host path, which reads
-    values freely: on the CPU that is not a device sync."""
-    global _accelerator_path_on_cpu
-    _accelerator_path_on_cpu += 1
-    try:
-        yield
-    finally:
-        _accelerator_path_on_cpu -= 1
-
-
-def _on_host(x: Any, compile: bool | None) -> bool:
-    # compile=True asks for the fused kernel, wherever the tensor is.
-    return x.device.type == "cpu" and not _accelerator_path_on_cpu and compile is not True
-
-
-def compile_default() -> bool:
-    """Return whether large device tensors use the compiled kernel (METRICSVC_COMPILE=0: no)."""
-    return os.environ.get("METRICSVC_COMPILE", "1") not in ("0", "false", "False", "")
-
-
-# -- validation ----------------------------------------------------------------------------
-def _check_mask(key: str, mask_shape: Any, is_bool: bool, shape: Any, dtype: Any) -> None:
-    if not is_bool:
-        raise TypeError(f"mask for key {key!r} must be bool, got dtype {dtype}")
-    if tuple(mask_shape) != tuple(shape):
-        raise ValueError(
-            f"expected mask of shape {tuple(shape)} for key {key!r}, got {tuple(mask_shape)}"
-        )
-
-
-@functools.cache
-def _real_dtypes(torch: Any) -> frozenset:
-    return frozenset(
-        {
-            torch.float16, torch.bfloat16, torch.float32, torch.float64,
-            torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-        }
-    )
 
 
 def prepare(values: Any, mask: Any = None, *, key: str = "value") -> tuple[Any, Any]:
@@ -179,67 +124,6 @@ def summarize(
     the other fields; masked-out positions never matter, whatever they hold.
     """
     return summarize_many({key: values}, mask, compile=compile)[key]
-
-
-class Difference:
-    """``a - b`` for a summary, computed where it is summarised: on the CPU over the valid
-    positions only, in float64 (exact for float32 and smaller inputs), sharing the gathers
-    of ``a`` and ``b`` with the other values of the call; on an accelerator as a float64
-    tensor. Pass it as a value: ``stat(mask=m, **{"residual": Difference(returns, values)})``.
-    """
-
-    __slots__ = ("a", "b")
-
-    def __init__(self, a: Any, b: Any) -> None:
-        if not (is_tensor(a) and is_tensor(b)):
-            raise TypeError("Difference takes two tensors")
-        if a.shape != b.shape:
-            raise ValueError(f"Difference of tensors of shapes {tuple(a.shape)} and "
-                             f"{tuple(b.shape)}")
-        self.a, self.b = a, b
-
-    def tensor(self) -> Any:
-        """The difference as one float64 tensor (the accelerator path)."""
-        torch = _torch()
-        return self.a.detach().to(torch.float64) - self.b.detach()
-
-
-class MaskCache:
-    """The valid positions of the masks a client used this step, found once per mask, and
-    the scratch buffers of the CPU summaries, kept across steps (fresh multi-MB buffers
-    every step cost more in page faults than the arithmetic).
-
-    A mask entry holds its mask (so its memory cannot be reused by another mask meanwhile)
-    and the mask's version counter (so an in-place change is noticed). ``clear`` it when
-    the step is closed; the buffers stay.
-    """
-
-    def __init__(self, size: int = 4) -> None:
-        self.size = size
-        self._entries: list[tuple[Any, int, Any]] = []
-        self._buffers: dict[tuple[Any, str], Any] = {}
-
-    def index(self, mask: Any) -> Any:
-        """Return the flat indices (an int64 CPU tensor) where ``mask`` (a CPU bool tensor)
-        is True."""
-        for held, version, index in self._entries:
-            if (held.data_ptr() == mask.data_ptr() and held.shape == mask.shape
-                    and held.stride() == mask.stride() and mask._version == version):
-                return index
-        # numpy finds the positions several times faster than torch's nonzero on the CPU.
-        index = _torch().from_numpy(np.flatnonzero(mask.numpy()))
-        self._entries = [(mask, mask._version, index), *self._entries][: self.size]
-        return index
-
-    def buffer(self, dtype: Any, role: str, n: int) -> Any:
-        """Return a 1-D CPU scratch tensor of ``n`` elements of ``dtype`` for ``role``."""
-        buf = self._buffers.get((dtype, role))
-        if buf is None or buf.numel() < n:
-            buf = self._buffers[(dtype, role)] = _torch().empty(n, dtype=dtype)
-        return buf[:n]
-
-    def clear(self) -> None:
-        self._entries = []
 
 
 def summarize_many(
@@ -334,368 +218,6 @@ def _plain_number_row(key: str, value: Any) -> Any:
         return scalar_row(float(value))
     except OverflowError:
         raise ValueError(f"value for key {key!r} does not fit in a float64: {value}") from None
-
-
-class _MaskPack:
-    """Mask-derived tensors and scratch space shared by every value under one mask.
-
-    The scratch buffers matter on the CPU: fresh multi-MB temporaries per metric
-    cost page faults that dwarf the arithmetic.
-    """
-
-    def __init__(self, mask: Any, like: Any) -> None:
-        torch = _torch()
-        self.scratch = torch.empty_like(like)
-        self.scratch64 = torch.empty(like.shape, dtype=torch.float64, device=like.device)
-        if mask is None:
-            self.weight = None
-            self.to_pos = self.to_neg = None
-            self.count = torch.tensor(float(like.numel()), dtype=torch.float64, device=like.device)
-        else:
-            self.weight = mask.to(like.dtype)  # 1.0 valid, 0.0 masked out
-            self.to_pos = torch.zeros_like(like).masked_fill_(~mask, _INF)
-            self.to_neg = -self.to_pos
-            self.count = mask.sum(dtype=torch.float64)
-
-
-    def row(self, x: Any) -> Any:
-        return _eager_row(x, self)
-
-
-_SAFE_SQUARES = (1e-280, 1e280)  # sums of squares that neither underflowed nor overflowed
-_CHUNK = 1 << 16  # float64 accumulation in pieces of 512 KiB: no whole-tensor float64 copy
-_SMALL = 4096  # below this, numpy's per-call cost (~1 us) beats torch's (~5 us)
-_TINY = 256  # at most this, plain Python beats numpy's calls
-
-
-@functools.cache
-def _numpy_dtypes(torch: Any) -> frozenset:
-    """The torch dtypes ``Tensor.numpy()`` can view (numpy has no bfloat16)."""
-    return frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
-                      torch.int16, torch.int32, torch.int64, torch.bool})
-
-
-def _memory(x: Any) -> tuple:
-    """What identifies a tensor's values within a call: every value arrives as a fresh
-    detached view, so the memory it views, not its id."""
-    return (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
-
-
-def _identity_row(device: Any = "cpu") -> Any:
-    return _torch().tensor(IDENTITY, dtype=_torch().float64, device=device)
-
-
-def _row_of(device: Any = None, **fields: Any) -> Any:
-    """Stack named fields (tensors or floats) into one record row, in ``FIELDS`` order."""
-    torch = _torch()
-    cols = [fields[name] for name in FIELDS]
-    if device is None:
-        return torch.from_numpy(np.array([float(c) for c in cols], dtype=np.float64))
-    return torch.stack([c.to(torch.float64) if is_tensor(c)
-                        else torch.tensor(float(c), dtype=torch.float64, device=device)
-                        for c in cols])
-
-
-class _HostPass:
-    """CPU summaries of the values of one call under one mask.
-
-    The mask's valid positions are found once per step (``MaskCache``); each distinct
-    tensor is gathered once per call (a tensor passed under two keys, or inside a
-    ``Difference``, is read once) into a scratch buffer no larger than itself, shared
-    by the values of the call one at a time (kept only for a ``Difference``). Small values (a
-    value per sequence, say) are then summarised together, one numpy pass per statistic
-    over all of them stacked; a large one takes four passes of its own: the float64 sum
-    and sum of squares (widened in cache-sized chunks, never a whole float64 copy), and
-    min/max together. Non-finite values are rare: their presence shows in the float64
-    sum (NaN and inf propagate through it), and only then does a row take the slower
-    passes that count and exclude them. Reading the CPU is not a device sync.
-    """
-
-    def __init__(self, mask: Any, cache: MaskCache) -> None:
-        self.cache = cache
-        self.index = None if mask is None else cache.index(mask)
-        self._kept: dict[tuple, tuple[Any, Any]] = {}  # memory -> (tensor, its valid values)
-
-    def rows(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        """Return ``{key: row}`` for CPU tensors and differences of CPU tensors."""
-        # What a Difference reads stays gathered for the call; every other large value
-        # is gathered into one shared buffer and summarised before the next is gathered.
-        keep = {_memory(t) for v in values.values() if isinstance(v, Difference)
-                for t in (v.a, v.b)}
-        out: dict[str, Any] = {}
-        small: dict[int, dict[str, Any]] = {}  # length -> {key: numpy array}
-        done: dict[tuple, Any] = {}  # memory -> row: the same tensor under two keys
-        same: dict[str, str] = {}  # key -> the key whose row it repeats
-        for key, v in values.items():
-            if isinstance(v, Difference):
-                g = self._difference(v)  # a shared buffer: summarised before the next one
-                if 0 < g.numel() <= _TINY:
-                    out[key] = self._tiny_row(g)
-                elif 0 < g.numel() < _SMALL:
-                    small.setdefault(g.numel(), {})[key] = g.numpy().copy()
-                else:
-                    out[key] = self._row(g) if g.numel() else _identity_row()
-                continue
-            where = _memory(v)
-            if where in done:
-                same[key] = done[where]
-                continue
-            done[where] = key
-            g = self._gather(v, where, where in keep)
-            n = g.numel()
-            if n == 0:
-                out[key] = _identity_row()
-            elif n <= _TINY:
-                out[key] = self._tiny_row(g)
-            elif n < _SMALL and g.dtype in _numpy_dtypes(_torch()):
-                small.setdefault(n, {})[key] = g.numpy()
-            else:
-                out[key] = self._row(g)
-        for group in small.values():
-            out.update(self._small_rows(group))
-        for key, first in same.items():
-            out[key] = out[first].clone()
-        return out
-
-    def _gather(self, x: Any, where: tuple, keep: bool) -> Any:
-        """The valid values of ``x``, flat: a view when all are valid; fresh when few
-        (under ``_SMALL``); else in the shared scratch buffer, or a kept one."""
-        held = self._kept.get(where)
-        if held is not None:
-            return held[1]
-        torch = _torch()
-        flat = x.reshape(-1)
-        if self.index is not None and self.index.numel() != flat.numel():
-            n = self.index.numel()
-            if n < _SMALL:
-                flat = (torch.from_numpy(flat.numpy()[self.index.numpy()])
-                        if flat.dtype in _numpy_dtypes(torch)
-                        else torch.index_select(flat, 0, self.index))
-            else:
-                slot = f"kept{len(self._kept)}" if keep else "gathered"
-                flat = torch.index_select(flat, 0, self.index,
-                                          out=self.cache.buffer(flat.dtype, slot, n))
-        if keep:
-            self._kept[where] = (x, flat)  # x is held: its memory cannot be reused meanwhile
-        return flat
-
-    def _difference(self, d: Difference) -> Any:
-        """``a - b`` over the valid positions only, in float64: exact for float32 and
-        smaller inputs, and no larger than the two inputs together."""
-        ga = self._gather(d.a, _memory(d.a), True)
-        gb = self._gather(d.b, _memory(d.b), True)
-        res = self.cache.buffer(_torch().float64, "difference", ga.numel())
-        return res.copy_(ga).sub_(gb)
-
-    def _tiny_row(self, v: Any) -> Any:
-        """The row of a few values in plain Python floats (float64; ints exact): a numpy or
-        torch call costs more than the arithmetic here."""
-        values = [float(x) for x in v.tolist()]
-        n = len(values)
-        plain = sum(values)
-        c = plain / n
-        dev = [x - c for x in values]
-        q = math.hypot(*dev)  # no overflow or underflow of the squares
-        if math.isfinite(c) and math.isfinite(q):
-            low, high = min(values), max(values)
-            total, low_part, root = from_pivot(float(n), c, sum(dev), q, SCALARS, plain,
-                                               centred_exactly(low, high, c))
-            return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
-                           nonfinite=0.0, sum_lo=low_part)
-        return self._row_nonfinite(v)
-
-    def _small_rows(self, group: Mapping[str, Any]) -> dict[str, Any]:
-        """Rows of same-length numpy values, stacked: one pass per statistic for all."""
-        torch = _torch()
-        arrays = list(group.values())
-        stacked = (np.stack(arrays) if len(arrays) > 1 else arrays[0][None]).astype(
-            np.float64, copy=False)  # exact widening of small values
-        rows = np.zeros((len(arrays), NFIELDS))
-        # Checked first, so the sums below can neither overflow nor meet inf - inf (numpy
-        # would warn, and its errstate costs more than these passes).
-        if np.isfinite(stacked).all():
-            np.minimum.reduce(stacked, axis=1, out=rows[:, MIN])
-            np.maximum.reduce(stacked, axis=1, out=rows[:, MAX])
-            if max(-rows[:, MIN].min(), rows[:, MAX].max()) < 1e150:
-                n = float(stacked.shape[1])
-                plain = stacked.sum(axis=1)
-                pivot = plain / n
-                dev = stacked - pivot[:, None]
-                squares = np.einsum("ij,ij->i", dev, dev)
-                q = np.sqrt(squares)
-                for i in np.flatnonzero(squares < 1e-280):  # would square to nothing: scaled
-                    q[i] = rss(dev[i])
-                rows[:, COUNT] = n
-                rows[:, SUM], rows[:, SUM_LO], rows[:, M2_ROOT] = from_pivot(
-                    n, pivot, dev.sum(axis=1), q, np, plain,
-                    centred_exactly(rows[:, MIN], rows[:, MAX], pivot))
-                return dict(zip(group, torch.from_numpy(rows).unbind(0)))
-        return {key: self._row_nonfinite(torch.from_numpy(stacked[i]))
-                for i, key in enumerate(group)}
-
-    def _row(self, v: Any, clean: bool = False) -> Any:
-        """The summary row of flat ``v`` (every position valid, not empty; ``clean``: every
-        value finite, so a non-finite sum is an overflow to report, not values to drop).
-
-        A pass in cache-sized float64 chunks sums the values and their squares. Where the
-        values sit near 0 next to their spread (``sum(x**2) <= 100 M2``, as most training
-        tensors do), ``M2 = sum(x**2) - sum(x)**2 / n`` loses under 100 eps: that is the
-        row. Otherwise (a large offset: timestamps, byte counts) a second pass centres each
-        chunk on the mean and sums the deviations and their squares: the mean becomes a
-        double-double and M2 loses nothing to cancellation.
-        """
-        torch = _torch()
-        n = v.numel()
-        if not v.is_floating_point():
-            v = v.to(torch.float64)  # ints and bools: exact in float64
-        total, squares = self._sums(v, 0.0)
-        if not (math.isfinite(total) and math.isfinite(squares)):
-            if not clean:
-                return self._row_nonfinite(v)
-            return torch.from_numpy(summarize_array(v.numpy()))  # finite, but past 1e308
-        low, high = (t.item() for t in torch.aminmax(v))
-        m2 = squares - total * total / n
-        if _SAFE_SQUARES[0] < squares < _SAFE_SQUARES[1] and 100.0 * m2 >= squares:
-            total_lo, root = 0.0, math.sqrt(m2)
-        else:
-            pivot = total / n
-            d1, squares = self._sums(v, pivot)
-            if _SAFE_SQUARES[0] < squares < _SAFE_SQUARES[1]:
-                q = math.sqrt(squares)
-            else:  # the squares under- or overflowed: scaled
-                q = rss(v.to(torch.float64).numpy() - pivot)
-            total, total_lo, root = from_pivot(float(n), pivot, d1, q, SCALARS, total,
-                                               centred_exactly(low, high, pivot))
-        return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
-                       nonfinite=0.0, sum_lo=total_lo)
-
-    def _sums(self, v: Any, pivot: float) -> tuple[float, float]:
-        """``(sum(v - pivot), sum((v - pivot)**2))`` in float64, widened and centred a
-        cache-sized chunk at a time (never a whole float64 copy)."""
-        torch = _torch()
-        n = v.numel()
-        wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
-        total = squares = 0.0
-        for start in range(0, n, _CHUNK):
-            piece = v[start:start + _CHUNK]
-            t = wide[: piece.numel()].copy_(piece)  # exact widening
-            if pivot:
-                np.subtract(t.numpy(), pivot, out=t.numpy())  # in cache: cheap
-            total += t.sum().item()
-            squares += torch.dot(t, t).item()
-        return total, squares
-
-    def _row_nonfinite(self, v: Any) -> Any:
-        """The row of ``v`` when something in it is not finite (or its sum overflows)."""
-        torch = _torch()
-        if not v.is_floating_point():
-            v = v.to(torch.float64)
-        good = v[torch.isfinite(v)]  # the rare path: a copy of the finite values is fine
-        row = self._row(good, clean=True) if good.numel() else _identity_row()
-        row[NONFINITE] = float(v.numel() - good.numel())
-        return row
-
-def _eager_row(x: Any, p: _MaskPack) -> Any:
-    """Summary row from vectorised whole-tensor ops only: no where, no masked_select, no sync.
-
-    Finite-ness comes from ``x - x`` (0, or NaN for NaN/inf); ``nan_to_num``
-    turns excluded positions into values that cannot win a sum, min or max. The
-    deviations from the pivot (the mean, a device scalar) count at valid positions only.
-    """
-    torch = _torch()
-    s = p.scratch
-    torch.sub(x, x, out=s)
-    torch.nan_to_num_(s, nan=1.0)  # 1 where x is NaN/inf, else 0
-    if p.weight is not None:
-        s.mul_(p.weight)
-    nonfinite = s.sum(dtype=torch.float64)
-    count = p.count - nonfinite
-    if p.weight is None:
-        s.copy_(x)
-    else:
-        torch.mul(x, p.weight, out=s)
-    torch.nan_to_num_(s, nan=0.0, posinf=0.0, neginf=0.0)
-    z = p.scratch64.copy_(s)  # exact widening
-    plain = z.sum()
-    pivot = plain / count.clamp(min=1.0)
-    valid = torch.sub(x, x, out=s).eq_(0)  # 1 where finite (NaN != 0)
-    if p.weight is not None:
-        valid.mul_(p.weight)
-    z.sub_(pivot).mul_(valid)
-    d1 = z.sum()
-    q = _norm(z, in_place=True)
-    torch.add(x, p.to_pos, out=s) if p.to_pos is not None else s.copy_(x)
-    low = torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF).amin().to(torch.float64)
-    torch.add(x, p.to_neg, out=s) if p.to_neg is not None else s.copy_(x)
-    high = torch.nan_to_num_(s, nan=-_INF, posinf=-_INF, neginf=-_INF).amax().to(torch.float64)
-    total, low_part, root = from_pivot(count, pivot, d1, q, torch, plain,
-                                       centred_exactly(low, high, pivot))
-    return _row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
-                   nonfinite=nonfinite, sum_lo=low_part)
-
-
-def _norm(dev: Any, in_place: bool = False) -> Any:
-    """``sqrt(sum(dev**2))`` of a float64 tensor, squared at a power-of-2 scale of its
-    largest element (exact): no overflow past 1e154, no underflow below 1e-154, no sync.
-    ``in_place`` scales ``dev`` itself (a scratch buffer) instead of a copy."""
-    torch = _torch()
-    top = dev.abs().amax()
-    # 2**-exponent of the largest, in two halves: 2**1074 (a subnormal's) is past float64.
-    half = torch.where(top > 0, -torch.frexp(top)[1], 0).to(torch.float64) / 2
-    up, down = torch.exp2(torch.floor(half)), torch.exp2(torch.ceil(half))
-    scaled = dev.mul_(up).mul_(down) if in_place else dev * up * down
-    return torch.linalg.vector_norm(scaled) / up / down
-
-
-def _use_compiled(x: Any, compile: bool | None) -> bool:
-    if x.numel() < COMPILE_MIN_NUMEL or _compile_failed:
-        return False
-    if compile is not None:
-        return compile
-    # One fused kernel pays on accelerators (one launch instead of ~15); on the CPU the
-    # vectorised eager ops above measured faster (benchmarks/bench_summarize.py).
-    return compile_default() and x.device.type != "cpu"
-
-
-def _kernel(x: Any, m: Any) -> Any:
-    """Fused summary of a flat tensor: selections in its dtype, sums in float64."""
-    torch = _torch()
-    finite = torch.isfinite(x)
-    use = finite if m is None else m & finite
-    bad = ~finite if m is None else m & ~finite
-    z = torch.where(use, x, 0).to(torch.float64)  # exact: selection, then widening
-    count = use.sum(dtype=torch.float64)
-    plain = z.sum()
-    pivot = plain / count.clamp(min=1.0)
-    dev = torch.where(use, z - pivot, 0.0)
-    low = torch.where(use, x, _INF).amin().to(torch.float64)
-    high = torch.where(use, x, -_INF).amax().to(torch.float64)
-    total, low_part, root = from_pivot(count, pivot, dev.sum(), _norm(dev), torch, plain,
-                                       centred_exactly(low, high, pivot))
-    cols = [total] * NFIELDS
-    cols[COUNT], cols[M2_ROOT], cols[SUM_LO] = count, root, low_part
-    cols[MIN], cols[MAX] = low, high
-    cols[NONFINITE] = bad.sum(dtype=torch.float64)
-    return torch.stack(cols)
-
-
-_compile_failed = False
-
-
-_compiled: Any = None
-_compile_failed = False
-
-
-def _run_compiled(x: Any, m: Any) -> Any:
-    global _compiled, _compile_failed
-    try:
-        if _compiled is None:
-            _compiled = _torch().compile(_kernel, dynamic=True, fullgraph=True)
-        return _compiled(x, m)
-    except Exception as err:  # no compiler, unsupported backend: eager is always right
-        _compile_failed = True
-        log.warning("torch.compile of the summary kernel failed, using eager: %s", err)
-        return _kernel(x, m)
 
 
 def element_rows(values: Any, *, key: str = "value") -> list[Row]:
@@ -828,3 +350,14 @@ def rows_to_host(rows: Sequence[Row]) -> tuple[np.ndarray, int]:
     host, copies = to_host(rows)
     data = np.stack(host) if host else np.zeros((0, NFIELDS))
     return data, copies
+
+
+__all__ = [
+    "COMPILE_MIN_NUMEL",
+    "Difference",
+    "MaskCache",
+    "Row",
+    "accelerator_path_on_cpu",
+    "compile_default",
+    "is_tensor",
+]

@@ -1,0 +1,247 @@
+"""Summaries on the CPU: a mask's valid positions found once, each distinct tensor gathered
+once, small values summarised together in numpy or plain Python, a large one widened to
+float64 in cache-sized chunks centred on a pivot (the second moment never cancels); the
+passes that exclude NaN/inf run only when the sum shows some. Reading a CPU value is not a
+device sync."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from metricsvc.client.tensors import (
+    Difference,
+    MaskCache,
+    _identity_row,
+    _memory,
+    _numpy_dtypes,
+    _row_of,
+    _torch,
+)
+from metricsvc.protocol import (
+    COUNT,
+    M2_ROOT,
+    MAX,
+    MIN,
+    NFIELDS,
+    NONFINITE,
+    SCALARS,
+    SUM,
+    SUM_LO,
+    centred_exactly,
+    from_pivot,
+    rss,
+    summarize_array,
+)
+
+log = logging.getLogger(__name__)
+
+
+_SAFE_SQUARES = (1e-280, 1e280)  # sums of squares that neither underflowed nor overflowed
+_CHUNK = 1 << 16  # float64 accumulation in pieces of 512 KiB: no whole-tensor float64 copy
+_SMALL = 4096  # below this, numpy's per-call cost (~1 us) beats torch's (~5 us)
+_TINY = 256  # at most this, plain Python beats numpy's calls
+
+
+class _HostPass:
+    """CPU summaries of the values of one call under one mask.
+
+    The mask's valid positions are found once per step (``MaskCache``); each distinct
+    tensor is gathered once per call (a tensor passed under two keys, or inside a
+    ``Difference``, is read once) into a scratch buffer no larger than itself, shared
+    by the values of the call one at a time (kept only for a ``Difference``). Small values (a
+    value per sequence, say) are then summarised together, one numpy pass per statistic
+    over all of them stacked; a large one takes four passes of its own: the float64 sum
+    and sum of squares (widened in cache-sized chunks, never a whole float64 copy), and
+    min/max together. Non-finite values are rare: their presence shows in the float64
+    sum (NaN and inf propagate through it), and only then does a row take the slower
+    passes that count and exclude them. Reading the CPU is not a device sync.
+    """
+
+    def __init__(self, mask: Any, cache: MaskCache) -> None:
+        self.cache = cache
+        self.index = None if mask is None else cache.index(mask)
+        self._kept: dict[tuple, tuple[Any, Any]] = {}  # memory -> (tensor, its valid values)
+
+    def rows(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Return ``{key: row}`` for CPU tensors and differences of CPU tensors."""
+        # What a Difference reads stays gathered for the call; every other large value
+        # is gathered into one shared buffer and summarised before the next is gathered.
+        keep = {_memory(t) for v in values.values() if isinstance(v, Difference)
+                for t in (v.a, v.b)}
+        out: dict[str, Any] = {}
+        small: dict[int, dict[str, Any]] = {}  # length -> {key: numpy array}
+        done: dict[tuple, Any] = {}  # memory -> row: the same tensor under two keys
+        same: dict[str, str] = {}  # key -> the key whose row it repeats
+        for key, v in values.items():
+            if isinstance(v, Difference):
+                g = self._difference(v)  # a shared buffer: summarised before the next one
+                if 0 < g.numel() <= _TINY:
+                    out[key] = self._tiny_row(g)
+                elif 0 < g.numel() < _SMALL:
+                    small.setdefault(g.numel(), {})[key] = g.numpy().copy()
+                else:
+                    out[key] = self._row(g) if g.numel() else _identity_row()
+                continue
+            where = _memory(v)
+            if where in done:
+                same[key] = done[where]
+                continue
+            done[where] = key
+            g = self._gather(v, where, where in keep)
+            n = g.numel()
+            if n == 0:
+                out[key] = _identity_row()
+            elif n <= _TINY:
+                out[key] = self._tiny_row(g)
+            elif n < _SMALL and g.dtype in _numpy_dtypes(_torch()):
+                small.setdefault(n, {})[key] = g.numpy()
+            else:
+                out[key] = self._row(g)
+        for group in small.values():
+            out.update(self._small_rows(group))
+        for key, first in same.items():
+            out[key] = out[first].clone()
+        return out
+
+    def _gather(self, x: Any, where: tuple, keep: bool) -> Any:
+        """The valid values of ``x``, flat: a view when all are valid; fresh when few
+        (under ``_SMALL``); else in the shared scratch buffer, or a kept one."""
+        held = self._kept.get(where)
+        if held is not None:
+            return held[1]
+        torch = _torch()
+        flat = x.reshape(-1)
+        if self.index is not None and self.index.numel() != flat.numel():
+            n = self.index.numel()
+            if n < _SMALL:
+                flat = (torch.from_numpy(flat.numpy()[self.index.numpy()])
+                        if flat.dtype in _numpy_dtypes(torch)
+                        else torch.index_select(flat, 0, self.index))
+            else:
+                slot = f"kept{len(self._kept)}" if keep else "gathered"
+                flat = torch.index_select(flat, 0, self.index,
+                                          out=self.cache.buffer(flat.dtype, slot, n))
+        if keep:
+            self._kept[where] = (x, flat)  # x is held: its memory cannot be reused meanwhile
+        return flat
+
+    def _difference(self, d: Difference) -> Any:
+        """``a - b`` over the valid positions only, in float64: exact for float32 and
+        smaller inputs, and no larger than the two inputs together."""
+        ga = self._gather(d.a, _memory(d.a), True)
+        gb = self._gather(d.b, _memory(d.b), True)
+        res = self.cache.buffer(_torch().float64, "difference", ga.numel())
+        return res.copy_(ga).sub_(gb)
+
+    def _tiny_row(self, v: Any) -> Any:
+        """The row of a few values in plain Python floats (float64; ints exact): a numpy or
+        torch call costs more than the arithmetic here."""
+        values = [float(x) for x in v.tolist()]
+        n = len(values)
+        plain = sum(values)
+        c = plain / n
+        dev = [x - c for x in values]
+        q = math.hypot(*dev)  # no overflow or underflow of the squares
+        if math.isfinite(c) and math.isfinite(q):
+            low, high = min(values), max(values)
+            total, low_part, root = from_pivot(float(n), c, sum(dev), q, SCALARS, plain,
+                                               centred_exactly(low, high, c))
+            return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
+                           nonfinite=0.0, sum_lo=low_part)
+        return self._row_nonfinite(v)
+
+    def _small_rows(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """Rows of same-length numpy values, stacked: one pass per statistic for all."""
+        torch = _torch()
+        arrays = list(group.values())
+        stacked = (np.stack(arrays) if len(arrays) > 1 else arrays[0][None]).astype(
+            np.float64, copy=False)  # exact widening of small values
+        rows = np.zeros((len(arrays), NFIELDS))
+        # Checked first, so the sums below can neither overflow nor meet inf - inf (numpy
+        # would warn, and its errstate costs more than these passes).
+        if np.isfinite(stacked).all():
+            np.minimum.reduce(stacked, axis=1, out=rows[:, MIN])
+            np.maximum.reduce(stacked, axis=1, out=rows[:, MAX])
+            if max(-rows[:, MIN].min(), rows[:, MAX].max()) < 1e150:
+                n = float(stacked.shape[1])
+                plain = stacked.sum(axis=1)
+                pivot = plain / n
+                dev = stacked - pivot[:, None]
+                squares = np.einsum("ij,ij->i", dev, dev)
+                q = np.sqrt(squares)
+                for i in np.flatnonzero(squares < 1e-280):  # would square to nothing: scaled
+                    q[i] = rss(dev[i])
+                rows[:, COUNT] = n
+                rows[:, SUM], rows[:, SUM_LO], rows[:, M2_ROOT] = from_pivot(
+                    n, pivot, dev.sum(axis=1), q, np, plain,
+                    centred_exactly(rows[:, MIN], rows[:, MAX], pivot))
+                return dict(zip(group, torch.from_numpy(rows).unbind(0)))
+        return {key: self._row_nonfinite(torch.from_numpy(stacked[i]))
+                for i, key in enumerate(group)}
+
+    def _row(self, v: Any, clean: bool = False) -> Any:
+        """The summary row of flat ``v`` (every position valid, not empty; ``clean``: every
+        value finite, so a non-finite sum is an overflow to report, not values to drop).
+
+        A pass in cache-sized float64 chunks sums the values and their squares. Where the
+        values sit near 0 next to their spread (``sum(x**2) <= 100 M2``, as most training
+        tensors do), ``M2 = sum(x**2) - sum(x)**2 / n`` loses under 100 eps: that is the
+        row. Otherwise (a large offset: timestamps, byte counts) a second pass centres each
+        chunk on the mean and sums the deviations and their squares: the mean becomes a
+        double-double and M2 loses nothing to cancellation.
+        """
+        torch = _torch()
+        n = v.numel()
+        if not v.is_floating_point():
+            v = v.to(torch.float64)  # ints and bools: exact in float64
+        total, squares = self._sums(v, 0.0)
+        if not (math.isfinite(total) and math.isfinite(squares)):
+            if not clean:
+                return self._row_nonfinite(v)
+            return torch.from_numpy(summarize_array(v.numpy()))  # finite, but past 1e308
+        low, high = (t.item() for t in torch.aminmax(v))
+        m2 = squares - total * total / n
+        if _SAFE_SQUARES[0] < squares < _SAFE_SQUARES[1] and 100.0 * m2 >= squares:
+            total_lo, root = 0.0, math.sqrt(m2)
+        else:
+            pivot = total / n
+            d1, squares = self._sums(v, pivot)
+            if _SAFE_SQUARES[0] < squares < _SAFE_SQUARES[1]:
+                q = math.sqrt(squares)
+            else:  # the squares under- or overflowed: scaled
+                q = rss(v.to(torch.float64).numpy() - pivot)
+            total, total_lo, root = from_pivot(float(n), pivot, d1, q, SCALARS, total,
+                                               centred_exactly(low, high, pivot))
+        return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
+                       nonfinite=0.0, sum_lo=total_lo)
+
+    def _sums(self, v: Any, pivot: float) -> tuple[float, float]:
+        """``(sum(v - pivot), sum((v - pivot)**2))`` in float64, widened and centred a
+        cache-sized chunk at a time (never a whole float64 copy)."""
+        torch = _torch()
+        n = v.numel()
+        wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
+        total = squares = 0.0
+        for start in range(0, n, _CHUNK):
+            piece = v[start:start + _CHUNK]
+            t = wide[: piece.numel()].copy_(piece)  # exact widening
+            if pivot:
+                np.subtract(t.numpy(), pivot, out=t.numpy())  # in cache: cheap
+            total += t.sum().item()
+            squares += torch.dot(t, t).item()
+        return total, squares
+
+    def _row_nonfinite(self, v: Any) -> Any:
+        """The row of ``v`` when something in it is not finite (or its sum overflows)."""
+        torch = _torch()
+        if not v.is_floating_point():
+            v = v.to(torch.float64)
+        good = v[torch.isfinite(v)]  # the rare path: a copy of the finite values is fine
+        row = self._row(good, clean=True) if good.numel() else _identity_row()
+        row[NONFINITE] = float(v.numel() - good.numel())
+        return row
