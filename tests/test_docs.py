@@ -79,3 +79,15 @@ def test_benchmark_pages_show_results_not_work_tracking():
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     for word in ("issue", "target", "missed", "moonshot", "main ", "commit", "before this"):
         assert word not in text.lower(), word
+
+
+def test_every_yaml_block_of_every_page_is_a_config_that_loads():
+    import yaml
+
+    from metricsvc.config import load_config
+
+    blocks = [(page.relative_to(ROOT).as_posix(), block) for page in PAGES
+              for block in re.findall(r"^```yaml\n(.*?)^```", page.read_text(), re.S | re.M)]
+    assert len(blocks) >= 2
+    for page, block in blocks:
+        load_config(yaml.safe_load(block))  # raises naming the key if a page is wrong
