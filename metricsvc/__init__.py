@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it.
 _EXPORTS = {
     "Aggregator": "metricsvc.aggregator",
-    "StepResult": "metricsvc.aggregator",
+    "StepResult": "metricsvc.output",
     "Combiner": "metricsvc.combiner",
     "start_combiner": "metricsvc.combiner",
     "ServiceConfig": "metricsvc.config",

@@ -14,29 +14,24 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
-from metricsvc.declare import decode_derived, is_internal
+from metricsvc.declare import decode_derived
 from metricsvc.derive import Deriver
-from metricsvc.keys import safe_tag, tag_order
-from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, Batch
+from metricsvc.output import StepOutput, StepResult, TagOwners, internal_rows
+from metricsvc.published import Published
+from metricsvc.ranks import LagWatch, WorldSize
+from metricsvc.records import Batch
 from metricsvc.reduce import (
-    AUTO,
-    KINDS,
-    KindResolver,
     OutputRules,
     ReduceType,
-    Renamer,
-    finalize,
-    is_approximate_plain_key,
 )
 from metricsvc.run_declarations import RunDeclarations
-from metricsvc.sketch import histogram
 from metricsvc.step import Part, PendingStep, Window
 from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
 from metricsvc.wire import as_batch, encode
@@ -45,16 +40,6 @@ log = logging.getLogger(__name__)
 
 Status = Literal["merged", "duplicate", "late"]
 _STREAM_RANK = 1 << 30  # streams declare after every rank: a rank's declaration goes first
-DIGEST_STEPS = 64  # emitted steps whose batch digests are kept to tell resends from conflicts
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """A finished step: exported metrics and what is known about how they were made."""
-
-    step: int
-    metrics: dict[str, float]
-    meta: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -89,17 +74,15 @@ class Aggregator:
         self.max_steps_ahead = max_steps_ahead
         # The run's world size: from config, else agreed by a majority of the size ranks
         # claim (no step can finish before), else from the journal after a restart.
-        self.world_size = world_size
-        self.world_source = "config" if world_size is not None else None
-        self._claims: dict[int, int] = {}  # rank -> the world size it claims, until agreed
+        self.world = WorldSize(world_size)
         self._notices: dict[int, str] = {}  # rank -> why an accepted batch of it was dropped
         self.limits = limits or Limits()
         self.output = output or OutputRules()
-        self._resolver = KindResolver(reduce_rules)
-        self._rename = Renamer(renames)
         self.deriver = Deriver(self.limits.max_derived_outputs, self.limits.max_derived_reads)
         self._costs: dict[bytes, tuple[int, int]] = {}  # declarations -> (outputs, reads)
         self.declarations = RunDeclarations()  # one definition of a derived metric a run
+        self.out = StepOutput(self.output, reduce_rules, renames, self.deriver,
+                              self.declarations, clock)
         self._tags = TagOwners()  # which key each sink tag shows, for the run
         self._key_cache = KeyCache()
         self._clock = clock
@@ -108,13 +91,12 @@ class Aggregator:
         self._exports = 0
         # Ranks that closed each emitted step, and (for the newest) the digests of their
         # batches: a byte-identical resend is a duplicate, other content a conflict.
-        self._emitted: OrderedDict[int, tuple[frozenset[int], dict | None]] = OrderedDict()
-        self._remember_steps = remember_steps
+        self.published = Published(remember_steps)
         self.last_emitted: int | None = None
         self.newest_closed: int | None = None
         self.rank_last_seen: dict[int, int] = {}
         self.late_by_rank: Counter[int] = Counter()
-        self._lagging: Counter[int] = Counter()  # rank -> closes in a row behind the others
+        self.lag = LagWatch()
         self.counts = {"batches": 0, "duplicate": 0, "late": 0, "rejected": 0, "partial": 0,
                        "stream_batches": 0, "conflict": 0, "dropped": 0, "collisions": 0}
 
@@ -135,7 +117,7 @@ class Aggregator:
             raise
         notice = self._notices.pop(batch.rank, None)
         try:
-            self._check_world_size(batch)
+            self.world.check(batch)
             # What tells a resend (a duplicate) from other content under the same identity
             # (a conflict): the wire bytes' digest, never compared on the merge path.
             wire = item if isinstance(item, (bytes, bytearray, memoryview)) else encode(batch)
@@ -173,32 +155,9 @@ class Aggregator:
         return batch
 
     # -- the run's world size ------------------------------------------------------------
-    def _check_world_size(self, batch: Batch) -> None:
-        if self.world_size is not None:
-            if batch.world_size != self.world_size:
-                raise BatchRejected(
-                    f"step {batch.step}: rank {batch.rank} sent world_size {batch.world_size}, "
-                    f"but the run's world size is {self.world_size} ({self.world_source})"
-                )
-            return
-        claimed = self._claims.get(batch.rank, batch.world_size)
-        if claimed != batch.world_size:
-            raise BatchRejected(
-                f"step {batch.step}: rank {batch.rank} sent world_size {batch.world_size}, but "
-                f"claimed {claimed} before (the run's world size is not agreed yet)"
-            )
-
-    def _claim(self, batch: Batch) -> None:
-        """Count a rank's claim; fix the world size once a majority of a claimed size agree."""
-        self._claims[batch.rank] = batch.world_size
-        agree = sorted(r for r, w in self._claims.items() if w == batch.world_size)
-        if len(agree) >= batch.world_size // 2 + 1:
-            self._fix_world_size(batch.world_size, f"agreed by ranks {agree}")
-
     def _fix_world_size(self, world_size: int, source: str) -> None:
         """Fix the run's world size; drop what ranks claiming another size sent so far."""
-        self.world_size, self.world_source = world_size, source
-        log.warning("the run's world size is %d (%s)", world_size, source)
+        self.world.fix(world_size, source)
         for step, pending in list(self._pending.items()):
             sources, pending.sources = pending.sources, None
             if sources is None or all(w in (None, world_size) for w, _, _ in sources):
@@ -217,7 +176,6 @@ class Aggregator:
                 self._pending[step] = fresh
             else:
                 del self._pending[step]
-        self._claims.clear()
         self._refresh_newest_closed()
 
     def _refresh_newest_closed(self) -> None:
@@ -285,7 +243,9 @@ class Aggregator:
         if self.world_size is None:  # kept apart until the world size is agreed
             target.keep_source(batch.world_size, batch.rank,
                                lambda p, b=batch, d=digest: p.add_batch(b, p.check(b), d))
-            self._claim(batch)
+            source = self.world.claim(batch)
+            if source is not None:
+                self._fix_world_size(batch.world_size, source)
         return Outcome("merged", self._emit_ready())
 
     def _check_cost(self, batch: Batch, declared: tuple, pending: PendingStep | None) -> None:
@@ -320,58 +280,48 @@ class Aggregator:
             raise BatchRejected(f"step {batch.step}: rank {batch.rank}'s declarations would "
                                 f"make {what}; nothing of the batch was merged")
 
-    LAG_RUN = 3  # closes in a row behind every other rank that name a rank lagging
-
     def _check_lag(self, rank: int, step: int) -> None:
-        """Count a rank that closes ``step`` only after every other rank closed the next
-        one: the mark of a rank whose counted steps (no ``step=``) slipped by one, when an
-        exception came between recording and ``wait_submit``. Tell it once, at the third."""
         following = self._pending.get(step + 1)
-        others = (self.world_size or 0) - 1
-        if following is None or others < 1 or len(following.closed - {rank}) < others:
-            self._lagging.pop(rank, None)
-            return
-        self._lagging[rank] += 1
-        if self._lagging[rank] == self.LAG_RUN:
-            log.warning("rank %d closes each step after every other rank closed the next one",
-                        rank)
-            self._notices[rank] = (
-                f"rank {rank} closes each step only after every other rank closed the next "
-                f"one ({self.LAG_RUN} steps in a row, the last step {step}): its step count "
-                f"has probably slipped by one (an exception between recording and "
-                f"wait_submit, without discard()). Pass step= to wait_submit (the trainer's "
-                f"global step) so a step never holds another's records")
+        said = self.lag.check(rank, step, None if following is None else following.closed,
+                              self.world_size)
+        if said is not None:
+            self._notices[rank] = said
 
     @property
     def lagging_ranks(self) -> list[int]:
         """Ranks closing each step after every other rank closed the next one."""
-        return sorted(r for r, n in self._lagging.items() if n >= self.LAG_RUN)
+        return self.lag.lagging
 
-    # How a published step's meta is read back when it is older than what is kept in
-    # memory (the worker reads its journal); None: only what is kept is known.
-    journaled_meta: Callable[[int], Mapping[str, Any] | None] | None = None
+    @property
+    def world_size(self) -> int | None:
+        """The run's world size (None until agreed)."""
+        return self.world.size
+
+    @property
+    def world_source(self) -> str | None:
+        """Where the run's world size came from."""
+        return self.world.source
+
+    @property
+    def journaled_meta(self) -> Callable[[int], Mapping[str, Any] | None] | None:
+        """How a published step's meta is read back when it is older than what is kept in
+        memory (the worker reads its journal)."""
+        return self.published.journaled_meta
+
+    @journaled_meta.setter
+    def journaled_meta(self, read: Callable[[int], Mapping[str, Any] | None] | None) -> None:
+        self.published.journaled_meta = read
 
     def _after_emitted(self, batch: Batch, digest: bytes) -> Outcome:
-        closed, digests = self._emitted.get(batch.step, (None, None))
-        if digests is None and self.journaled_meta is not None:
-            meta = self.journaled_meta(batch.step)  # rare: an old step's batch
-            if meta is not None:
-                closed = frozenset(meta.get("ranks", ()))
-                digests = _digests(meta.get("digests"))
-        closed = closed or frozenset()
-        if batch.rank not in closed:
+        status, what = self.published.judge(batch, digest)
+        if status == "late":
             self.counts["late"] += 1
             self.late_by_rank[batch.rank] += 1
             return Outcome("late")
-        known = None if digests is None else digests.get((batch.rank, batch.seq))
-        if known is not None and known == digest[:len(known)]:  # the same bytes: a resend
+        if status == "duplicate":
             self.counts["duplicate"] += 1
             return Outcome("duplicate")
-        # Not provably a resend (resends are recent: their digests are kept): never merged,
-        # never taken for a duplicate, however old the step.
         self.counts["conflict"] += 1
-        what = ("was already received with other content" if known is not None else
-                "comes after the rank already closed this step")
         raise BatchRejected(
             f"step {batch.step}: conflict: rank {batch.rank} seq {batch.seq} {what}, and "
             f"the step is already final. Rerunning steps after resuming from a checkpoint? "
@@ -474,8 +424,8 @@ class Aggregator:
             target.keep_source(None, None, fold)
         target.stream_only = target.stream_only or close
         self._windows[name] = Window()
-        kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(keys, codes)]
-        preview = self._metrics(window.merged(), keys, kinds, _internal_rows(keys), {},
+        kinds = self.out.kinds(keys, codes)
+        preview = self.out.metrics(window.merged(), keys, kinds, internal_rows(keys), {},
                                 derive=False)
         return preview, self._emit_ready()
 
@@ -488,13 +438,9 @@ class Aggregator:
         for pending in self._pending.values():
             if now - pending.opened_at >= self.straggler_timeout_s:
                 pending.timed_out = True
-        if self.world_size is None and self._claims and any(
-                p.timed_out for p in self._pending.values()):
-            # No majority came in time: the size most ranks claim (the larger on a tie).
-            sizes = Counter(self._claims.values())
-            size = max(sizes, key=lambda w: (sizes[w], w))
-            voters = sorted(r for r, w in self._claims.items() if w == size)
-            self._fix_world_size(size, f"claimed by ranks {voters} at the straggler timeout")
+        choice = self.world.at_timeout()
+        if choice is not None and any(p.timed_out for p in self._pending.values()):
+            self._fix_world_size(*choice)  # no majority came in time
             for pending in self._pending.values():
                 pending.timed_out = now - pending.opened_at >= self.straggler_timeout_s
         return self._emit_ready()
@@ -509,42 +455,33 @@ class Aggregator:
             meta = record.get("meta", {})
             self.last_emitted = max(step, self.last_emitted if self.last_emitted is not None
                                     else step)
-            digests = meta.get("digests")
-            self._emitted[step] = (frozenset(meta.get("ranks", ())), _digests(digests))
+            self.published.add_journaled(step, meta)
             if self.newest_closed is None or step > self.newest_closed:
                 self.newest_closed = step
             if self.world_size is None and meta.get("world_size"):
-                self.world_size = int(meta["world_size"])
-                self.world_source = "from the journal"
+                self.world.size, self.world.source = int(meta["world_size"]), "from the journal"
             totals = meta.get("derived_totals")
             if isinstance(totals, dict):
                 self.deriver.restore(totals)
             declarations = meta.get("declarations")
             if isinstance(declarations, dict):
                 self.declarations.restore(declarations, step)
-            while len(self._emitted) > self._remember_steps:
-                self._emitted.popitem(last=False)
-            old = step - DIGEST_STEPS  # digests of the recent steps only
-            if old in self._emitted:
-                self._emitted[old] = (self._emitted[old][0], None)
 
     def rewind(self, to_step: int, totals: Mapping[str, Any] | None) -> int:
         """Forget every step past ``to_step`` (published or pending): they will be recorded
         afresh. ``totals``: the running sums as journaled with ``to_step``. Returns how
         many published steps were superseded."""
-        superseded = [s for s in self._emitted if s > to_step]
-        for step in superseded:
-            del self._emitted[step]
+        superseded = self.published.forget_after(to_step)
         for step in [s for s in self._pending if s > to_step]:
             del self._pending[step]
         if self.last_emitted is not None and self.last_emitted > to_step:
             self.last_emitted = to_step if to_step >= 0 else None
         self.rank_last_seen = {r: min(s, to_step) for r, s in self.rank_last_seen.items()}
-        self._lagging.clear()
+        self.lag.clear()
         self.deriver.totals.clear()
         self.deriver.restore(totals or {})
         self._refresh_newest_closed()
-        return len(superseded)
+        return superseded
 
     # -- output ------------------------------------------------------------------------
     def _emit_ready(self) -> list[StepResult]:
@@ -554,123 +491,13 @@ class Aggregator:
             pending = self._pending[step]
             if not pending.ready:
                 break
-            out.append(self._finish(pending))  # before forgetting it: a raise loses nothing
+            result = self.out.finish(pending, self.lagging_ranks)
+            self.counts["partial"] += result.meta["partial"]
+            self.counts["collisions"] += "collisions" in result.meta
+            out.append(result)  # before forgetting it: a raise loses nothing
             del self._pending[step]
             self.last_emitted = step
-            self._emitted[step] = (frozenset(pending.closed), pending.digests)
-            old = step - DIGEST_STEPS
-            if old in self._emitted:
-                self._emitted[old] = (self._emitted[old][0], None)
-            while len(self._emitted) > self._remember_steps:
-                self._emitted.popitem(last=False)
-        return out
-
-    def _metrics(self, merged: tuple, keys: list[str], kinds: list[ReduceType],
-                 internal: list[int], declared: Mapping[str, Any], derive: bool = True,
-                 collisions: dict[str, list[str]] | None = None) -> dict[str, float]:
-        """Finalise the public keys; evaluate the ``declared`` derived metrics over every
-        record (the ``internal`` ones are their inputs only).
-
-        A name exported twice (two keys, a rename, a derived metric, or two names one sink
-        tag) keeps its first source and is listed in ``collisions``.
-        """
-        data, _, sketches = merged
-        public = np.setdiff1d(np.arange(len(keys)), internal)
-        collisions = {} if collisions is None else collisions
-        metrics = finalize(
-            [keys[i] for i in public],
-            [kinds[i] for i in public],
-            data[public],
-            sketches={j: sketches[i] for j, i in enumerate(public) if i in sketches},
-            rules=self.output,
-            rename=self._rename,
-            collisions=collisions,
-        )
-        if derive:
-            derived = self.deriver.derive(declared, keys, kinds, data, self.output)
-            for key, value in derived.items():
-                name = self._rename(key)
-                if name in metrics:
-                    collisions.setdefault(name, [name]).append(f"derived {key}")
-                else:
-                    metrics[name] = value
-        by_tag: dict[str, list[str]] = {}
-        for name in metrics:  # what sinks that sanitise names would merge
-            by_tag.setdefault(safe_tag(name), []).append(name)
-        for tag, names in by_tag.items():
-            if len(names) > 1:  # the first is the one sinks show (``tag_order``)
-                collisions[tag] = sorted(names, key=lambda n, t=tag: tag_order(n, t))
-        return metrics
-
-    def _finish(self, p: PendingStep) -> StepResult:
-        kinds = [self._resolver.resolve(k, int(c)) for k, c in zip(p.keys, p.codes)]
-        merged = p.merged()
-        internal = _internal_rows(p.keys)
-        collisions: dict[str, list[str]] = {}
-        declared = self.declarations.of(p.declared)
-        metrics = self._metrics(merged, p.keys, kinds, internal, declared,
-                                collisions=collisions)
-        partial = not p.complete
-        if partial:
-            self.counts["partial"] += 1
-        meta: dict[str, Any] = {
-            "partial": partial,
-            "world_size": p.world_size or 0,
-            "ranks": sorted(p.closed),
-            "missing_ranks": p.missing(),
-            "batches": p.batches,
-            "keys": len(p.keys),
-            "age_s": round(self._clock() - p.opened_at, 6),  # first batch -> final
-        }
-        if p.streams:
-            meta["streams"] = list(p.streams)
-        totals = self.deriver.state()
-        if totals:
-            meta["derived_totals"] = totals
-        meta.update(_anomalies(p, kinds, merged))
-        histograms = self._histograms(p.keys, kinds, merged)
-        if histograms:
-            meta["histograms"] = histograms
-        if collisions:  # never overwritten: the first source kept, every source named
-            meta["collisions"] = collisions
-            self.counts["collisions"] += 1
-        # What tells a resend from a rerun after a restart: the batches' digests, journaled.
-        meta["digests"] = {f"{r}:{s}": d[:8].hex() for (r, s), d in sorted(p.digests.items())}
-        if self.lagging_ranks:  # steps counted without step=, one behind the others
-            meta["lagging_ranks"] = self.lagging_ranks
-        if self.deriver.limited:  # the step's derivation budget ran out: the rest left out
-            meta["derived_limit"] = dict(self.deriver.limited)
-        if self.deriver.undefined:  # inputs present, but no finite real value: omitted
-            meta["derived_undefined"] = dict(self.deriver.undefined)
-        first = self.declarations.fix(declared)
-        if first:  # journaled once: a restart keeps the run's definitions
-            meta["declarations"] = first
-        ignored = self.deriver.unread(declared, [p.keys[i] for i in internal])
-        if ignored:
-            meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
-        return StepResult(p.step, metrics, meta)
-
-    def _histograms(self, keys: list[str], kinds: list[ReduceType],
-                    merged: tuple) -> dict[str, dict[str, Any]]:
-        """Return the merged histogram of every public QUANTILES key of a step, by its
-        (renamed) key: bin edges and counts, with the exact count, sum, sum of squares,
-        min and max (what TensorBoard's histogram holds)."""
-        data, _, sketches = merged
-        bins = self.output.histogram_bins
-        out: dict[str, dict[str, Any]] = {}
-        if not bins:
-            return out
-        for i, sk in sketches.items():
-            if not KINDS[kinds[i]].sketch or is_internal(keys[i]) or data[i, COUNT] <= 0:
-                continue
-            row = data[i]
-            hist = histogram(*sk, self.output.sketch, float(row[MIN]), float(row[MAX]), bins)
-            if hist is not None:
-                out[self._rename(keys[i])] = {
-                    "edges": hist[0].tolist(), "counts": hist[1].tolist(),
-                    "count": float(row[COUNT]), "sum": float(row[SUM]),
-                    "sum_squares": _sum_squares(row), "min": float(row[MIN]),
-                    "max": float(row[MAX])}
+            self.published.add(step, frozenset(pending.closed), pending.digests)
         return out
 
     # -- introspection -----------------------------------------------------------------
@@ -710,81 +537,3 @@ class Aggregator:
     def windows_summary(self) -> dict[str, int]:
         """Return the number of keys waiting in each stream window."""
         return {name: len(w.keys) for name, w in self._windows.items()}
-
-
-def _digests(journaled: Any) -> dict[tuple[int, int], bytes] | None:
-    """The batch digests a journaled step's meta holds, by ``(rank, seq)``."""
-    if not isinstance(journaled, dict):
-        return None
-    out = {}
-    for key, value in journaled.items():
-        try:
-            rank, seq = (int(x) for x in str(key).split(":"))
-            out[(rank, seq)] = bytes.fromhex(value)
-        except (TypeError, ValueError):
-            continue
-    return out
-
-
-class TagOwners:
-    """The keys of the run by sink tag, to tell a rank whose new key shares a tag with
-    another key (``"acc rate"`` and ``"acc_rate"``) which of them sinks will show."""
-
-    LIMIT = 100_000  # keys remembered; past it, new keys are not checked
-
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-        self._owner: dict[str, str] = {}
-
-    def notice(self, keys: Sequence[str]) -> str | None:
-        """Register ``keys``; return what their sender must hear, or None."""
-        said = []
-        for key in keys:
-            if key in self._seen or len(self._seen) >= self.LIMIT:
-                continue
-            self._seen.add(key)
-            tag = safe_tag(key)
-            held = self._owner.setdefault(tag, key)
-            if held != key:
-                shown = min(held, key, key=lambda n: tag_order(n, tag))
-                self._owner[tag] = shown
-                said.append(f"key {key!r} shares the sink tag {tag!r} with key {held!r}: "
-                            f"sinks show {shown!r} under it (the name written as its tag, "
-                            f"else the first alphabetically); rename one")
-        return "; ".join(said[:8]) or None
-
-
-def _sum_squares(row: np.ndarray) -> float:
-    """The sum of squares TensorBoard's histogram shows (a display figure, not an input)."""
-    n = row[COUNT]
-    with np.errstate(over="ignore"):  # past float64's range it is inf, as the value is
-        return float(row[M2_ROOT] ** 2 + row[SUM] ** 2 / n) if n else 0.0
-
-
-def _internal_rows(keys: list[str]) -> list[int]:
-    """Return the rows of internal keys (a ``__`` path segment): derivation inputs only."""
-    return [i for i, key in enumerate(keys) if is_internal(key)]
-
-
-def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[str, Any]:
-    """Return the meta entries that flag values a user should not trust blindly."""
-    data, contributors, _ = merged
-    out: dict[str, Any] = {}
-    nonfinite = np.flatnonzero(data[:, NONFINITE] > 0)
-    if nonfinite.size:
-        out["nonfinite"] = {p.keys[i]: int(data[i, NONFINITE]) for i in nonfinite}
-    overflow = np.flatnonzero((data[:, COUNT] > 0) & ~np.isfinite(data[:, [SUM, M2_ROOT]]).all(1))
-    if overflow.size:  # finite values whose sum (or spread) left float64's range
-        out["overflow"] = [p.keys[i] for i in overflow]
-    want = np.where(p.expected > 0, p.expected, p.world_size or 0)
-    off = np.flatnonzero((contributors != want) & ~p.from_stream)
-    if off.size:
-        out["contributors"] = {p.keys[i]: [int(contributors[i]), int(want[i])] for i in off}
-    for i, kind in enumerate(kinds):  # what a kind's own check marks (KINDS[kind].flag)
-        flag = KINDS[kind].flag
-        if flag is not None and data[i, COUNT] > 0 and flag[1](data[i]):
-            out.setdefault(flag[0], []).append(p.keys[i])
-    approx = [k for k, c in zip(p.keys, p.codes) if c == AUTO and is_approximate_plain_key(k)]
-    if approx:
-        out["approximate"] = approx
-    return out
