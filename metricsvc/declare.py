@@ -52,10 +52,6 @@ class Metric:
         key_pattern(self.name)
         object.__setattr__(self, "kind", ReduceType.parse(self.kind))
 
-    def exported(self, rules: OutputRules | None = None) -> tuple[str, ...]:
-        """Return the names this metric exports under the service's output ``rules``."""
-        return output_names(self.name, self.kind, rules or OutputRules())
-
     def claims(self) -> tuple[str, ...]:
         """Return every name this metric may export, as written and as a sink tag (both
         mean suffixes; quantile names depend on the service's list: it checks those)."""
