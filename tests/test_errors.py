@@ -63,6 +63,6 @@ def test_a_refusal_by_the_actor_reaches_the_rank_as_refused_and_is_never_resent(
         liar.wait_submit(step=0)
     assert isinstance(err.value, errors.BatchRejected)
     assert errors.is_refusal(err.value) and "conflict" in str(err.value)
-    assert liar.in_flight == 0 and len(liar._outbox) == 0  # dropped: resending cannot help
+    assert liar.in_flight == 0 and len(liar.sender.outbox) == 0  # dropped: resending cannot help
     assert not errors.is_refusal(ray.exceptions.GetTimeoutError("slow"))
     assert not errors.is_refusal(ValueError("Failed to look up actor"))  # Ray's own

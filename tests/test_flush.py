@@ -154,8 +154,7 @@ def test_a_refusal_raised_at_a_later_flush_never_costs_that_flush_its_step(make_
     c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
     c.submit_metric({f"k{i}": 1.0 for i in range(5)})  # more keys than the service takes
     c.flush(step=0)
-    with c._cv:  # its answer is in before step 1 is closed
-        assert c._cv.wait_for(lambda: c._sending == 0, timeout=30)
+    assert c.sender.wait_until(1, timeout_s=30)  # its answer is in before step 1 is closed
     c.submit_metric({"ok": 1.0})
     try:
         c.flush(step=1)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import threading
 import warnings
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +11,7 @@ import ray
 
 from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.rpc import call
+from metricsvc.client.sender import Sender
 from metricsvc.client.siirl import SiirlMethods
 from metricsvc.client.stream import StreamRecorder
 from metricsvc.client.tracker import Tracker
@@ -20,7 +19,6 @@ from metricsvc.protocol import (
     DEFAULT_NAME,
     Batch,
     LateBatch,
-    Outbox,
     Refused,
     ServiceNotice,
     ServiceUnavailable,
@@ -30,7 +28,6 @@ from metricsvc.protocol import (
     check_rank,
     combiner_name,
     default_namespace,
-    deliver,
     encode,
     is_refusal,
 )
@@ -92,16 +89,8 @@ class MetricClient(SiirlMethods, Tracker):
         self._flushes = 0
         self._step_known = True  # False after discard(): records go to the step named next
         self._unacked: Batch | None = None  # closed, not yet acked (kept across a timeout)
-        # Sent but not yet in the service's journal (resent after a restart), and the
-        # incarnation last heard from: the restart protocol, shared with the combiner.
-        self._outbox = Outbox(max_inflight, label=f"rank {self.rank}")
-        # flush(): batches for the sender thread, and its answers for the caller.
-        self._cv = threading.Condition()
-        self._send_lock = threading.Lock()  # one delivery at a time: batches stay in order
-        self._outq: deque[tuple[Batch, bytes]] = deque()
-        self._answers: deque[tuple[Batch, Any, BaseException | None]] = deque()
-        self._sending = 0  # flushes queued or being delivered
-        self._sender: threading.Thread | None = None
+        self.sender = Sender(lambda payload, epoch, timeout_s: self._call(
+            "submit", payload, epoch, timeout_s=timeout_s), f"rank {self.rank}", max_inflight)
         self.rpc_count = 0  # actor calls to the service
         if via is not None and worker is None:
             self._worker = self._find_worker()  # register with the combiner before step 0
@@ -198,63 +187,13 @@ class MetricClient(SiirlMethods, Tracker):
         batch is kept until the journal holds its step and is resent to a restarted actor,
         as with ``wait_submit``. ``step`` as for ``wait_submit``.
         """
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._sending < self.max_unacked,
-                                     timeout=self.retry_s + 60):
-                raise ServiceUnavailable(f"rank {self.rank}: {self._sending} flushes "
-                                         f"unanswered for {self.retry_s + 60} s")
+        if not self.sender.wait_until(self.max_unacked, self.retry_s + 60):
+            raise ServiceUnavailable(f"rank {self.rank}: {self.in_flight} flushes "
+                                     f"unanswered for {self.retry_s + 60} s")
         batch = self._close_step(step)
-        self._hand_over(batch)
+        self.sender.hand_over(batch, encode(batch))
         self._closed(batch)
         self._read_answers(handed_over=batch.step)  # earlier answers: errors reach the caller
-
-    def _hand_over(self, batch: Batch) -> None:
-        """Queue ``batch`` for the sender thread (started if idle)."""
-        blob = encode(batch)
-        with self._cv:
-            self._outq.append((batch, blob))
-            self._sending += 1
-            if self._sender is None:
-                self._sender = threading.Thread(target=self._send_loop, daemon=True,
-                                                name=f"metricsvc-rank-{self.rank}-sender")
-                self._sender.start()
-            self._cv.notify_all()
-
-    def _send_loop(self) -> None:
-        """The sender thread: deliver queued batches one at a time, oldest first."""
-        while True:
-            with self._cv:
-                if not self._cv.wait_for(lambda: self._outq, timeout=30.0):
-                    self._sender = None  # idle: the next flush starts a new one
-                    return
-                batch, blob = self._outq[0]
-            ack, error = None, None
-            try:  # undelivered stays owed: a restarted actor that lacks it gets it
-                ack = self._send(batch, blob, None, keep_undelivered=True)
-            except BaseException as err:  # noqa: BLE001  handed to the caller
-                error = err
-            with self._cv:
-                self._outq.popleft()
-                self._sending -= 1
-                self._answers.append((batch, ack, error))
-                self._cv.notify_all()
-
-    def _send(self, batch: Batch, blob: bytes, timeout_s: float | None, *,
-              keep_undelivered: bool) -> dict[str, Any]:
-        """Deliver one batch (one delivery at a time: batches stay in step order) through
-        the restart protocol. A refused batch leaves the outbox (resending cannot help);
-        an undelivered one too unless ``keep_undelivered``."""
-        with self._send_lock:
-            self._outbox.sent(batch.step, blob)
-            try:
-                return self._deliver(blob, timeout_s)
-            except Refused:
-                self._outbox.drop(blob)
-                raise
-            except BaseException:
-                if not keep_undelivered:
-                    self._outbox.drop(blob)
-                raise
 
     def _read_answers(self, handed_over: int | None = None) -> list[dict[str, Any]]:
         """Take the sender's answers, oldest first; raise the first error among them (the
@@ -262,10 +201,10 @@ class MetricClient(SiirlMethods, Tracker):
         ``wait_submit`` closed before, which the error's note names."""
         acks = []
         while True:
-            with self._cv:
-                if not self._answers:
-                    return acks
-                batch, ack, error = self._answers.popleft()
+            answer = self.sender.next_answer()
+            if answer is None:
+                return acks
+            batch, ack, error = answer
             if error is not None:
                 what = ("refused" if is_refusal(error) else
                         "not delivered (kept for a restarted actor that lacks it)")
@@ -282,11 +221,9 @@ class MetricClient(SiirlMethods, Tracker):
         """Wait until every ``flush`` is answered; return the acks not read yet, oldest
         first. Raises what the first refused or late one raises (see ``flush``), or
         ``GetTimeoutError`` after ``timeout_s``."""
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._sending == 0, timeout=timeout_s):
-                raise ray.exceptions.GetTimeoutError(
-                    f"rank {self.rank}: {self._sending} flushes unanswered after "
-                    f"{timeout_s} s")
+        if not self.sender.wait_until(1, timeout_s):
+            raise ray.exceptions.GetTimeoutError(
+                f"rank {self.rank}: {self.in_flight} flushes unanswered after {timeout_s} s")
         return self._read_answers()
 
     def wait_submit(self, timeout_s: float | None = None, *,
@@ -306,15 +243,14 @@ class MetricClient(SiirlMethods, Tracker):
         once. If the service rejects the batch, it is dropped, the step stays
         open and the error (a ``metricsvc.errors.Refused``) is raised.
         """
-        with self._cv:  # earlier flushes are delivered first: steps go out in order
-            if not self._cv.wait_for(lambda: self._sending == 0, timeout=timeout_s):
-                raise ray.exceptions.GetTimeoutError(
-                    f"rank {self.rank}: {self._sending} flushes unanswered after "
-                    f"{timeout_s} s; this step was not closed")
+        if not self.sender.wait_until(1, timeout_s):  # earlier flushes first: steps in order
+            raise ray.exceptions.GetTimeoutError(
+                f"rank {self.rank}: {self.in_flight} flushes unanswered after {timeout_s} s; "
+                f"this step was not closed")
         batch = self._close_step(step)
         blob = encode(batch)
         try:  # undelivered stays in _unacked: the next call sends it again
-            ack = self._send(batch, blob, timeout_s, keep_undelivered=False)
+            ack = self.sender.send(batch, blob, timeout_s, keep_undelivered=False)
         except Refused:
             self._unacked = None  # rejected by the service: retrying cannot help
             raise
@@ -328,18 +264,6 @@ class MetricClient(SiirlMethods, Tracker):
         self.last_closed = batch.step
         self._step_known = True
         self._open(batch.step + 1)
-
-    def _deliver(self, blob: bytes, timeout_s: float | None) -> dict[str, Any]:
-        """Send ``blob`` with blocking calls; after a restart, what the new incarnation
-        may lack goes first (``metricsvc.resend``)."""
-        exchange = deliver(self._outbox, blob)
-        payload = next(exchange)
-        while True:
-            ack = self._call("submit", payload, self._outbox.epoch, timeout_s=timeout_s)
-            try:
-                payload = exchange.send(ack)
-            except StopIteration as done:
-                return done.value
 
     def _joined_late(self, ack: dict[str, Any], batch: Batch) -> bool:
         """A first flush for a step the service has already moved past (not just the step
@@ -397,7 +321,7 @@ class MetricClient(SiirlMethods, Tracker):
             sent, self._unacked = self._unacked, None
             self._step_known = False  # what comes next is for the step the caller names
         if sent is not None:
-            self._hand_over(sent)
+            self.sender.hand_over(sent, encode(sent))
             self._closed(sent)
             self._step_known = False
             warnings.warn(ServiceNotice(
@@ -421,12 +345,12 @@ class MetricClient(SiirlMethods, Tracker):
     @property
     def resent(self) -> int:
         """Batches sent again to a restarted actor."""
-        return self._outbox.resent
+        return self.sender.outbox.resent
 
     @property
     def in_flight(self) -> int:
         """Flushes not answered yet (queued for the sender or being delivered)."""
-        return self._sending
+        return self.sender.in_flight
 
     # -- reading -------------------------------------------------------------------------
     def wait_final_res(self, step: int | None = None, timeout_s: float | None = None, *,

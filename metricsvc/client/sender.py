@@ -1,0 +1,110 @@
+"""Delivering a rank's closed steps to the service: one at a time, in step order, through
+the restart protocol (``metricsvc.resend``).
+
+A blocking ``send`` runs on the caller's thread (``wait_submit``); ``hand_over`` queues a
+batch for the sender thread (``flush``), whose answers the caller reads later. Either way
+one delivery runs at a time, so steps reach the service in order (Ray runs an async
+actor's calls concurrently: batches sent without waiting could overtake each other). Every
+batch is kept until an ack says the journal holds its step, and resent to a restarted
+actor that lacks it; a refused one is dropped at once (resending cannot help).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from metricsvc.protocol import Batch, Outbox, Refused, deliver
+
+# ``call(payload, epoch, timeout_s) -> ack``: one actor call carrying a batch's bytes
+Call = Callable[[bytes, "str | None", "float | None"], dict[str, Any]]
+Answer = tuple[Batch, "dict[str, Any] | None", "BaseException | None"]
+
+
+class Sender:
+    """The delivery of one client's batches; see the module's docstring."""
+
+    def __init__(self, call: Call, label: str, max_inflight: int = 256) -> None:
+        self._call = call
+        self.label = label
+        # Sent but not yet in the service's journal (resent after a restart), and the
+        # incarnation last heard from: the restart protocol, shared with the combiner.
+        self.outbox = Outbox(max_inflight, label=label)
+        self._cv = threading.Condition()
+        self._send_lock = threading.Lock()  # one delivery at a time: batches stay in order
+        self._queue: deque[tuple[Batch, bytes]] = deque()
+        self._answers: deque[Answer] = deque()
+        self.in_flight = 0  # handed over, not answered yet
+        self._thread: threading.Thread | None = None
+
+    # -- blocking ------------------------------------------------------------------------
+    def send(self, batch: Batch, blob: bytes, timeout_s: float | None, *,
+             keep_undelivered: bool) -> dict[str, Any]:
+        """Deliver one batch now and return its ack. A refused batch leaves the outbox; an
+        undelivered one too unless ``keep_undelivered``."""
+        with self._send_lock:
+            self.outbox.sent(batch.step, blob)
+            try:
+                return self._deliver(blob, timeout_s)
+            except Refused:
+                self.outbox.drop(blob)
+                raise
+            except BaseException:
+                if not keep_undelivered:
+                    self.outbox.drop(blob)
+                raise
+
+    def _deliver(self, blob: bytes, timeout_s: float | None) -> dict[str, Any]:
+        exchange = deliver(self.outbox, blob)
+        payload = next(exchange)
+        while True:
+            ack = self._call(payload, self.outbox.epoch, timeout_s)
+            try:
+                payload = exchange.send(ack)
+            except StopIteration as done:
+                return done.value
+
+    # -- in the background ---------------------------------------------------------------
+    def hand_over(self, batch: Batch, blob: bytes) -> None:
+        """Queue ``batch`` for the sender thread (started if idle)."""
+        with self._cv:
+            self._queue.append((batch, blob))
+            self.in_flight += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name=f"metricsvc-{self.label}-sender")
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        """The sender thread: deliver queued batches one at a time, oldest first."""
+        while True:
+            with self._cv:
+                if not self._cv.wait_for(lambda: self._queue, timeout=30.0):
+                    self._thread = None  # idle: the next hand-over starts a new one
+                    return
+                batch, blob = self._queue[0]
+            ack, error = None, None
+            try:  # undelivered stays owed: a restarted actor that lacks it gets it
+                ack = self.send(batch, blob, None, keep_undelivered=True)
+            except BaseException as err:  # noqa: BLE001  handed to the caller
+                error = err
+            with self._cv:
+                self._queue.popleft()
+                self.in_flight -= 1
+                self._answers.append((batch, ack, error))
+                self._cv.notify_all()
+
+    def next_answer(self) -> Answer | None:
+        """Take the oldest answer not read yet, or None."""
+        with self._cv:
+            return self._answers.popleft() if self._answers else None
+
+    def wait_until(self, in_flight_below: int, timeout_s: float | None) -> bool:
+        """Wait until fewer than ``in_flight_below`` hand-overs are unanswered; False on a
+        timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.in_flight < in_flight_below,
+                                     timeout=timeout_s)
