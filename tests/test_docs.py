@@ -90,4 +90,7 @@ def test_every_yaml_block_of_every_page_is_a_config_that_loads():
               for block in re.findall(r"^```yaml\n(.*?)^```", page.read_text(), re.S | re.M)]
     assert len(blocks) >= 2
     for page, block in blocks:
-        load_config(yaml.safe_load(block))  # raises naming the key if a page is wrong
+        try:
+            load_config(yaml.safe_load(block))
+        except ValueError as err:
+            raise AssertionError(f"{page}: {err}") from None

@@ -186,3 +186,49 @@ def test_example_driver_runs_and_writes_the_journal(tmp_path):
     both = out.stdout + out.stderr
     assert "(MetricWorker pid=" in both and "MetricWorkerImpl" not in both
     assert "DeprecationWarning" not in both  # Ray's own, from a property it deprecated
+
+
+# The package's layers, lowest first: a module imports from its own layer or lower ones,
+# never from a higher one (the top-level ``metricsvc`` loads names lazily and is outside).
+LAYERS = [
+    # 0: leaves: rules and file helpers every side uses
+    {"metricsvc.keys", "metricsvc.errors", "metricsvc.files", "metricsvc.redaction",
+     "metricsvc.records", "metricsvc.sketch", "metricsvc.resend", "metricsvc.retry"},
+    # 1: the record's meaning and its wire form: what client and service share
+    {"metricsvc.reduce", "metricsvc.formula", "metricsvc.declare", "metricsvc.derive",
+     "metricsvc.run_declarations", "metricsvc.validation", "metricsvc.wire",
+     "metricsvc.protocol"},
+    # 2: the client, and the service's merge (no Ray in the merge)
+    {"metricsvc.client*", "metricsvc.config", "metricsvc.step", "metricsvc.ranks",
+     "metricsvc.published", "metricsvc.output", "metricsvc.aggregator"},
+    # 3: what the actor writes to, and the run's folder and results
+    {"metricsvc.sinks*", "metricsvc.journal", "metricsvc.run_folder", "metricsvc.results"},
+    # 4: the actors
+    {"metricsvc.worker", "metricsvc.combiner"},
+    # 5: drivers and the command line
+    {"metricsvc.service", "metricsvc.cli", "metricsvc.demo"},
+]
+
+
+def _layer(module: str) -> int:
+    for level, names in enumerate(LAYERS):
+        for name in names:
+            if module == name or (name.endswith("*") and module.startswith(name[:-1])):
+                return level
+    raise AssertionError(f"{module} is in no layer: place it in LAYERS")
+
+
+def test_no_module_imports_from_a_higher_layer_and_the_client_never_from_the_service():
+    graph = import_graph()
+    upward, client_to_service = [], []
+    for module, imports in graph.items():
+        if module == "metricsvc":
+            continue
+        for imported in imports - {"metricsvc"}:
+            if _layer(imported) > _layer(module):
+                upward.append(f"{module} -> {imported}")
+            if (module.startswith("metricsvc.client") and _layer(imported) >= 2
+                    and not imported.startswith("metricsvc.client")):
+                client_to_service.append(f"{module} -> {imported}")
+    assert not upward, upward
+    assert not client_to_service, client_to_service
