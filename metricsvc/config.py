@@ -14,8 +14,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -23,143 +21,23 @@ from pydantic import (
 )
 
 from metricsvc.keys import DEFAULT_NAME, default_namespace, is_plain_part
+from metricsvc.model import Strict
 from metricsvc.reduce import OutputRules, ReduceType, framework_conflict
+from metricsvc.sinks.base import CustomSinkConfig, DeliveryConfig, sinks_model
+from metricsvc.sinks.console import ConsoleSinkConfig
+from metricsvc.sinks.jsonl import JsonlSinkConfig
+from metricsvc.sinks.mlflow import MlflowSinkConfig
+from metricsvc.sinks.swanlab import SwanlabSinkConfig
+from metricsvc.sinks.tensorboard import TensorboardSinkConfig
+from metricsvc.sinks.wandb import WandbSinkConfig
 from metricsvc.sketch import MIN_ALPHA, SketchSpec
 from metricsvc.validation import Limits
 
-
-def _plain(value: str, what: str) -> str:
-    """Return ``value`` if it is one plain path part: nothing can escape the run folder."""
-    if not is_plain_part(value):
-        raise ValueError(f"{what} must be a plain file name (letters, digits, ._-), got {value!r}")
-    return value
+# The sinks section: a field per built-in sink, as its registration says (sinks/<name>.py).
+SinksConfig = sinks_model()
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ConsoleSinkConfig(_Strict):
-    """Aligned table of each finished step, printed by the actor."""
-
-    enabled: bool = True
-    every: int = Field(1, ge=1, description="print every N-th finished step")
-    max_rows: int = Field(200, ge=1, description="rows shown per step before eliding")
-    total_steps: int | None = Field(
-        None, ge=1, description="the run's last step + 1: the header shows an ETA"
-    )
-
-
-class JsonlSinkConfig(_Strict):
-    """The journal: one JSON line per finished step under the run folder."""
-
-    enabled: bool = True
-    filename: str = "metrics.jsonl"
-    fsync: bool = Field(False, description="fsync after every line (slower, crash-proof)")
-
-    _filename = field_validator("filename")(classmethod(lambda cls, v: _plain(v, "filename")))
-
-
-class TensorboardSinkConfig(_Strict):
-    """tensorboardX event files under ``<run folder>/<subdir>``."""
-
-    enabled: bool = True
-    subdir: str = "tensorboard"
-    flush_secs: float = Field(2.0, gt=0, description="background flush interval")
-    flush_every_step: bool = True
-
-    _subdir = field_validator("subdir")(classmethod(lambda cls, v: _plain(v, "subdir")))
-
-
-class WandbSinkConfig(_Strict):
-    """Weights & Biases; offline by default (no network). The API key comes from WANDB_API_KEY."""
-
-    enabled: bool = True
-    mode: Literal["online", "offline", "disabled"] = "offline"
-    project: str = "metricsvc"
-    entity: str | None = None
-    name: str | None = Field(None, description="default: <experiment>/<trial>")
-    group: str | None = None
-    tags: tuple[str, ...] = ()
-    notes: str | None = None
-    dir: str | None = Field(None, description="default: the run folder")
-    id: str | None = Field(None, description="default: a new id, kept in the run folder so "
-                                           "a restarted service continues the same run")
-    resume: Literal["allow", "must", "never", "auto"] | None = None
-    flush_interval_s: float = Field(
-        1.0, gt=0, description="how often wandb writes its transaction log (run-<id>.wandb); "
-                               "a killed actor loses at most this much there, and the restart "
-                               "replays it from the journal"
-    )
-
-
-class SwanlabSinkConfig(_Strict):
-    """SwanLab; offline by default (no network). The API key comes from SWANLAB_API_KEY."""
-
-    enabled: bool = True
-    mode: Literal["cloud", "local", "offline", "disabled"] = "offline"
-    project: str = "metricsvc"
-    experiment_name: str | None = Field(None, description="default: <experiment>/<trial>")
-    logdir: str | None = Field(None, description="default: <run folder>/swanlab")
-
-
-class MlflowSinkConfig(_Strict):
-    """MLflow (``pip install metricsvc[mlflow]``); a local file store by default."""
-
-    enabled: bool = True
-    tracking_uri: str | None = Field(None, description="default: <run folder>/mlruns")
-    experiment_name: str | None = Field(None, description="default: the run's experiment")
-    run_name: str | None = Field(None, description="default: the run's trial")
-
-
-class CustomSinkConfig(_Strict):
-    """A third-party sink: ``pkg.module:Class`` or a ``metricsvc.sinks`` entry-point name."""
-
-    target: str
-    name: str | None = Field(None, description="the name used in health and dead letters")
-    options: dict[str, Any] = Field(default_factory=dict, description="passed to the factory")
-
-
-class DeliveryConfig(_Strict):
-    """How failing sinks are retried before their steps go to the dead-letter file."""
-
-    retries: int = Field(3, ge=0)
-    backoff_s: float = Field(0.2, ge=0)
-    max_backoff_s: float = Field(5.0, ge=0)
-    queue_size: int = Field(10_000, ge=1, description="steps waiting per sink")
-    dead_letter: str = "dead_letter.jsonl"
-    close_timeout_s: float = Field(
-        30.0, gt=0, description="at close, steps a sink has not taken by then are dead-lettered"
-    )
-
-    _dead_letter = field_validator("dead_letter")(
-        classmethod(lambda cls, v: _plain(v, "dead_letter"))
-    )
-
-
-class SinksConfig(_Strict):
-    """Which sinks receive finished steps; ``null`` (or ``enabled: false``) turns one off."""
-
-    console: ConsoleSinkConfig | None = ConsoleSinkConfig()
-    jsonl: JsonlSinkConfig | None = JsonlSinkConfig()
-    tensorboard: TensorboardSinkConfig | None = None
-    wandb: WandbSinkConfig | None = None
-    swanlab: SwanlabSinkConfig | None = None
-    mlflow: MlflowSinkConfig | None = None
-    custom: tuple[CustomSinkConfig, ...] = ()
-    delivery: DeliveryConfig = DeliveryConfig()
-
-    def enabled(self) -> list[tuple[str, Any]]:
-        """Return ``(name, config)`` of every enabled built-in sink, in field order."""
-        out = []
-        for name in ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"):
-            cfg = getattr(self, name)
-            if cfg is not None and cfg.enabled:
-                out.append((name, cfg))
-        return out
-
-
-class RunConfig(_Strict):
+class RunConfig(Strict):
     """Where a run's files go: ``<root>/<experiment>/<trial>/``."""
 
     root: str = "runs"
@@ -192,7 +70,7 @@ def new_trial() -> str:
 _LIMITS = Limits()  # the defaults: one source, validation.Limits
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(Strict):
     """Bounds that keep the actor's memory finite; past them a batch is rejected."""
 
     max_pending_steps: int = Field(64, ge=1)
@@ -230,7 +108,7 @@ class LimitsConfig(_Strict):
         )
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     """How merged records become exported keys and numbers."""
 
     mean_suffix: str = Field("mean", description="'mean' (siiRL/verl) or 'avg' (AReaL)")
@@ -266,7 +144,7 @@ class OutputConfig(_Strict):
         )
 
 
-class ServiceConfig(_Strict):
+class ServiceConfig(Strict):
     """Everything the MetricWorker actor needs; the driver passes it at start."""
 
     name: str = DEFAULT_NAME
@@ -399,3 +277,11 @@ def load_config(source: ConfigSource = None, **overrides: Any) -> ServiceConfig:
             f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors()
         )
         raise ValueError(f"{origin}: invalid config: {problems}") from None
+
+
+__all__ = [  # the sinks' models live with their sinks; here for one import of every model
+    "ConfigSource", "ConsoleSinkConfig", "CustomSinkConfig", "DeliveryConfig",
+    "JsonlSinkConfig", "LimitsConfig", "MlflowSinkConfig", "OutputConfig", "RunConfig",
+    "ServiceConfig", "SinksConfig", "SwanlabSinkConfig", "TensorboardSinkConfig",
+    "WandbSinkConfig", "load_config", "new_trial", "presets", "resolve_config_path",
+]

@@ -22,8 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from metricsvc.config import JsonlSinkConfig, SinksConfig
 from metricsvc.files import LineFile
+from metricsvc.sinks.jsonl import JsonlSinkConfig
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class JsonlSink:
 DEFAULT_JOURNAL = JsonlSinkConfig().filename  # "metrics.jsonl"
 
 
-def journal_file(run_dir: str | os.PathLike[str], sinks: SinksConfig | None = None) -> Path | None:
+def journal_file(run_dir: str | os.PathLike[str], sinks: Any = None) -> Path | None:
     """Return the journal of the run in ``run_dir`` under ``sinks`` (None: the default
     config), or None where the journal is turned off."""
     jsonl = JsonlSinkConfig() if sinks is None else sinks.jsonl
@@ -128,6 +128,8 @@ def run_journal(run_dir: Path) -> Path | None:
     (the default name where the folder has none)."""
     import yaml
 
+    from metricsvc.config import SinksConfig
+
     sinks = None
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
@@ -140,7 +142,7 @@ def run_journal(run_dir: Path) -> Path | None:
 class Journal:
     """A run's journal, owned by the worker: its file, its writer and its reading."""
 
-    def __init__(self, run_dir: Path, sinks: SinksConfig) -> None:
+    def __init__(self, run_dir: Path, sinks: Any) -> None:
         self.path = journal_file(run_dir, sinks)
         # The writer the dispatcher serves with the other sinks (retries, dead letters);
         # the worker asks it, not a sink looked up by name, how far the log is durable.

@@ -20,7 +20,7 @@ def cli(*args, timeout=240):
 @pytest.fixture(scope="module")
 def journal(tmp_path_factory):
     """A small journal with a partial step, written as the service writes it."""
-    from metricsvc.sinks.jsonl import JsonlSink
+    from metricsvc.journal import JsonlSink
 
     run = tmp_path_factory.mktemp("run")
     sink = JsonlSink()
@@ -124,7 +124,7 @@ def test_validate_config_errors_are_one_line_with_exit_2(tmp_path):
 def test_report_reads_the_newest_journal_by_time_and_says_which(tmp_path):
     import os
 
-    from metricsvc.sinks.jsonl import JsonlSink
+    from metricsvc.journal import JsonlSink
 
     for trial, value, age in (("b-older", 1.0, 100), ("a-newer", 2.0, 0)):
         (tmp_path / trial).mkdir()
@@ -140,7 +140,7 @@ def test_report_reads_the_newest_journal_by_time_and_says_which(tmp_path):
 
 
 def test_plot_lays_many_keys_out_in_a_readable_grid(tmp_path):
-    from metricsvc.sinks.jsonl import JsonlSink
+    from metricsvc.journal import JsonlSink
 
     sink = JsonlSink()
     sink.open(tmp_path)
@@ -174,7 +174,7 @@ def test_report_last_takes_a_positive_count_in_one_line(journal, last):
 
 def test_report_into_a_pipe_that_closes_early_ends_quietly(tmp_path):
     """`metricsvc report RUN | head`: more output than a pipe holds, a reader that leaves."""
-    from metricsvc.sinks.jsonl import JsonlSink
+    from metricsvc.journal import JsonlSink
 
     sink = JsonlSink()
     sink.open(tmp_path)
@@ -255,7 +255,7 @@ def test_report_finds_a_journal_under_its_configured_file_name(tmp_path):
     import yaml
 
     from metricsvc.config import JsonlSinkConfig
-    from metricsvc.sinks.jsonl import JsonlSink
+    from metricsvc.journal import JsonlSink
 
     run = tmp_path / "exp" / "trial"
     run.mkdir(parents=True)

@@ -20,6 +20,7 @@ CLIENT_IMPORTS = {
     "metricsvc.client.metrics.moe", "metricsvc.client.metrics.timing",
     "metricsvc.client.metrics.validation", "metricsvc.client.rpc", "metricsvc.client.siirl",
     "metricsvc.client.device", "metricsvc.client.host", "metricsvc.client.tensors",
+    "metricsvc.client.sender",
     "metricsvc.client.stream",
     "metricsvc.client.summarize", "metricsvc.client.tracker", "metricsvc.declare",
     "metricsvc.errors",
@@ -197,12 +198,14 @@ LAYERS = [
     # 1: the record's meaning and its wire form: what client and service share
     {"metricsvc.reduce", "metricsvc.formula", "metricsvc.declare", "metricsvc.derive",
      "metricsvc.run_declarations", "metricsvc.validation", "metricsvc.wire",
-     "metricsvc.protocol"},
+     "metricsvc.protocol", "metricsvc.model"},
     # 2: the client, and the service's merge (no Ray in the merge)
-    {"metricsvc.client*", "metricsvc.config", "metricsvc.step", "metricsvc.ranks",
+    {"metricsvc.client*", "metricsvc.step", "metricsvc.ranks",
      "metricsvc.published", "metricsvc.output", "metricsvc.aggregator"},
-    # 3: what the actor writes to, and the run's folder and results
-    {"metricsvc.sinks*", "metricsvc.journal", "metricsvc.run_folder", "metricsvc.results"},
+    # 3: what the actor writes to (each sink's registration makes its config section),
+    # the config, the run's folder and results
+    {"metricsvc.sinks*", "metricsvc.config", "metricsvc.journal", "metricsvc.run_folder",
+     "metricsvc.results"},
     # 4: the actors
     {"metricsvc.worker", "metricsvc.combiner"},
     # 5: drivers and the command line

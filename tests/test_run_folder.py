@@ -17,8 +17,7 @@ import ray
 import metricsvc
 from metricsvc.cli import main as cli_main
 from metricsvc.client import MetricClient, ServiceUnavailable
-from metricsvc.journal import read_journal
-from metricsvc.sinks.jsonl import JsonlSink
+from metricsvc.journal import JsonlSink, read_journal
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,7 +141,7 @@ def test_a_transient_write_failure_never_duplicates_a_line_or_tears_the_dead_let
         from pathlib import Path
         from metricsvc.config import DeliveryConfig
         from metricsvc.sinks.dispatch import SinkDispatcher
-        from metricsvc.sinks.jsonl import JsonlSink
+        from metricsvc.journal import JsonlSink
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail (EFBIG)
         run = Path({str(tmp_path)!r})
         d = SinkDispatcher([JsonlSink()], run, DeliveryConfig(retries=2, backoff_s=0.05))

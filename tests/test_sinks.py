@@ -7,10 +7,9 @@ import math
 import pytest
 
 from metricsvc.config import ConsoleSinkConfig, DeliveryConfig, JsonlSinkConfig, SinksConfig
-from metricsvc.journal import read_journal
+from metricsvc.journal import JsonlSink, read_journal
 from metricsvc.sinks import Sink, SinkDispatcher, SinkRegistry, build_sinks, default_registry
 from metricsvc.sinks.console import ConsoleSink
-from metricsvc.sinks.jsonl import JsonlSink
 
 
 def test_builtin_sinks_satisfy_the_protocol_and_build_from_config():
@@ -114,3 +113,20 @@ def test_the_console_shows_steps_per_minute_and_an_eta():
     assert sink.pace(0, now=0.0) == ""  # nothing to measure yet
     assert sink.pace(10, now=60.0) == " | 10 steps/min | ETA 0:08:54"
     assert sink.pace(99, now=600.0) == " | 9.9 steps/min"  # the last step: no ETA
+
+
+def test_each_built_in_sinks_registration_makes_its_config_section():
+    """A built-in sink is its module: its BUILTIN names its config model (defined there),
+    default, class and library; the config's sinks section, the registry and the
+    missing-library check are made from these (adding a sink touches one module)."""
+    from metricsvc.sinks.base import builtins
+
+    specs = builtins()
+    assert list(specs) == ["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]
+    assert list(SinksConfig.model_fields) == [*specs, "custom", "delivery"]
+    for name, spec in specs.items():
+        assert spec.config.__module__ == f"metricsvc.sinks.{name}", name
+        assert SinksConfig.model_fields[name].default == spec.default
+        assert name in default_registry(with_entry_points=False)
+    assert [s.extra for s in specs.values() if s.library] == [
+        "tensorboard", "wandb", "swanlab", "mlflow"]

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import pkgutil
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from pydantic import Field, create_model, field_validator
+
+from metricsvc.model import Strict, plain
+from metricsvc.sinks.spec import Builtin
 
 ENTRY_POINT_GROUP = "metricsvc.sinks"
 
@@ -106,20 +113,12 @@ def _builtin(module: str, cls: str) -> SinkFactory:
     return lambda config: getattr(importlib.import_module(module), cls)(config)
 
 
-# The library each optional built-in sink writes with, and the extra that installs it.
-LIBRARIES = {
-    "tensorboard": ("tensorboardX", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "swanlab": ("swanlab", "swanlab"),
-    "mlflow": ("mlflow", "mlflow"),
-}
-
-
 def missing_libraries(sinks_config: Any) -> list[str]:
     """Return one sentence per enabled sink whose library is not installed here."""
     out = []
     for name, _ in sinks_config.enabled():
-        module, extra = LIBRARIES.get(name, (None, None))
+        spec = builtins()[name]
+        module, extra = spec.library, spec.extra
         if module is not None and importlib.util.find_spec(module) is None:
             out.append(f"sinks.{name} needs {module}, which is not installed: "
                        f"pip install 'metricsvc[{extra}]' (or turn it off: sinks.{name}: null)")
@@ -136,15 +135,9 @@ def check_libraries(sinks_config: Any) -> None:
 def default_registry(with_entry_points: bool = True) -> SinkRegistry:
     """Return a registry of the built-in sinks (and installed entry points)."""
     registry = SinkRegistry()
-    for name, cls in (
-        ("console", "ConsoleSink"),
-        ("jsonl", "JsonlSink"),
-        ("tensorboard", "TensorboardSink"),
-        ("wandb", "WandbSink"),
-        ("swanlab", "SwanlabSink"),
-        ("mlflow", "MlflowSink"),
-    ):
-        registry.register(name, _builtin(f"metricsvc.sinks.{name}", cls))
+    for name, spec in builtins().items():
+        module, _, cls = spec.factory.partition(":")
+        registry.register(name, _builtin(module, cls))
     if with_entry_points:
         registry.load_entry_points()
     return registry
@@ -167,3 +160,70 @@ def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None, *,
             sink.name = custom.name
         out.append(sink)
     return out
+
+
+# -- the config section every built-in sink's registration makes -------------------------
+_NOT_SINKS = frozenset({"base", "spec", "dispatch", "names", "state", "logfiles"})
+
+
+@functools.cache
+def builtins() -> dict[str, Builtin]:
+    """Every built-in sink, by name, in its order: each module of ``metricsvc.sinks`` that
+    is a sink declares ``BUILTIN`` (adding a sink is adding its module)."""
+    import metricsvc.sinks as package
+
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name not in _NOT_SINKS:
+            spec = importlib.import_module(f"metricsvc.sinks.{info.name}").BUILTIN
+            found.append(spec)
+    return {spec.name: spec for spec in sorted(found, key=lambda s: s.order)}
+
+
+class CustomSinkConfig(Strict):
+    """A third-party sink: ``pkg.module:Class`` or a ``metricsvc.sinks`` entry-point name."""
+
+    target: str
+    name: str | None = Field(None, description="the name used in health and dead letters")
+    options: dict[str, Any] = Field(default_factory=dict, description="passed to the factory")
+
+
+class DeliveryConfig(Strict):
+    """How failing sinks are retried before their steps go to the dead-letter file."""
+
+    retries: int = Field(3, ge=0)
+    backoff_s: float = Field(0.2, ge=0)
+    max_backoff_s: float = Field(5.0, ge=0)
+    queue_size: int = Field(10_000, ge=1, description="steps waiting per sink")
+    dead_letter: str = "dead_letter.jsonl"
+    close_timeout_s: float = Field(
+        30.0, gt=0, description="at close, steps a sink has not taken by then are dead-lettered"
+    )
+
+    _dead_letter = field_validator("dead_letter")(
+        classmethod(lambda cls, v: plain(v, "dead_letter"))
+    )
+
+
+class _Sinks(Strict):
+    """Which sinks receive finished steps; ``null`` (or ``enabled: false``) turns one off."""
+
+    def enabled(self) -> list[tuple[str, Any]]:
+        """Return ``(name, config)`` of every enabled built-in sink, in their order."""
+        out = []
+        for name in builtins():
+            cfg = getattr(self, name)
+            if cfg is not None and cfg.enabled:
+                out.append((name, cfg))
+        return out
+
+
+def sinks_model() -> type[Strict]:
+    """The ``sinks:`` config section: a field per built-in sink (its registration's model
+    and default), then ``custom`` and ``delivery``."""
+    fields: dict[str, Any] = {name: (spec.config | None, spec.default)
+                              for name, spec in builtins().items()}
+    fields["custom"] = (tuple[CustomSinkConfig, ...], ())
+    fields["delivery"] = (DeliveryConfig, DeliveryConfig())
+    return create_model("SinksConfig", __base__=_Sinks, __module__="metricsvc.config",
+                        **fields)

@@ -9,7 +9,21 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any, TextIO
 
-from metricsvc.config import ConsoleSinkConfig
+from pydantic import Field
+
+from metricsvc.model import Strict
+from metricsvc.sinks.spec import Builtin
+
+
+class ConsoleSinkConfig(Strict):
+    """Aligned table of each finished step, printed by the actor."""
+
+    enabled: bool = True
+    every: int = Field(1, ge=1, description="print every N-th finished step")
+    max_rows: int = Field(200, ge=1, description="rows shown per step before eliding")
+    total_steps: int | None = Field(
+        None, ge=1, description="the run's last step + 1: the header shows an ETA"
+    )
 
 
 def format_step(
@@ -80,3 +94,7 @@ class ConsoleSink:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+BUILTIN = Builtin(
+    'console', 0, ConsoleSinkConfig, ConsoleSinkConfig(), 'metricsvc.sinks.console:ConsoleSink')

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import logging
 import queue
 import threading
@@ -27,37 +26,15 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from metricsvc.config import DeliveryConfig
-from metricsvc.files import LineFile
 from metricsvc.redaction import Redactor
-from metricsvc.sinks.base import Sink
+from metricsvc.sinks.base import DeliveryConfig, Sink
 from metricsvc.sinks.names import public_metrics
-from metricsvc.sinks.state import SinkState, Watermark
+from metricsvc.sinks.state import DeadLetter, SinkState, Watermark
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
 _COMMIT_EVERY = 32  # writes between commits while a queue stays busy (one when it drains)
-
-
-class DeadLetter:
-    """Append-only JSONL of steps a sink could not take; shared by every sink worker.
-
-    A line is written whole or not at all (``LineFile``): a disk error leaves no torn line.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._file: LineFile | None = None
-
-    def write(self, sink: str, step: int | None, payload: dict[str, Any], error: str) -> None:
-        line = {"sink": sink, "step": step, **payload, "error": error, "time": time.time()}
-        text = json.dumps(line, default=str) + "\n"
-        with self._lock:
-            if self._file is None:
-                self._file = LineFile(self.path)
-            self._file.append(text.encode("utf-8"))
 
 
 def _left(deadline: float | None) -> float | None:

@@ -13,9 +13,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from metricsvc.config import MlflowSinkConfig
+from pydantic import Field
+
+from metricsvc.model import Strict
 from metricsvc.sinks.names import tagged
+from metricsvc.sinks.spec import Builtin
 from metricsvc.sinks.state import SinkState
+
+
+class MlflowSinkConfig(Strict):
+    """MLflow (``pip install metricsvc[mlflow]``); a local file store by default."""
+
+    enabled: bool = True
+    tracking_uri: str | None = Field(None, description="default: <run folder>/mlruns")
+    experiment_name: str | None = Field(None, description="default: the run's experiment")
+    run_name: str | None = Field(None, description="default: the run's trial")
 
 
 class MlflowSink:
@@ -75,3 +87,8 @@ class MlflowSink:
         if self.client is not None and self.run_id is not None:
             self.client.set_terminated(self.run_id)
             self.run_id = None
+
+
+BUILTIN = Builtin(
+    'mlflow', 5, MlflowSinkConfig, None, 'metricsvc.sinks.mlflow:MlflowSink',
+    library='mlflow', extra='mlflow')

@@ -1,4 +1,5 @@
-"""What a sink keeps in the run folder so that a restarted service continues it.
+"""What a sink keeps in the run folder: its state, so that a restarted service continues
+it, and the dead letters of the steps it could not take.
 
 One small JSON file per sink, ``<run folder>/sinks/<name>.json``, replaced atomically:
 the dispatcher keeps the sink's watermark there (``durable_through``: the newest step
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from metricsvc.files import write_atomic
+from metricsvc.files import LineFile, write_atomic
 from metricsvc.keys import safe_file_name
 
 
@@ -105,3 +108,23 @@ class Watermark:
         except OSError as err:
             log.error("sink %s: its watermark could not be saved: %s", self.name,
                       self.redact(str(err)))
+
+
+class DeadLetter:
+    """Append-only JSONL of steps a sink could not take; shared by every sink worker.
+
+    A line is written whole or not at all (``LineFile``): a disk error leaves no torn line.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._file: LineFile | None = None
+
+    def write(self, sink: str, step: int | None, payload: dict[str, Any], error: str) -> None:
+        line = {"sink": sink, "step": step, **payload, "error": error, "time": time.time()}
+        text = json.dumps(line, default=str) + "\n"
+        with self._lock:
+            if self._file is None:
+                self._file = LineFile(self.path)
+            self._file.append(text.encode("utf-8"))

@@ -16,12 +16,25 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from metricsvc.config import SwanlabSinkConfig
+from pydantic import Field
+
+from metricsvc.model import Strict
 from metricsvc.sinks.logfiles import LevelDBLogTail
 from metricsvc.sinks.names import safe_tag, tagged
+from metricsvc.sinks.spec import Builtin
 from metricsvc.sinks.state import SinkState
+
+
+class SwanlabSinkConfig(Strict):
+    """SwanLab; offline by default (no network). The API key comes from SWANLAB_API_KEY."""
+
+    enabled: bool = True
+    mode: Literal["cloud", "local", "offline", "disabled"] = "offline"
+    project: str = "metricsvc"
+    experiment_name: str | None = Field(None, description="default: <experiment>/<trial>")
+    logdir: str | None = Field(None, description="default: <run folder>/swanlab")
 
 _MODES = {"cloud": "online", "local": "local", "offline": "offline", "disabled": "disabled"}
 
@@ -161,3 +174,8 @@ def _quiet_settings(mode: str, logdir: Path) -> Any:
         )
     except Exception:  # older or newer swanlab: its defaults are fine, only noisier
         return None
+
+
+BUILTIN = Builtin(
+    'swanlab', 4, SwanlabSinkConfig, None, 'metricsvc.sinks.swanlab:SwanlabSink',
+    library='swanlab', extra='swanlab')

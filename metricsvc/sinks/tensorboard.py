@@ -15,9 +15,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from metricsvc.config import TensorboardSinkConfig
+from pydantic import Field, field_validator
+
+from metricsvc.model import Strict, plain
 from metricsvc.sinks.logfiles import tfrecords
 from metricsvc.sinks.names import safe_tag, tagged
+from metricsvc.sinks.spec import Builtin
+
+
+class TensorboardSinkConfig(Strict):
+    """tensorboardX event files under ``<run folder>/<subdir>``."""
+
+    enabled: bool = True
+    subdir: str = "tensorboard"
+    flush_secs: float = Field(2.0, gt=0, description="background flush interval")
+    flush_every_step: bool = True
+
+    _subdir = field_validator("subdir")(classmethod(lambda cls, v: plain(v, "subdir")))
 
 
 def _histogram(tag: str, hist: Mapping[str, Any]) -> Any:
@@ -115,3 +129,8 @@ class TensorboardSink:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+BUILTIN = Builtin(
+    'tensorboard', 2, TensorboardSinkConfig, None, 'metricsvc.sinks.tensorboard:TensorboardSink',
+    library='tensorboardX', extra='tensorboard')

@@ -19,11 +19,36 @@ import json
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from metricsvc.config import WandbSinkConfig
+from pydantic import Field
+
+from metricsvc.model import Strict
 from metricsvc.sinks.logfiles import LevelDBLogTail
+from metricsvc.sinks.spec import Builtin
 from metricsvc.sinks.state import SinkState
+
+
+class WandbSinkConfig(Strict):
+    """Weights & Biases; offline by default (no network). The API key comes from WANDB_API_KEY."""
+
+    enabled: bool = True
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    project: str = "metricsvc"
+    entity: str | None = None
+    name: str | None = Field(None, description="default: <experiment>/<trial>")
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    notes: str | None = None
+    dir: str | None = Field(None, description="default: the run folder")
+    id: str | None = Field(None, description="default: a new id, kept in the run folder so "
+                                           "a restarted service continues the same run")
+    resume: Literal["allow", "must", "never", "auto"] | None = None
+    flush_interval_s: float = Field(
+        1.0, gt=0, description="how often wandb writes its transaction log (run-<id>.wandb); "
+                               "a killed actor loses at most this much there, and the restart "
+                               "replays it from the journal"
+    )
 
 _IDENT = b":W&B"
 
@@ -137,3 +162,8 @@ class WandbSink:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+BUILTIN = Builtin(
+    'wandb', 3, WandbSinkConfig, None, 'metricsvc.sinks.wandb:WandbSink',
+    library='wandb', extra='wandb')
