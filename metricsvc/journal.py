@@ -18,11 +18,13 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from metricsvc.files import LineFile
+from metricsvc.output import StepResult
 from metricsvc.sinks.jsonl import JsonlSinkConfig
 
 log = logging.getLogger(__name__)
@@ -161,6 +163,40 @@ class Journal:
     def meta(self, step: int) -> dict[str, Any] | None:
         """Return the journaled meta of ``step`` (None: not journaled, or no journal)."""
         return None if self.index is None else self.index.meta(step)
+
+    def restore(self, aggregator: Any,
+                results: Any) -> tuple[int, Callable[[], Iterator[dict[str, Any]]] | None]:
+        """After a restart, continue ``aggregator`` from the journal's latest segment
+        (finished steps, running totals, the recent steps' digests), one record at a time,
+        and give ``results`` the last steps it keeps. Return how many steps were read and
+        how the sinks read the journal again for their replay (None: no journal)."""
+        if self.path is None or not self.path.exists():
+            return 0, None
+        recent: deque[dict[str, Any]] = deque(maxlen=results.keep)
+        count = 0
+
+        def kept(records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+            nonlocal count
+            for record in records:
+                recent.append(record)
+                count += 1
+                yield record
+
+        aggregator.restore(kept(self.stream()))
+        for record in recent:
+            results.put(StepResult(int(record["step"]), record["metrics"], record["meta"]))
+        if count:
+            log.warning("restarted: %d finished steps reloaded from %s (last step %s)",
+                        count, self.path, aggregator.last_emitted)
+        path = self.path
+        return count, lambda: iter_journal(path)
+
+    def totals_at(self, step: int) -> dict[str, Any] | None:
+        """The running totals journaled with ``step`` (None: not journaled)."""
+        if step < 0 or not self.holds_steps():
+            return None
+        record = next((r for r in iter_journal(self.path) if r["step"] == step), None)
+        return None if record is None else record["meta"].get("derived_totals")
 
     def health(self) -> dict[str, Any]:
         """The journal's own record: where it is and what reading it skipped."""

@@ -16,8 +16,8 @@ import os
 import time
 import uuid
 import warnings
-from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -30,7 +30,7 @@ from metricsvc.config import (
     load_config,
 )
 from metricsvc.files import write_atomic
-from metricsvc.journal import Journal, iter_journal
+from metricsvc.journal import Journal
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
 from metricsvc.resend import is_stale
@@ -85,8 +85,10 @@ class MetricWorkerImpl:
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
         self.job = ray.get_runtime_context().get_job_id()  # the job whose run this is
         self.aggregator.journaled_meta = self.journal.meta  # an old step's batches: checked
-        self.restored_steps = 0
-        journal = self._restore() if continuing else None
+        # After a restart: finished steps, running totals and recent digests, streamed from
+        # the journal (what stays is bounded, whatever its length)
+        self.restored_steps, journal = (
+            self.journal.restore(self.aggregator, self.results) if continuing else (0, None))
         self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None
         # Continuing a run, each sink continues its backend run and is given the journaled
         # steps past its watermark: what users look at survives the restart too.
@@ -94,36 +96,11 @@ class MetricWorkerImpl:
         self.sinks = SinkDispatcher(build_sinks(cfg.sinks, check=True, built=writer),
                                     self.run_dir, cfg.sinks.delivery, self.redactor,
                                     replay=journal)
-        self._ticker: asyncio.Task[None] | None = None
+        self.timer = StragglerTimer(cfg.straggler_timeout_s, self.aggregator.expire,
+                                    self._publish)
         self._started = time.time()
         self.calls: Counter[str] = Counter()
-        self.timer_errors = 0
         self._closed = False
-
-    def _restore(self) -> Callable[[], Iterator[dict[str, Any]]] | None:
-        """After a restart, continue from the journal: finished steps, cumulative totals.
-        The journal is streamed: what stays is the last ``keep_results`` steps, the running
-        totals and the recent steps' digests, whatever its length. Returns how the sinks
-        read it again for their replay (None: no journal)."""
-        path = self.journal.path
-        if path is None or not path.exists():
-            return None
-        recent: deque[dict[str, Any]] = deque(maxlen=self.config.limits.keep_results)
-
-        def kept(records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-            for record in records:
-                recent.append(record)
-                self.restored_steps += 1
-                yield record
-
-        self.aggregator.restore(kept(self.journal.stream()))
-        for record in recent:
-            step = int(record["step"])
-            self.results.put(StepResult(step, record["metrics"], record["meta"]))
-        if self.restored_steps:
-            log.warning("restarted: %d finished steps reloaded from %s (last step %s)",
-                        self.restored_steps, path, self.aggregator.last_emitted)
-        return lambda: iter_journal(path)
 
     def _durable_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""
@@ -285,7 +262,7 @@ class MetricWorkerImpl:
             "journal": journal["path"],
             **self.aggregator.health(),  # each component reports its own
             "durable_through": self._durable_through(),
-            "timer_errors": self.timer_errors,
+            "timer_errors": self.timer.errors,
             "failing_sinks": sorted(name for name, h in sinks.items() if h["failing"]),
             "calls": dict(self.calls),
             "sinks": sinks,
@@ -306,8 +283,7 @@ class MetricWorkerImpl:
         harmless. Returns ``health()``."""
         if not self._closed:
             self._closed = True
-            if self._ticker is not None:
-                self._ticker.cancel()
+            self.timer.stop()
             await asyncio.get_running_loop().run_in_executor(None, self.sinks.close)
             if self._owner_fd is not None:
                 os.close(self._owner_fd)  # the folder may have a new owner now
@@ -326,14 +302,9 @@ class MetricWorkerImpl:
         if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < -1:
             raise ValueError(f"rewind(to_step=...) takes a step >= -1 (-1: before step 0), "
                              f"got {to_step!r}")
-        totals = None
         kept = self.results.get(to_step)
-        if kept is not None:
-            totals = kept.meta.get("derived_totals")
-        elif to_step >= 0 and self.journal.holds_steps():
-            record = next((r for r in iter_journal(self.journal.path)
-                           if r["step"] == to_step), None)
-            totals = None if record is None else record["meta"].get("derived_totals")
+        totals = (kept.meta.get("derived_totals") if kept is not None
+                  else self.journal.totals_at(to_step))
         superseded = self.aggregator.rewind(to_step, totals)
         self.results.forget_after(to_step)
         if self._reloaded_through is not None:
@@ -362,23 +333,42 @@ class MetricWorkerImpl:
         await self.results.notify()
 
     def _ensure_ticker(self) -> None:
-        if self._ticker is None and self.config.straggler_timeout_s is not None:
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        if self.config.straggler_timeout_s is not None:
+            self.timer.start()
 
-    async def _tick(self) -> None:
-        period = min(1.0, self.config.straggler_timeout_s / 4)  # type: ignore[operator]
+
+class StragglerTimer:
+    """Finishes, as partial, the steps whose straggler timeout has passed: a task on the
+    actor's event loop, started by the first call that may open a step."""
+
+    def __init__(self, timeout_s: float | None, expire: Callable[[], list[StepResult]],
+                 publish: Callable[[list[StepResult]], Any]) -> None:
+        self.period = None if timeout_s is None else min(1.0, timeout_s / 4)
+        self.expire, self.publish = expire, publish
+        self.errors = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None and self.period is not None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(self.period)  # type: ignore[arg-type]
             try:
-                finished = self.aggregator.expire()
+                finished = self.expire()
+                for r in finished:
+                    if r.meta["partial"]:
+                        log.warning("step %d finished partial: missing ranks %s",
+                                    r.step, r.meta["missing_ranks"])
                 if finished:
-                    for r in finished:
-                        if r.meta["partial"]:
-                            log.warning("step %d finished partial: missing ranks %s",
-                                        r.step, r.meta["missing_ranks"])
-                    await self._publish(finished)
+                    await self.publish(finished)
             except Exception:  # the straggler timer must outlive any one bad step
-                self.timer_errors += 1
+                self.errors += 1
                 log.exception("straggler timer: finishing timed-out steps failed")
 
 
