@@ -98,3 +98,31 @@ class Results:
             f"step {step} not final after {timeout_s} s: "
             f"ranks {missing} have not closed it (wait_submit)"
         )
+
+
+class ReaderMethods:
+    """The MetricWorker's calls for readers, over its ``results`` (mixed into the actor)."""
+
+    results: Results
+
+    async def wait_final_res(
+        self, step: int | None = None, timeout_s: float | None = None
+    ) -> dict[str, float]:
+        """Return the merged metrics of ``step`` once it is final.
+
+        ``step=None`` means the newest step any rank has closed (waiting for one
+        if none has). Raises ``StepNotFinal`` (a TimeoutError) after ``timeout_s``.
+        """
+        return (await self.results.wait(step, timeout_s)).metrics
+
+    async def wait_final(self, step: int | None = None, timeout_s: float | None = None) -> dict:
+        """Like ``wait_final_res`` but return ``{"step", "metrics", "meta"}``."""
+        result = await self.results.wait(step, timeout_s)
+        return {"step": result.step, "metrics": result.metrics, "meta": result.meta}
+
+    def get_result(self, step: int) -> dict | None:
+        """Return ``{"step", "metrics", "meta"}`` of a finished step, or None; never waits."""
+        result = self.results.get(step)
+        if result is None:
+            return None
+        return {"step": step, "metrics": result.metrics, "meta": result.meta}

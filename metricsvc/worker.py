@@ -34,11 +34,12 @@ from metricsvc.journal import Journal
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
 from metricsvc.resend import is_stale
-from metricsvc.results import Results
+from metricsvc.results import ReaderMethods, Results
 from metricsvc.run_folder import (
     claim_run_dir,
     hold_run_dir,
 )
+from metricsvc.siirl import SiirlActorMethods
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.validation import BatchRejected
 
@@ -54,7 +55,7 @@ def _restarted_by_ray() -> bool:
         return False
 
 
-class MetricWorkerImpl:
+class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
     """Actor body; use ``MetricWorker`` (the Ray actor class) or ``start_metric_worker``."""
 
     def __init__(self, config: ConfigSource = None) -> None:
@@ -147,15 +148,8 @@ class MetricWorkerImpl:
         if outcome.status == "late":
             log.warning("late batch: step %d from rank %d arrived after the step was published",
                         batch.step, batch.rank)
-            self.sinks.event(
-                {
-                    "type": "late_batch",
-                    "step": batch.step,
-                    "rank": batch.rank,
-                    "seq": batch.seq,
-                    "keys": len(batch.keys),
-                }
-            )
+            self.sinks.event({"type": "late_batch", "step": batch.step, "rank": batch.rank,
+                              "seq": batch.seq, "keys": len(batch.keys)})
         if outcome.finished:
             await self._publish(outcome.finished)
         elif self.aggregator.newest_closed != newest:
@@ -211,38 +205,6 @@ class MetricWorkerImpl:
         if finished:
             await self._publish(finished)
         return metrics
-
-    # -- readers -----------------------------------------------------------------------
-    async def wait_final_res(
-        self, step: int | None = None, timeout_s: float | None = None
-    ) -> dict[str, float]:
-        """Return the merged metrics of ``step`` once it is final.
-
-        ``step=None`` means the newest step any rank has closed (waiting for one
-        if none has). Raises ``StepNotFinal`` (a TimeoutError) after ``timeout_s``.
-        """
-        return (await self.results.wait(step, timeout_s)).metrics
-
-    async def wait_final(self, step: int | None = None, timeout_s: float | None = None) -> dict:
-        """Like ``wait_final_res`` but return ``{"step", "metrics", "meta"}``."""
-        result = await self.results.wait(step, timeout_s)
-        return {"step": result.step, "metrics": result.metrics, "meta": result.meta}
-
-    def get_result(self, step: int) -> dict | None:
-        """Return ``{"step", "metrics", "meta"}`` of a finished step, or None; never waits."""
-        result = self.results.get(step)
-        if result is None:
-            return None
-        return {"step": step, "metrics": result.metrics, "meta": result.meta}
-
-    async def start(self) -> None:
-        """siiRL's ``MetricWorker.start()``: the service serves from its creation, so this
-        only answers (``ray.get(metric_worker.start.remote())`` works as in siiRL)."""
-
-    async def stop(self) -> None:
-        """siiRL's ``MetricWorker.stop()``: nothing to stop between steps here (siiRL's loop
-        restarts on the next ``wait_final_res``). The service keeps serving; end it with
-        ``metricsvc.stop_metric_worker`` (or ``close()``)."""
 
     def job_id(self) -> str:
         """Return the id of the Ray job that started this service (it dies with that job)."""
