@@ -20,7 +20,7 @@ CLIENT_IMPORTS = {
     "metricsvc.client.metrics.moe", "metricsvc.client.metrics.timing",
     "metricsvc.client.metrics.validation", "metricsvc.client.rpc", "metricsvc.client.siirl",
     "metricsvc.client.device", "metricsvc.client.host", "metricsvc.client.tensors",
-    "metricsvc.client.sender",
+    "metricsvc.client.sender", "metricsvc.client.cursor",
     "metricsvc.client.stream",
     "metricsvc.client.summarize", "metricsvc.client.tracker", "metricsvc.declare",
     "metricsvc.errors",

@@ -10,6 +10,7 @@ from typing import Any
 import ray
 
 from metricsvc.client.buffer import RecordBuffer
+from metricsvc.client.cursor import StepCursor
 from metricsvc.client.rpc import call
 from metricsvc.client.sender import Sender
 from metricsvc.client.siirl import SiirlMethods
@@ -23,8 +24,6 @@ from metricsvc.protocol import (
     ServiceNotice,
     ServiceUnavailable,
     SketchSpec,
-    StepAlreadyFinal,
-    StepMismatch,
     check_rank,
     combiner_name,
     default_namespace,
@@ -71,23 +70,18 @@ class MetricClient(SiirlMethods, Tracker):
                 "to each call, this one is one rank's (MetricClient(metric_worker, "
                 "rank=rank, world_size=world_size))")
         self.rank, self.world_size = check_rank(rank, world_size)
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
         self._worker = worker
         self._via = via
         self._name = name or DEFAULT_NAME
         self._namespace = namespace or default_namespace()
         super().__init__(RecordBuffer(sketch_spec, compile))  # the client is its own tracker
-        self.buffer.label = f"step {start_step}"
-        self.step = int(start_step)
-        self.last_closed: int | None = None
+        self.cursor = StepCursor(self.rank, start_step, self.buffer)
         self.retry_s = retry_s
         if max_unacked < 1:
             raise ValueError(f"max_unacked must be >= 1, got {max_unacked}")
         self.max_unacked = max_unacked
         self._seq = 0
         self._flushes = 0
-        self._step_known = True  # False after discard(): records go to the step named next
         self._unacked: Batch | None = None  # closed, not yet acked (kept across a timeout)
         self.sender = Sender(lambda payload, epoch, timeout_s: self._call(
             "submit", payload, epoch, timeout_s=timeout_s), f"rank {self.rank}", max_inflight)
@@ -261,9 +255,21 @@ class MetricClient(SiirlMethods, Tracker):
 
     def _closed(self, batch: Batch) -> None:
         self._unacked = None
-        self.last_closed = batch.step
-        self._step_known = True
-        self._open(batch.step + 1)
+        self.cursor.closed(batch.step)
+
+    def _name_step(self, step: int, caller: str = "wait_submit") -> None:
+        pending = self._unacked is not None or len(self.buffer) > 0
+        self.cursor.name(step, caller, pending)
+
+    @property
+    def step(self) -> int:
+        """The open step: what is recorded now belongs to it."""
+        return self.cursor.step
+
+    @property
+    def last_closed(self) -> int | None:
+        """The last step this rank closed (None before the first)."""
+        return self.cursor.last_closed
 
     def _joined_late(self, ack: dict[str, Any], batch: Batch) -> bool:
         """A first flush for a step the service has already moved past (not just the step
@@ -271,40 +277,6 @@ class MetricClient(SiirlMethods, Tracker):
         last_final = ack.get("last_final_step")
         return (ack["status"] == "late" and self._flushes == 1 and last_final is not None
                 and batch.step < last_final)
-
-    def _name_step(self, step: int, caller: str = "wait_submit") -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise TypeError(f"step must be an int >= 0, got {step!r}")
-        if step == self.step:
-            return
-        backwards = self.last_closed is not None and step <= self.last_closed
-        # Records belong to the client's open step; after a discard, to the step named next.
-        pending = self._step_known and (self._unacked is not None or len(self.buffer) > 0)
-        if backwards or pending:
-            origin = ("its start_step" if self.last_closed is None
-                      else f"the step after {self.last_closed}")
-            what = (f"already closed step {self.last_closed}: steps only go forward" if backwards
-                    else f"holds records of step {self.step} ({origin}), which was never closed "
-                         f"(an exception between recording and wait_submit? call discard() "
-                         f"after a failed step; or start the client with start_step={step})")
-            raise StepMismatch(f"rank {self.rank}: {caller}(step={step}), but this client "
-                               f"{what}; nothing was sent")
-        self._open(step)
-
-    def _open(self, step: int) -> None:
-        self.step = step
-        self.buffer.label = f"step {step}"
-
-    def _catch_up(self, ack: dict[str, Any], batch: Batch) -> None:
-        """A first flush for a step already final: the client joined late. Say so, loudly."""
-        open_step = (ack.get("last_final_step") or batch.step) + 1
-        self._open(max(self.step, open_step))
-        raise StepAlreadyFinal(
-            f"rank {self.rank}: step {batch.step} is already final (the service has published "
-            f"up to step {open_step - 1}); this batch was journaled as late, not merged. The "
-            f"open step is {open_step}: this client now records for it (start clients with "
-            f"start_step=..., or name steps with wait_submit(step=...))"
-        )
 
     def discard(self) -> int:
         """Drop what was recorded (and not yet sent) for the open step; return how many keys
@@ -319,11 +291,11 @@ class MetricClient(SiirlMethods, Tracker):
         with self.buffer.lock:
             dropped = self.buffer.discard()
             sent, self._unacked = self._unacked, None
-            self._step_known = False  # what comes next is for the step the caller names
+            self.cursor.known = False  # what comes next is for the step the caller names
         if sent is not None:
             self.sender.hand_over(sent, encode(sent))
             self._closed(sent)
-            self._step_known = False
+            self.cursor.known = False
             warnings.warn(ServiceNotice(
                 f"rank {self.rank}: discard() cannot withdraw step {sent.step}'s batch "
                 f"({len(sent.keys)} keys): wait_submit sent it before timing out, so it may "
@@ -340,7 +312,7 @@ class MetricClient(SiirlMethods, Tracker):
         if ack.get("notice"):
             warnings.warn(ServiceNotice(f"rank {self.rank}: {ack['notice']}"), stacklevel=3)
         if self._joined_late(ack, batch):
-            self._catch_up(ack, batch)
+            self.cursor.catch_up(ack, batch.step)
 
     @property
     def resent(self) -> int:
