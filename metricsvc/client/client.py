@@ -11,7 +11,7 @@ import ray
 
 from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.cursor import StepCursor
-from metricsvc.client.rpc import call
+from metricsvc.client.rpc import call, find_service
 from metricsvc.client.sender import Sender
 from metricsvc.client.siirl import SiirlMethods
 from metricsvc.client.stream import StreamRecorder
@@ -25,10 +25,8 @@ from metricsvc.protocol import (
     ServiceUnavailable,
     SketchSpec,
     check_rank,
-    combiner_name,
     default_namespace,
     encode,
-    is_refusal,
 )
 
 log = logging.getLogger(__name__)
@@ -87,14 +85,14 @@ class MetricClient(SiirlMethods, Tracker):
             "submit", payload, epoch, timeout_s=timeout_s), f"rank {self.rank}", max_inflight)
         self.rpc_count = 0  # actor calls to the service
         if via is not None and worker is None:
-            self._worker = self._find_worker()  # register with the combiner before step 0
+            self.connect()  # register with the combiner before step 0
 
     @property
     def worker(self) -> Any:
         """Where batches go: the combiner ``via`` names, this node's combiner (topology
         per_node) or the MetricWorker itself, looked up by name on first use."""
         if self._worker is None:
-            self._worker = self._find_worker()
+            self._worker = find_service(self._name, self._namespace, self._via, self.rank)
         return self._worker
 
     def connect(self) -> MetricClient:
@@ -104,32 +102,11 @@ class MetricClient(SiirlMethods, Tracker):
         _ = self.worker
         return self
 
-    def _find_worker(self) -> Any:
-        label = self._via
-        if label is None:
-            label = ray.get_runtime_context().get_node_id()
-        try:
-            combiner = ray.get_actor(combiner_name(self._name, label), namespace=self._namespace)
-        except ValueError:
-            if self._via is not None:
-                raise ValueError(f"no combiner {self._via!r} for service {self._name!r}; "
-                                 f"start it with metricsvc.start_combiner") from None
-            try:
-                return ray.get_actor(self._name, namespace=self._namespace)
-            except ValueError:  # not a bad batch (nothing to drop): no service to send to
-                raise ServiceUnavailable(
-                    f"no MetricWorker named {self._name!r} in namespace {self._namespace!r}: "
-                    f"start it with metricsvc.start_metric_worker (or it was stopped)"
-                ) from None
-        ray.get(combiner.register.remote(self.rank))
-        return combiner
-
     def stream(self, name: str, **kwargs: Any) -> StreamRecorder:
         """Return a recorder for stream ``name``: no step barrier; see ``StreamRecorder``."""
         return StreamRecorder(lambda: self.worker, name, sketch_spec=self.buffer.sketch_spec,
                               compile=self.buffer.compile, retry_s=self.retry_s, **kwargs)
 
-    # -- wandb / verl ------------------------------------------------------------------
     def log(self, metrics: Mapping[str, Any], step: int | None = None, *,
             commit: bool = True) -> None:
         """Record a plain dict for ``step`` and close it, as ``wandb.log(metrics, step=)``
@@ -144,14 +121,12 @@ class MetricClient(SiirlMethods, Tracker):
         if commit:
             self.flush()
 
-    # -- the service -------------------------------------------------------------------
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """One actor call, retried with backoff while the actor is down (up to ``retry_s``)."""
         self.rpc_count += 1
         return call(lambda: self.worker, method, *args, retry_s=self.retry_s,
                     timeout_s=timeout_s, label=f"MetricWorker {self._name!r}")
 
-    # -- flushing ------------------------------------------------------------------------
     def _close_step(self, step: int | None) -> Batch:
         """Take the open step's records as one final batch (the same one again after a
         timed-out ``wait_submit``)."""
@@ -193,23 +168,7 @@ class MetricClient(SiirlMethods, Tracker):
         """Take the sender's answers, oldest first; raise the first error among them (the
         rest wait for the next call). ``handed_over``: the step the calling ``flush`` /
         ``wait_submit`` closed before, which the error's note names."""
-        acks = []
-        while True:
-            answer = self.sender.next_answer()
-            if answer is None:
-                return acks
-            batch, ack, error = answer
-            if error is not None:
-                what = ("refused" if is_refusal(error) else
-                        "not delivered (kept for a restarted actor that lacks it)")
-                error.add_note(f"rank {self.rank}: the batch of step {batch.step}, sent by "
-                               f"flush(), was {what}")
-                if handed_over is not None:
-                    error.add_note(f"rank {self.rank}: step {handed_over} was handed over "
-                                   f"before this was raised: its records are not lost")
-                raise error
-            self._after_ack(ack, batch)
-            acks.append(ack)
+        return self.sender.read_answers(self._after_ack, handed_over)
 
     def wait_acks(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Wait until every ``flush`` is answered; return the acks not read yet, oldest
@@ -271,13 +230,6 @@ class MetricClient(SiirlMethods, Tracker):
         """The last step this rank closed (None before the first)."""
         return self.cursor.last_closed
 
-    def _joined_late(self, ack: dict[str, Any], batch: Batch) -> bool:
-        """A first flush for a step the service has already moved past (not just the step
-        that timed out without this rank): the client started at the wrong step."""
-        last_final = ack.get("last_final_step")
-        return (ack["status"] == "late" and self._flushes == 1 and last_final is not None
-                and batch.step < last_final)
-
     def discard(self) -> int:
         """Drop what was recorded (and not yet sent) for the open step; return how many keys
         were withdrawn.
@@ -305,13 +257,14 @@ class MetricClient(SiirlMethods, Tracker):
 
     def _after_ack(self, ack: dict[str, Any], batch: Batch) -> None:
         self._flushes += 1
-        if ack["status"] == "late" and not self._joined_late(ack, batch):
+        joined_late = self.cursor.joined_late(ack, batch.step, self._flushes)
+        if ack["status"] == "late" and not joined_late:
             warnings.warn(LateBatch(
                 f"rank {self.rank}: step {batch.step} was published without it (straggler "
                 f"timeout); this batch is journaled as late and not merged"), stacklevel=3)
         if ack.get("notice"):
             warnings.warn(ServiceNotice(f"rank {self.rank}: {ack['notice']}"), stacklevel=3)
-        if self._joined_late(ack, batch):
+        if joined_late:
             self.cursor.catch_up(ack, batch.step)
 
     @property
@@ -323,21 +276,3 @@ class MetricClient(SiirlMethods, Tracker):
     def in_flight(self) -> int:
         """Flushes not answered yet (queued for the sender or being delivered)."""
         return self.sender.in_flight
-
-    # -- reading -------------------------------------------------------------------------
-    def wait_final_res(self, step: int | None = None, timeout_s: float | None = None, *,
-                       timeout: float | None = None) -> dict:
-        """Return the merged metrics of ``step`` (default: the last step this rank closed).
-
-        Raises ``StepNotFinal`` (a TimeoutError) after ``timeout_s`` seconds (``timeout=``,
-        siiRL's spelling, is accepted too).
-        """
-        if timeout is not None:
-            if timeout_s is not None:
-                raise TypeError("give timeout_s or timeout, not both")
-            timeout_s = timeout
-        if step is None:
-            step = self.last_closed
-        # The actor enforces ``timeout_s``; the margin here only guards a lost actor.
-        return self._call("wait_final_res", step, timeout_s,
-                          timeout_s=None if timeout_s is None else timeout_s + 30)

@@ -55,6 +55,14 @@ class StepCursor:
                                f"{what}; nothing was sent")
         self.open(step)
 
+    def joined_late(self, ack: dict[str, Any], step: int, flushes: int) -> bool:
+        """A first flush (``flushes == 1``) for a step the service has already moved past
+        (not just the step that timed out without this rank): the client started at the
+        wrong step."""
+        last_final = ack.get("last_final_step")
+        return (ack["status"] == "late" and flushes == 1 and last_final is not None
+                and step < last_final)
+
     def catch_up(self, ack: dict[str, Any], step: int) -> None:
         """A first flush for a step already final: the client joined late. Move to the
         open step, and say so, loudly."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from metricsvc.protocol import ACTOR_ERRORS, ServiceUnavailable, backoff
+from metricsvc.protocol import ACTOR_ERRORS, ServiceUnavailable, backoff, combiner_name
 
 log = logging.getLogger(__name__)
 
@@ -62,3 +62,24 @@ def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
                     f"{label} ({method}): no answer within {timeout_s} s") from err
             log.warning("%s unreachable (%s), retrying in %.2f s", label, method, delay)
             time.sleep(delay)
+
+
+def find_service(name: str, namespace: str, via: str | None, rank: int) -> Any:
+    """Return where a rank's batches go: the combiner ``via`` names, else this node's
+    combiner (topology per_node; the rank registers with it), else the MetricWorker."""
+    label = via if via is not None else ray.get_runtime_context().get_node_id()
+    try:
+        combiner = ray.get_actor(combiner_name(name, label), namespace=namespace)
+    except ValueError:
+        if via is not None:
+            raise ValueError(f"no combiner {via!r} for service {name!r}; "
+                             f"start it with metricsvc.start_combiner") from None
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:  # not a bad batch (nothing to drop): no service to send to
+            raise ServiceUnavailable(
+                f"no MetricWorker named {name!r} in namespace {namespace!r}: "
+                f"start it with metricsvc.start_metric_worker (or it was stopped)"
+            ) from None
+    ray.get(combiner.register.remote(rank))
+    return combiner

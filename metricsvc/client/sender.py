@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from metricsvc.protocol import Batch, Outbox, Refused, deliver
+from metricsvc.protocol import Batch, Outbox, Refused, deliver, is_refusal
 
 # ``call(payload, epoch, timeout_s) -> ack``: one actor call carrying a batch's bytes
 Call = Callable[[bytes, "str | None", "float | None"], dict[str, Any]]
@@ -97,10 +97,28 @@ class Sender:
                 self._answers.append((batch, ack, error))
                 self._cv.notify_all()
 
-    def next_answer(self) -> Answer | None:
-        """Take the oldest answer not read yet, or None."""
-        with self._cv:
-            return self._answers.popleft() if self._answers else None
+    def read_answers(self, on_ack: Callable[[dict[str, Any], Batch], None],
+                     handed_over: int | None = None) -> list[dict[str, Any]]:
+        """Take the thread's answers, oldest first, giving each ack to ``on_ack``; raise the
+        first error among them (the rest wait for the next call), with notes naming its
+        step and ``handed_over``, the step the caller closed before (not lost)."""
+        acks = []
+        while True:
+            with self._cv:
+                if not self._answers:
+                    return acks
+                batch, ack, error = self._answers.popleft()
+            if error is not None:
+                what = ("refused" if is_refusal(error) else
+                        "not delivered (kept for a restarted actor that lacks it)")
+                error.add_note(f"{self.label}: the batch of step {batch.step}, sent by "
+                               f"flush(), was {what}")
+                if handed_over is not None:
+                    error.add_note(f"{self.label}: step {handed_over} was handed over "
+                                   f"before this was raised: its records are not lost")
+                raise error
+            on_ack(ack, batch)  # type: ignore[arg-type]
+            acks.append(ack)  # type: ignore[arg-type]
 
     def wait_until(self, in_flight_below: int, timeout_s: float | None) -> bool:
         """Wait until fewer than ``in_flight_below`` hand-overs are unanswered; False on a

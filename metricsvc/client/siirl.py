@@ -17,8 +17,9 @@ class SiirlMethods:
     """Mixed into ``MetricClient``: siiRL's calls, recording through the client's own
     ``buffer`` and closing through its ``wait_acks``."""
 
-    world_size: int  # the client's (MetricClient sets both, and wait_acks)
+    world_size: int  # the client's (MetricClient sets these, wait_acks and _call)
     buffer: Any
+    last_closed: int | None
 
     def submit_metric(self, metrics: Mapping[str, Any], world_size: int | None = None) -> None:
         """Record a plain dict, siiRL style: the reduction comes from each key's last segment.
@@ -95,6 +96,24 @@ class SiirlMethods:
                 f"(this client's world size), got {world_size}"
             )
         return 0 if world_size == self.world_size else world_size
+
+    def wait_final_res(self, step: int | None = None, timeout_s: float | None = None, *,
+                       timeout: float | None = None) -> dict:
+        """Return the merged metrics of ``step`` (default: the last step this rank closed).
+
+        Raises ``StepNotFinal`` (a TimeoutError) after ``timeout_s`` seconds (``timeout=``,
+        siiRL's spelling, is accepted too).
+        """
+        if timeout is not None:
+            if timeout_s is not None:
+                raise TypeError("give timeout_s or timeout, not both")
+            timeout_s = timeout
+        if step is None:
+            step = self.last_closed
+        # The actor enforces ``timeout_s``; the margin here only guards a lost actor.
+        return self._call("wait_final_res", step, timeout_s,
+                          timeout_s=None if timeout_s is None else timeout_s + 30)
+
 
 
 def _is_std_stats(value: Any) -> bool:
