@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from metricsvc.admission import Admission
 from metricsvc.declare import decode_derived
 from metricsvc.derive import Deriver
 from metricsvc.output import StepOutput, StepResult, TagOwners, internal_rows
@@ -70,8 +71,6 @@ class Aggregator:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.straggler_timeout_s = straggler_timeout_s
-        self.max_pending_steps = max_pending_steps
-        self.max_steps_ahead = max_steps_ahead
         # The run's world size: from config, else agreed by a majority of the size ranks
         # claim (no step can finish before), else from the journal after a restart.
         self.world = WorldSize(world_size)
@@ -79,8 +78,9 @@ class Aggregator:
         self.limits = limits or Limits()
         self.output = output or OutputRules()
         self.deriver = Deriver(self.limits.max_derived_outputs, self.limits.max_derived_reads)
-        self._costs: dict[bytes, tuple[int, int]] = {}  # declarations -> (outputs, reads)
         self.declarations = RunDeclarations()  # one definition of a derived metric a run
+        self.admission = Admission(self.limits, max_pending_steps, max_steps_ahead,
+                                   self.deriver)
         self.out = StepOutput(self.output, reduce_rules, renames, self.deriver,
                               self.declarations, clock)
         self._tags = TagOwners()  # which key each sink tag shows, for the run
@@ -206,7 +206,7 @@ class Aggregator:
             if self.last_emitted is not None and step <= self.last_emitted:
                 return self._after_emitted(batch, digest)
             self._check_ahead(step, f"rank {batch.rank}")
-            self._check_room(step)
+            self.admission.check_room(step, self._pending)
         else:
             known = pending.digests.get((batch.rank, batch.seq))
             if known == digest:
@@ -219,7 +219,8 @@ class Aggregator:
         declared = decode_derived(batch.derived)  # cached: checked in _checked
         self.declarations.check(declared, step, batch.rank)
         if declared:
-            self._check_cost(batch, declared, pending)
+            self.admission.check_cost(batch, declared,
+                                      pending.keys if pending is not None else ())
         target = pending or PendingStep(step, self.world_size, self._clock())
         idx = target.check(batch)
         if batch.final:
@@ -247,38 +248,6 @@ class Aggregator:
             if source is not None:
                 self._fix_world_size(batch.world_size, source)
         return Outcome("merged", self._emit_ready())
-
-    def _check_cost(self, batch: Batch, declared: tuple, pending: PendingStep | None) -> None:
-        """Refuse declarations whose work or outputs would pass the limits, over the keys
-        the step holds so far and the batch's (once per distinct set of declarations: ranks
-        send the same every step). Finishing a step keeps to the same budget whatever
-        keys come later (``Deriver.derive``)."""
-        limits = self.limits
-        if len(declared) > limits.max_declarations:
-            raise BatchRejected(
-                f"step {batch.step}: rank {batch.rank} declares {len(declared)} derived "
-                f"metrics; the limit is limits.max_declarations={limits.max_declarations}")
-        cost = self._costs.get(batch.derived)
-        if cost is None:
-            keys = [*batch.keys, *(pending.keys if pending is not None else ())]
-            cost = self.deriver.cost(declared, keys)
-            if len(self._costs) >= 256:
-                self._costs.clear()
-            self._costs[batch.derived] = cost
-        outputs, reads = cost
-        what = None
-        if outputs > limits.max_derived_outputs:
-            what = f"{outputs:,} derived metrics (limits.max_derived_outputs=" \
-                   f"{limits.max_derived_outputs:,})"
-        elif len(batch.keys) + outputs > limits.max_keys_per_batch:
-            what = f"{len(batch.keys):,} keys and {outputs:,} derived metrics " \
-                   f"(limits.max_keys_per_batch={limits.max_keys_per_batch:,} counts both)"
-        elif reads > limits.max_derived_reads:
-            what = f"formulas reading {reads:,} merged records (limits.max_derived_reads=" \
-                   f"{limits.max_derived_reads:,})"
-        if what is not None:
-            raise BatchRejected(f"step {batch.step}: rank {batch.rank}'s declarations would "
-                                f"make {what}; nothing of the batch was merged")
 
     def _check_lag(self, rank: int, step: int) -> None:
         following = self._pending.get(step + 1)
@@ -337,35 +306,16 @@ class Aggregator:
         return min(open_steps, default=None)
 
     def _check_ahead(self, step: int, who: str) -> None:
-        anchor = self._anchor()
-        if anchor is not None and step > anchor + self.max_steps_ahead:
-            raise BatchRejected(
-                f"step {step} from {who} is {step - anchor} steps ahead of the oldest open "
-                f"step {anchor} (limit max_steps_ahead={self.max_steps_ahead}); "
-                f"is its start_step right?"
-            )
+        self.admission.check_ahead(step, who, self._anchor())
 
     def _drop_far_ahead(self) -> None:
         """Drop steps a runaway opened before the run's first step did (nothing emitted yet)."""
         if self.last_emitted is not None:
             return
-        oldest = min(self._pending)
-        for step in [s for s in self._pending if s > oldest + self.max_steps_ahead]:
-            far = self._pending.pop(step)
-            for rank in far.ranks:
-                self._drop(rank, f"your batch for step {step} was dropped: it is "
-                                 f"{step - oldest} steps ahead of the oldest open step "
-                                 f"{oldest} (limit max_steps_ahead={self.max_steps_ahead}); "
-                                 f"is its start_step right?")
+        for step, why in self.admission.far_ahead(list(self._pending)):
+            for rank in self._pending.pop(step).ranks:
+                self._drop(rank, f"your batch for step {step} was dropped: {why}")
         self._refresh_newest_closed()
-
-    def _check_room(self, step: int) -> None:
-        if len(self._pending) >= self.max_pending_steps:
-            raise BatchRejected(
-                f"step {step}: {len(self._pending)} steps are already pending "
-                f"(limit max_pending_steps={self.max_pending_steps}); "
-                f"oldest pending is {min(self._pending)}"
-            )
 
     # -- streams -----------------------------------------------------------------------
     def stream_submit(self, name: str, client: str, batch: Batch) -> Status:
@@ -404,7 +354,7 @@ class Aggregator:
         target = self._pending.get(step)
         if target is None:
             self._check_ahead(step, f"stream {name!r}")
-            self._check_room(step)
+            self.admission.check_room(step, self._pending)
             target = PendingStep(step, self.world_size, self._clock())
         self.declarations.check(window.declared.values(), step, _STREAM_RANK)
         self._exports += 1
