@@ -15,32 +15,32 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import numpy as np
 
 from metricsvc.admission import Admission
 from metricsvc.declare import decode_derived
 from metricsvc.derive import Deriver
-from metricsvc.output import StepOutput, StepResult, TagOwners, internal_rows
-from metricsvc.published import Published
+from metricsvc.output import StepOutput, StepResult, TagOwners
+from metricsvc.published import Published, Status
 from metricsvc.ranks import LagWatch, WorldSize
 from metricsvc.records import Batch
 from metricsvc.reduce import (
     OutputRules,
     ReduceType,
 )
+from metricsvc.report import ReportMethods
+from metricsvc.restart import RestartMethods
 from metricsvc.run_declarations import RunDeclarations
-from metricsvc.step import Part, PendingStep, Window
+from metricsvc.step import PendingStep, Window
+from metricsvc.streams import StreamMethods
 from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
 from metricsvc.wire import as_batch, encode
 
 log = logging.getLogger(__name__)
 
-Status = Literal["merged", "duplicate", "late"]
-_STREAM_RANK = 1 << 30  # streams declare after every rank: a rank's declaration goes first
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ class Outcome:
     batch: Batch | None = None  # the batch as decoded
 
 
-class Aggregator:
-    """Merge batches into steps and hand out finished steps in order."""
+class Aggregator(StreamMethods, RestartMethods, ReportMethods):
+    """Merge batches into steps and hand out finished steps in order. Streams, restarts
+    and reports are the mixins' (``metricsvc.streams``, ``restart``, ``report``)."""
 
     def __init__(
         self,
@@ -256,31 +257,6 @@ class Aggregator:
         if said is not None:
             self._notices[rank] = said
 
-    @property
-    def lagging_ranks(self) -> list[int]:
-        """Ranks closing each step after every other rank closed the next one."""
-        return self.lag.lagging
-
-    @property
-    def world_size(self) -> int | None:
-        """The run's world size (None until agreed)."""
-        return self.world.size
-
-    @property
-    def world_source(self) -> str | None:
-        """Where the run's world size came from."""
-        return self.world.source
-
-    @property
-    def journaled_meta(self) -> Callable[[int], Mapping[str, Any] | None] | None:
-        """How a published step's meta is read back when it is older than what is kept in
-        memory (the worker reads its journal)."""
-        return self.published.journaled_meta
-
-    @journaled_meta.setter
-    def journaled_meta(self, read: Callable[[int], Mapping[str, Any] | None] | None) -> None:
-        self.published.journaled_meta = read
-
     def _after_emitted(self, batch: Batch, digest: bytes) -> Outcome:
         status, what = self.published.judge(batch, digest)
         if status == "late":
@@ -317,68 +293,6 @@ class Aggregator:
                 self._drop(rank, f"your batch for step {step} was dropped: {why}")
         self._refresh_newest_closed()
 
-    # -- streams -----------------------------------------------------------------------
-    def stream_submit(self, name: str, client: str, batch: Batch) -> Status:
-        """Add a stream client's batch to the window of stream ``name`` (idempotent)."""
-        try:
-            batch = self._checked(batch)
-            window = self._windows.setdefault(name, Window())
-            if len(window.keys) + len(batch.keys) > self.limits.max_keys_per_batch:
-                raise BatchRejected(
-                    f"stream {name!r}: the window would exceed {self.limits.max_keys_per_batch} "
-                    f"keys (limit max_keys_per_batch)"
-                )
-            if not window.add_batch(client, batch):
-                self.counts["duplicate"] += 1
-                return "duplicate"
-        except BatchRejected:
-            self.counts["rejected"] += 1
-            raise
-        self.counts["stream_batches"] += 1
-        return "merged"
-
-    def export_stream(self, name: str, step: int, close: bool = False) -> tuple[dict, list]:
-        """Fold the window of ``name`` into ``step`` and start a new window.
-
-        Returns the window's metrics and the steps that became final. With
-        ``close=True`` a step no rank has submitted becomes final with the window
-        alone (streams without training ranks). Raises ``BatchRejected`` (and keeps
-        the window) if the step is already final or the window cannot merge into it.
-        """
-        window = self._windows.get(name) or Window()
-        if self.last_emitted is not None and step <= self.last_emitted:
-            raise BatchRejected(
-                f"stream {name!r}: step {step} is already final (last final step "
-                f"{self.last_emitted}); export before the ranks close it, or name a later step"
-            )
-        target = self._pending.get(step)
-        if target is None:
-            self._check_ahead(step, f"stream {name!r}")
-            self.admission.check_room(step, self._pending)
-            target = PendingStep(step, self.world_size, self._clock())
-        self.declarations.check(window.declared.values(), step, _STREAM_RANK)
-        self._exports += 1
-        part, keys, codes, sketches = window.as_part((1, name, self._exports))
-
-        def fold(into: PendingStep) -> None:
-            located = Part(part.order, None, into.locate(keys, codes, f"stream {name!r}"),
-                           part.rows)
-            into.add(located, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
-            into.declare(window.declared.values())
-            into.streams.append(name)
-
-        fold(target)
-        self.declarations.adopt(window.declared.values(), step, _STREAM_RANK)
-        self._pending[step] = target
-        if self.world_size is None:
-            target.keep_source(None, None, fold)
-        target.stream_only = target.stream_only or close
-        self._windows[name] = Window()
-        kinds = self.out.kinds(keys, codes)
-        preview = self.out.metrics(window.merged(), keys, kinds, internal_rows(keys), {},
-                                derive=False)
-        return preview, self._emit_ready()
-
     # -- time --------------------------------------------------------------------------
     def expire(self, now: float | None = None) -> list[StepResult]:
         """Finish, as partial, every step whose straggler timeout has passed."""
@@ -394,44 +308,6 @@ class Aggregator:
             for pending in self._pending.values():
                 pending.timed_out = now - pending.opened_at >= self.straggler_timeout_s
         return self._emit_ready()
-
-    # -- restart -----------------------------------------------------------------------
-    def restore(self, finished: Iterable[dict[str, Any]]) -> None:
-        """Resume after a restart from journaled steps ``{"step", "metrics", "meta"}``, in
-        step order (a journal's order), one at a time: nothing is kept of a step past the
-        recent ones' digests and ranks."""
-        for record in finished:
-            step = int(record["step"])
-            meta = record.get("meta", {})
-            self.last_emitted = max(step, self.last_emitted if self.last_emitted is not None
-                                    else step)
-            self.published.add_journaled(step, meta)
-            if self.newest_closed is None or step > self.newest_closed:
-                self.newest_closed = step
-            if self.world_size is None and meta.get("world_size"):
-                self.world.size, self.world.source = int(meta["world_size"]), "from the journal"
-            totals = meta.get("derived_totals")
-            if isinstance(totals, dict):
-                self.deriver.restore(totals)
-            declarations = meta.get("declarations")
-            if isinstance(declarations, dict):
-                self.declarations.restore(declarations, step)
-
-    def rewind(self, to_step: int, totals: Mapping[str, Any] | None) -> int:
-        """Forget every step past ``to_step`` (published or pending): they will be recorded
-        afresh. ``totals``: the running sums as journaled with ``to_step``. Returns how
-        many published steps were superseded."""
-        superseded = self.published.forget_after(to_step)
-        for step in [s for s in self._pending if s > to_step]:
-            del self._pending[step]
-        if self.last_emitted is not None and self.last_emitted > to_step:
-            self.last_emitted = to_step if to_step >= 0 else None
-        self.rank_last_seen = {r: min(s, to_step) for r, s in self.rank_last_seen.items()}
-        self.lag.clear()
-        self.deriver.totals.clear()
-        self.deriver.restore(totals or {})
-        self._refresh_newest_closed()
-        return superseded
 
     # -- output ------------------------------------------------------------------------
     def _emit_ready(self) -> list[StepResult]:
@@ -449,41 +325,3 @@ class Aggregator:
             self.last_emitted = step
             self.published.add(step, frozenset(pending.closed), pending.digests)
         return out
-
-    # -- introspection -----------------------------------------------------------------
-    def health(self) -> dict[str, Any]:
-        """The merge's part of the service's health: steps, ranks and batch counts."""
-        counts = self.counts
-        return {
-            "pending_steps": self.pending_summary(),
-            "last_final_step": self.last_emitted,
-            "newest_closed_step": self.newest_closed,
-            "rank_last_seen": dict(sorted(self.rank_last_seen.items())),
-            "batches": counts["batches"],
-            "stream_batches": counts["stream_batches"],
-            "stream_windows": self.windows_summary(),
-            "rejected_batches": counts["rejected"],
-            "duplicate_batches": counts["duplicate"],
-            "late_batches": counts["late"],
-            "late_by_rank": dict(sorted(self.late_by_rank.items())),
-            "lagging_ranks": self.lagging_ranks,
-            "conflicting_batches": counts["conflict"],
-            "dropped_batches": counts["dropped"],
-            "steps_with_collisions": counts["collisions"],
-            "world_size": self.world_size,
-            "world_size_source": self.world_source,
-            "partial_steps": counts["partial"],
-        }
-
-    def pending_summary(self) -> dict[int, dict[str, Any]]:
-        """Return, per pending step, which ranks have closed it and how many keys it holds."""
-        return {s: p.summary() for s, p in sorted(self._pending.items())}
-
-    def missing_ranks(self, step: int) -> list[int] | None:
-        """Return the ranks that have not closed a pending step, or None if it is not pending."""
-        p = self._pending.get(step)
-        return None if p is None else p.missing()
-
-    def windows_summary(self) -> dict[str, int]:
-        """Return the number of keys waiting in each stream window."""
-        return {name: len(w.keys) for name, w in self._windows.items()}

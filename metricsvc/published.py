@@ -19,6 +19,7 @@ from metricsvc.records import Batch
 DIGEST_STEPS = 64  # published steps whose batch digests are kept to tell resends apart
 
 Digests = dict[tuple[int, int], bytes]
+Status = Literal["merged", "duplicate", "late"]  # what the service did with a batch
 
 
 class Published:

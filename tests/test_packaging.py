@@ -201,7 +201,8 @@ LAYERS = [
      "metricsvc.protocol", "metricsvc.model"},
     # 2: the client, and the service's merge (no Ray in the merge)
     {"metricsvc.client*", "metricsvc.step", "metricsvc.ranks",
-     "metricsvc.published", "metricsvc.output", "metricsvc.aggregator"},
+     "metricsvc.published", "metricsvc.output", "metricsvc.admission", "metricsvc.streams",
+     "metricsvc.restart", "metricsvc.report", "metricsvc.aggregator"},
     # 3: what the actor writes to (each sink's registration makes its config section),
     # the config, the run's folder and results
     {"metricsvc.sinks*", "metricsvc.config", "metricsvc.journal", "metricsvc.run_folder",

@@ -1,0 +1,86 @@
+"""Streams: records with no step barrier, merged apart in windows and folded into the
+step the driver names at export (AReaL's rollout paradigm). The aggregator's part."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metricsvc.errors import BatchRejected
+from metricsvc.output import internal_rows
+from metricsvc.published import Status
+from metricsvc.records import Batch
+from metricsvc.step import Part, PendingStep, Window
+
+_STREAM_RANK = 1 << 30  # streams declare after every rank: a rank's declaration goes first
+
+
+class StreamMethods:
+    """The aggregator's stream calls (mixed into ``Aggregator``: its state is shared)."""
+
+    _windows: dict[str, Window]
+    _pending: dict[int, PendingStep]
+
+    def stream_submit(self, name: str, client: str, batch: Batch) -> Status:
+        """Add a stream client's batch to the window of stream ``name`` (idempotent)."""
+        try:
+            batch = self._checked(batch)
+            window = self._windows.setdefault(name, Window())
+            if len(window.keys) + len(batch.keys) > self.limits.max_keys_per_batch:
+                raise BatchRejected(
+                    f"stream {name!r}: the window would exceed {self.limits.max_keys_per_batch} "
+                    f"keys (limit max_keys_per_batch)"
+                )
+            if not window.add_batch(client, batch):
+                self.counts["duplicate"] += 1
+                return "duplicate"
+        except BatchRejected:
+            self.counts["rejected"] += 1
+            raise
+        self.counts["stream_batches"] += 1
+        return "merged"
+
+    def export_stream(self, name: str, step: int, close: bool = False) -> tuple[dict, list]:
+        """Fold the window of ``name`` into ``step`` and start a new window.
+
+        Returns the window's metrics and the steps that became final. With
+        ``close=True`` a step no rank has submitted becomes final with the window
+        alone (streams without training ranks). Raises ``BatchRejected`` (and keeps
+        the window) if the step is already final or the window cannot merge into it.
+        """
+        window = self._windows.get(name) or Window()
+        if self.last_emitted is not None and step <= self.last_emitted:
+            raise BatchRejected(
+                f"stream {name!r}: step {step} is already final (last final step "
+                f"{self.last_emitted}); export before the ranks close it, or name a later step"
+            )
+        target = self._pending.get(step)
+        if target is None:
+            self._check_ahead(step, f"stream {name!r}")
+            self.admission.check_room(step, self._pending)
+            target = PendingStep(step, self.world_size, self._clock())
+        self.declarations.check(window.declared.values(), step, _STREAM_RANK)
+        self._exports += 1
+        part, keys, codes, sketches = window.as_part((1, name, self._exports))
+
+        def fold(into: PendingStep) -> None:
+            located = Part(part.order, None, into.locate(keys, codes, f"stream {name!r}"),
+                           part.rows)
+            into.add(located, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
+            into.declare(window.declared.values())
+            into.streams.append(name)
+
+        fold(target)
+        self.declarations.adopt(window.declared.values(), step, _STREAM_RANK)
+        self._pending[step] = target
+        if self.world_size is None:
+            target.keep_source(None, None, fold)
+        target.stream_only = target.stream_only or close
+        self._windows[name] = Window()
+        kinds = self.out.kinds(keys, codes)
+        preview = self.out.metrics(window.merged(), keys, kinds, internal_rows(keys), {},
+                                derive=False)
+        return preview, self._emit_ready()
+
+    def windows_summary(self) -> dict[str, int]:
+        """Return the number of keys waiting in each stream window."""
+        return {name: len(w.keys) for name, w in self._windows.items()}
