@@ -34,7 +34,7 @@ from metricsvc.reduce import (
 from metricsvc.report import ReportMethods
 from metricsvc.restart import RestartMethods
 from metricsvc.run_declarations import RunDeclarations
-from metricsvc.step import PendingStep, Window
+from metricsvc.step import PendingStep, Window, regroup
 from metricsvc.streams import StreamMethods
 from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
 from metricsvc.wire import as_batch, encode
@@ -133,14 +133,6 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
             notice = fresh if notice is None else f"{notice}; {fresh}"
         return Outcome(outcome.status, outcome.finished, notice, batch)
 
-    def decode(self, item: Batch | bytes) -> Batch:
-        """Return the Batch that ``item`` is or encodes; malformed bytes count as rejected."""
-        try:
-            return as_batch(item, self.limits)
-        except BatchRejected:
-            self.counts["rejected"] += 1
-            raise
-
     def _checked(self, batch: Batch) -> Batch:
         batch = check_batch(batch, self.limits, self._key_cache)
         try:
@@ -159,24 +151,9 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
     def _fix_world_size(self, world_size: int, source: str) -> None:
         """Fix the run's world size; drop what ranks claiming another size sent so far."""
         self.world.fix(world_size, source)
-        for step, pending in list(self._pending.items()):
-            sources, pending.sources = pending.sources, None
-            if sources is None or all(w in (None, world_size) for w, _, _ in sources):
-                pending.world_size = world_size if pending.ranks else pending.world_size
-                continue
-            fresh = PendingStep(step, world_size, pending.opened_at)
-            fresh.stream_only = pending.stream_only
-            for claim, rank, apply in sources:
-                if claim in (None, world_size):
-                    apply(fresh)
-                else:
-                    self._drop(rank, f"your batch for step {step} was dropped: rank {rank} "
-                                     f"claimed world_size {claim}, but the run's world size "
-                                     f"is {world_size} ({source})")
-            if fresh.parts:
-                self._pending[step] = fresh
-            else:
-                del self._pending[step]
+        regroup(self._pending, world_size, lambda step, rank, claim: self._drop(
+            rank, f"your batch for step {step} was dropped: rank {rank} claimed world_size "
+                  f"{claim}, but the run's world size is {world_size} ({source})"))
         self._refresh_newest_closed()
 
     def _refresh_newest_closed(self) -> None:

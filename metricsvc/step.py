@@ -246,3 +246,26 @@ class Window(Collection):
         return part, list(self.keys), self.codes.copy(), [
             (row, codes, counts) for row, (codes, counts) in sketches.items()
         ]
+
+
+def regroup(pending: dict[int, PendingStep], world_size: int,
+            drop: Callable[[int, int, int | None], None]) -> None:
+    """The run's world size is now ``world_size``: rebuild each pending step from the
+    batches it kept apart, leaving out (``drop(step, rank, claim)``) those of ranks that
+    claimed another size; a step left empty goes."""
+    for step, p in list(pending.items()):
+        sources, p.sources = p.sources, None
+        if sources is None or all(w in (None, world_size) for w, _, _ in sources):
+            p.world_size = world_size if p.ranks else p.world_size
+            continue
+        fresh = PendingStep(step, world_size, p.opened_at)
+        fresh.stream_only = p.stream_only
+        for claim, rank, apply in sources:
+            if claim in (None, world_size):
+                apply(fresh)
+            else:
+                drop(step, rank, claim)
+        if fresh.parts:
+            pending[step] = fresh
+        else:
+            del pending[step]

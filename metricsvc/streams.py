@@ -10,6 +10,7 @@ from metricsvc.output import internal_rows
 from metricsvc.published import Status
 from metricsvc.records import Batch
 from metricsvc.step import Part, PendingStep, Window
+from metricsvc.wire import as_batch
 
 _STREAM_RANK = 1 << 30  # streams declare after every rank: a rank's declaration goes first
 
@@ -19,6 +20,14 @@ class StreamMethods:
 
     _windows: dict[str, Window]
     _pending: dict[int, PendingStep]
+
+    def decode(self, item: Batch | bytes) -> Batch:
+        """Return the Batch that ``item`` is or encodes; malformed bytes count as rejected."""
+        try:
+            return as_batch(item, self.limits)
+        except BatchRejected:
+            self.counts["rejected"] += 1
+            raise
 
     def stream_submit(self, name: str, client: str, batch: Batch) -> Status:
         """Add a stream client's batch to the window of stream ``name`` (idempotent)."""

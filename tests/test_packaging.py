@@ -236,3 +236,18 @@ def test_no_module_imports_from_a_higher_layer_and_the_client_never_from_the_ser
                 client_to_service.append(f"{module} -> {imported}")
     assert not upward, upward
     assert not client_to_service, client_to_service
+
+
+def test_no_module_over_400_lines_and_no_class_over_250():
+    import ast
+
+    big = []
+    for path in sorted((ROOT / "metricsvc").rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 400:
+            big.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
+                big.append(f"{path.relative_to(ROOT)}: class {node.name}: "
+                           f"{node.end_lineno - node.lineno + 1} lines")
+    assert not big, big
