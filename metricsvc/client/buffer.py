@@ -64,9 +64,7 @@ class _Entry:
 class RecordBuffer:
     """Keys recorded since the last flush, each one merged record (and sketch) on its device."""
 
-    def __init__(self, sketch_spec: SketchSpec | None = None, compile: bool | None = None,
-                 prefix: str = ""):
-        self.prefix = prefix
+    def __init__(self, sketch_spec: SketchSpec | None = None, compile: bool | None = None):
         self.sketch_spec = sketch_spec or SketchSpec()
         self.compile = compile
         self.lock = threading.RLock()
@@ -92,10 +90,10 @@ class RecordBuffer:
     # -- recording -----------------------------------------------------------------------
     def record_plain(self, metrics: Mapping[str, Any], expected: int) -> None:
         """Record a plain dict whose reductions the service takes from the key names."""
-        if not self.prefix and self._good_keys.issuperset(metrics):
+        if self._good_keys.issuperset(metrics):
             keys = list(metrics)  # every name checked in an earlier step
         else:
-            keys = [self.checked(self.prefix + k if self.prefix else k) for k in metrics]
+            keys = [self.checked(k) for k in metrics]
         values = list(metrics.values())
         rows = None
         if _PLAIN_NUMBERS.issuperset(map(type, values)):

@@ -43,7 +43,7 @@ class StreamRecorder(Tracker):
         self.name = check_key(name)
         self.client_id = uuid.uuid4().hex
         self._worker = worker
-        super().__init__(RecordBuffer(sketch_spec, compile, prefix=f"{name}/"), prefix=f"{name}/")
+        super().__init__(RecordBuffer(sketch_spec, compile), prefix=f"{name}/")
         self.buffer.label = f"stream {name!r} before its flush"
         self.buffer.on_record = self._maybe_flush
         self.retry_s = retry_s
