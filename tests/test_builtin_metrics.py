@@ -412,3 +412,18 @@ def test_a_batch_of_numpy_arrays_gets_one_line_saying_what_the_recorders_read():
     assert "batch['attention_mask'] is a numpy.ndarray" in message and "\n" not in message
     assert "pip install 'metricsvc[torch]'" in message and "stat()" in message
     assert c.pending_keys() == []
+
+
+def test_a_family_catalogue_gives_each_key_its_one_declared_kind():
+    """The declarations drive the recording: a recorder asks its family's catalogue for a
+    key's kind (declared once, with its help text); an undeclared key is refused."""
+    from metricsvc.client.metrics import data, timing
+    from metricsvc.client.metrics.catalogue import Catalogue
+    from metricsvc.protocol import ReduceType
+
+    assert isinstance(data.METRICS, Catalogue)
+    assert data.METRICS.kind("critic/score") is ReduceType.AVG_MIN_MAX
+    assert timing.METRICS.kind("timing_s/gen") is ReduceType.MAX  # a family's key
+    assert timing.METRICS.kind("perf/total_num_tokens") is ReduceType.SUM
+    with pytest.raises(KeyError, match="'critic/unknown' is declared 0 times"):
+        data.METRICS.kind("critic/unknown")

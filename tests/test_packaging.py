@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENT_IMPORTS = {
     "metricsvc", "metricsvc.client", "metricsvc.client.buffer", "metricsvc.client.client",
     "metricsvc.client.metrics", "metricsvc.client.metrics.batch",
+    "metricsvc.client.metrics.catalogue",
     "metricsvc.client.metrics.data", "metricsvc.client.metrics.diagnostics",
     "metricsvc.client.metrics.moe", "metricsvc.client.metrics.timing",
     "metricsvc.client.metrics.validation", "metricsvc.client.rpc", "metricsvc.client.siirl",

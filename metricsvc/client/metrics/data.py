@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from metricsvc.client.metrics.batch import get, response_info
+from metricsvc.client.metrics.catalogue import Catalogue
 from metricsvc.client.summarize import Difference
 from metricsvc.protocol import Derived, Metric, ReduceType
 
@@ -21,7 +22,7 @@ EXPLAINED_VARIANCE = Derived(
 
 
 AMM, AVG = ReduceType.AVG_MIN_MAX, ReduceType.AVG
-METRICS = (  # what record_data_metrics and record_process_memory record (tested)
+METRICS = Catalogue(  # what record_data_metrics and record_process_memory record (tested)
     Metric("critic/score", AMM, "sum of a sequence's token-level scores, per sequence"),
     Metric("critic/rewards", AMM, "sum of a sequence's token-level rewards, per sequence"),
     Metric("critic/advantages", AMM, "advantages of every valid response token"),
@@ -77,7 +78,7 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     tools = get(batch, "tool_call_counts")
     if tools is not None:
         per_sequence["tool_call_counts"] = tools
-    m.stat(**per_sequence)
+    METRICS.stat(m, **per_sequence)
     returns, values = batch["returns"], get(batch, "values")
     token_level = {"critic/advantages": batch["advantages"], "critic/returns": returns}
     if values is not None:
@@ -85,22 +86,21 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
         token_level["critic/values"] = values
         # Over the valid tokens only, in float64: a float32 difference would round.
         token_level["critic/__vf_explained_var/residual"] = Difference(returns, values)
-    m.stat(mask=info.response_mask, **token_level)
+    METRICS.stat(m, mask=info.response_mask, **token_level)
     clipped = (length == info.max_response_length).double()
     aborted = length == 0
-    m.stat(reduce=ReduceType.AVG, **{
+    METRICS.stat(m, **{
         "response/clip_ratio/mean": clipped,
         "prompt/clip_ratio/mean": (info.prompt_length == info.max_prompt_length).double(),
         "response/aborted_ratio": aborted.double(),
     })
     kept = ~aborted
-    m.stat(mask=kept, **{"response/length_non_aborted": length})
-    m.stat(mask=kept, reduce=ReduceType.AVG,
-           **{"response/clip_ratio_non_aborted/mean": clipped})
+    METRICS.stat(m, mask=kept, **{"response/length_non_aborted": length,
+                                  "response/clip_ratio_non_aborted/mean": clipped})
     # A rank without correct (or wrong) responses contributes nothing: no 0 placeholder.
     correct = rewards > 0.5
-    m.stat(mask=correct, **{"response/correct_length": length})
-    m.stat(mask=~correct, **{"response/wrong_length": length})
+    METRICS.stat(m, mask=correct, **{"response/correct_length": length})
+    METRICS.stat(m, mask=~correct, **{"response/wrong_length": length})
 
 
 def _rss_gb() -> float:
@@ -115,5 +115,5 @@ def _rss_gb() -> float:
 def record_process_memory(m: Any) -> None:
     """Record this process's resident memory: MAX across ranks, and the mean under ``/mean``."""
     gb = _rss_gb()
-    m.stat(reduce=ReduceType.MAX, **{"perf/process_cpu_mem_used_gb": gb})
-    m.stat(reduce=ReduceType.AVG, **{"perf/process_cpu_mem_used_gb/mean": gb})
+    METRICS.stat(m, **{"perf/process_cpu_mem_used_gb": gb,
+                       "perf/process_cpu_mem_used_gb/mean": gb})

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from metricsvc.client.metrics.catalogue import Catalogue
 from metricsvc.protocol import Metric, ReduceType
 
 THRESHOLDS = (1.5, 2.0, 3.0, 5.0, 10.0)
 _AVG = ReduceType.AVG
-METRICS = (  # what record_logp_diagnostics records (tested); d = log p_trainer - log p_rollout
+# What record_logp_diagnostics records; d = log p_trainer - log p_rollout.
+METRICS = Catalogue(
     Metric("logp_diff", ReduceType.AVG_MIN_MAX, "d over masked tokens with finite log-probs"),
     Metric("logp_abs_diff", ReduceType.AVG_MIN_MAX, "|d|"),
     Metric("logp_diff_squared", _AVG, "d^2"),
@@ -44,11 +46,11 @@ def record_logp_diagnostics(
     finite = torch.isfinite(t) & torch.isfinite(r)
     valid = mask & finite
     d = t - r
-    m.stat(mask=valid, logp_diff=d, logp_abs_diff=d.abs())
+    METRICS.stat(m, mask=valid, logp_diff=d, logp_abs_diff=d.abs())
     ratios = {f"ratio_outside_{th:g}": (d.abs() > math.log(th)).double() for th in thresholds}
-    m.stat(mask=valid, reduce=ReduceType.AVG, logp_diff_squared=d * d, trainer_nll=-t,
+    METRICS.stat(m, mask=valid, logp_diff_squared=d * d, trainer_nll=-t,
            rollout_nll=-r, kl_k1=-d, kl_k2=d * d / 2, kl_k3=torch.expm1(d) - d, **ratios)
-    m.stat(mask=mask, reduce=ReduceType.AVG, nonfinite_logp_fraction=(~finite).double())
+    METRICS.stat(m, mask=mask, nonfinite_logp_fraction=(~finite).double())
 
 
 def record_rollout_probs_diff(m: Any, data: Any) -> None:
@@ -62,6 +64,6 @@ def record_rollout_probs_diff(m: Any, data: Any) -> None:
         return
     diff = (data[rollout].double().exp() - data["old_log_probs"].double().exp()).abs()
     mask = data["response_mask"].bool() if "response_mask" in keys else None
-    m.stat(mask=mask, reduce=ReduceType.MAX, **{"actor/rollout_probs_diff_max": diff})
-    m.stat(mask=mask, reduce=_AVG, **{"actor/rollout_probs_diff_mean": diff})
-    m.stat(mask=mask, reduce=ReduceType.STD, **{"actor/rollout_probs_diff": diff})
+    METRICS.stat(m, mask=mask, **{"actor/rollout_probs_diff_max": diff,
+                                  "actor/rollout_probs_diff_mean": diff,
+                                  "actor/rollout_probs_diff": diff})

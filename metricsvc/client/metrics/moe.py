@@ -6,6 +6,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from metricsvc.client.metrics.catalogue import Catalogue
 from metricsvc.protocol import Derived, Metric, ReduceType
 
 
@@ -29,7 +30,7 @@ def moe_balance(prefix: str) -> tuple[Derived, ...]:
     )
 
 
-METRICS = (  # what record_moe_balance records and declares (tested)
+METRICS = Catalogue(  # what record_moe_balance records and declares (tested)
     Metric("moe_balance/layer_<l>/expert_<e>/tokens", ReduceType.SUM,
            "tokens routed to an expert, summed over ranks", "tokens"),
     *moe_balance("moe_balance"),
@@ -46,4 +47,4 @@ def record_moe_balance(m: Any, counts: Mapping[Any, Any], prefix: str = "moe_bal
     m.declare(*moe_balance(prefix))
     for layer, per_expert in counts.items():
         keys = [f"{prefix}/layer_{layer}/expert_{e}/tokens" for e in range(len(per_expert))]
-        m.record_counts(keys, per_expert, ReduceType.SUM)
+        m.record_counts(keys, per_expert, METRICS.kind(keys[0]))

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from metricsvc.client.metrics.batch import get, plain_if_host, response_info
+from metricsvc.client.metrics.catalogue import Catalogue
 from metricsvc.protocol import Derived, Metric, ReduceType
 
 THROUGHPUT = Derived(
@@ -43,7 +44,7 @@ def train_perf(name: str) -> tuple[Derived, ...]:
     )
 
 
-METRICS = (  # what the timing, throughput and train_perf recorders record (tested)
+METRICS = Catalogue(  # what the timing, throughput and train_perf recorders record (tested)
     Metric("timing_s/<stage>", ReduceType.MAX, "seconds of a stage on the slowest rank", "s"),
     Metric("__timing_per_token_ms/<stage>/ms", ReduceType.SUM,
            "1000 x a stage's seconds, summed over ranks (an input of timing_per_token_ms)"),
@@ -74,10 +75,11 @@ TOKENS_OF_STAGE = {
 
 def record_timing_metrics(
     m: Any, batch: Mapping[str, Any], timing_raw: Mapping[str, float],
-    reduce: ReduceType = ReduceType.MAX,
+    reduce: ReduceType | None = None,
 ) -> None:
-    """Record ``timing_s/<stage>`` (MAX across ranks: the slowest rank sets the step time)
-    and ``timing_per_token_ms/<stage>`` = 1000 * sum of times / sum of tokens over ranks."""
+    """Record ``timing_s/<stage>`` (as declared, MAX across ranks: the slowest rank sets the
+    step time; ``reduce`` overrides it) and ``timing_per_token_ms/<stage>`` = 1000 * sum
+    of times / sum of tokens over ranks."""
     info = response_info(batch)
     response = info.response_length.sum()
     tokens = {"response": plain_if_host(response),
@@ -85,7 +87,11 @@ def record_timing_metrics(
     # Plain numbers stay plain (one vectorised call for every stage); the two token counts
     # are plain on the host and stay on their device elsewhere (no sync), shared by the
     # stages that divide by them.
-    m.stat(reduce=reduce, **{f"timing_s/{stage}": float(s) for stage, s in timing_raw.items()})
+    times = {f"timing_s/{stage}": float(s) for stage, s in timing_raw.items()}
+    if reduce is None:
+        METRICS.stat(m, **times)
+    else:
+        m.stat(reduce=reduce, **times)
     per_token = [(stage, TOKENS_OF_STAGE[stage]) for stage in timing_raw
                  if stage in TOKENS_OF_STAGE]
     if per_token:
@@ -94,7 +100,7 @@ def record_timing_metrics(
         for stage, which in per_token:
             ratios[f"__timing_per_token_ms/{stage}/ms"] = 1000.0 * float(timing_raw[stage])
             ratios[f"__timing_per_token_ms/{stage}/tokens"] = tokens[which]
-        m.stat(reduce=ReduceType.SUM, **ratios)
+        METRICS.stat(m, **ratios)
 
 
 def record_throughput_metrics(
@@ -114,9 +120,8 @@ def record_throughput_metrics(
     tokens = _token_count(batch)
     seconds = float(timing_raw["step"])
     m.declare(THROUGHPUT)
-    m.stat(reduce=ReduceType.SUM, **{"perf/total_num_tokens": tokens,
-                                     "__perf/throughput/gpus": float(n_gpus)})
-    m.stat(reduce=ReduceType.MAX, **{"perf/time_per_step": seconds})
+    METRICS.stat(m, **{"perf/total_num_tokens": tokens, "__perf/throughput/gpus": float(n_gpus),
+                       "perf/time_per_step": seconds})
 
 
 def _token_count(batch: Mapping[str, Any]) -> Any:
@@ -139,5 +144,6 @@ def record_train_perf(m: Any, tokens: Any, seconds: float, name: str = "train_pe
     """Record AReaL's ``train_perf/*``: tokens summed over ranks, seconds the max over ranks,
     rates and cumulative totals (kept by the service across steps) derived after the merge."""
     m.declare(*train_perf(name))
-    m.stat(reduce=ReduceType.SUM, **{f"{name}/tokens": tokens})
-    m.stat(reduce=ReduceType.MAX, **{f"{name}/seconds": float(seconds)})
+    # the kinds declared for train_perf/*, whatever the name
+    m.stat(reduce=METRICS.kind("train_perf/tokens"), **{f"{name}/tokens": tokens})
+    m.stat(reduce=METRICS.kind("train_perf/seconds"), **{f"{name}/seconds": float(seconds)})

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from metricsvc.client.metrics.catalogue import Catalogue
 from metricsvc.protocol import Metric, ReduceType
 
 N_BOOTSTRAP = 1000
@@ -102,7 +103,7 @@ def validation_metrics(
     return dict(per_key)
 
 
-METRICS = (  # what record_validation_metrics records (tested)
+METRICS = Catalogue(  # what record_validation_metrics records (tested)
     *(Metric(f"{section}/<source>/<var>/<stat>{moment}", ReduceType.AVG,
              "per prompt group, averaged over groups (bootstrapped @k statistics)")
       for section in ("val-core", "val-aux") for moment in ("", "/<moment>")),
@@ -130,12 +131,12 @@ def record_validation_metrics(
         )
     for key, per_prompt in validation_metrics(data_sources, sample_inputs, infos_dict,
                                               seed).items():
-        m.stat(reduce=ReduceType.AVG, **{key: np.asarray(per_prompt)})
+        METRICS.stat(m, **{key: np.asarray(per_prompt)})
     score_var = next((v for v in ("reward", "score", "acc") if v in infos_dict), None)
     if score_var is not None:
         scores = np.asarray(infos_dict[score_var], dtype=np.float64)
         sources = np.asarray([str(s) for s in data_sources])
         for source in sorted(set(sources.tolist())):
-            m.stat(reduce=ReduceType.AVG, **{f"val/test_score/{source}": scores[sources == source]})
+            METRICS.stat(m, **{f"val/test_score/{source}": scores[sources == source]})
     if sample_turns is not None and len(sample_turns):
-        m.stat(**{"val-aux/num_turns": np.asarray(sample_turns, dtype=np.float64)})
+        METRICS.stat(m, **{"val-aux/num_turns": np.asarray(sample_turns, dtype=np.float64)})
