@@ -1,4 +1,5 @@
-"""Step state machine (pure Python and numpy, no Ray): batches in, finished steps out.
+"""Step state machine (Python and numpy: no Ray, no pydantic): batches in, finished steps
+out.
 
 A step is final when ``world_size`` distinct ranks have sent a ``final`` batch
 for it, or when its straggler timeout passes (counted from its first batch;

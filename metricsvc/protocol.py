@@ -5,7 +5,8 @@ batch and its wire encoding, the reduce kinds and the names they export, metric
 declarations, the quantile sketch layout, the key rules, the restart protocol both
 clients and combiners speak, how actors are named, and the errors (``metricsvc.errors``).
 The rest of ``metricsvc`` (aggregation, the actor, sinks, config) may change freely
-behind it; the service never imports torch or ``metricsvc.client``.
+behind it. The service (the actor and every module it loads) never imports torch or
+``metricsvc.client``; only the demo driver, which runs ranks, does (a test checks both).
 """
 
 from __future__ import annotations

@@ -252,3 +252,12 @@ def test_no_module_over_400_lines_and_no_class_over_250():
                 big.append(f"{path.relative_to(ROOT)}: class {node.name}: "
                            f"{node.end_lineno - node.lineno + 1} lines")
     assert not big, big
+
+
+def test_the_merge_loads_neither_ray_nor_pydantic():
+    """The aggregator's docstring says so: the step state machine runs without either."""
+    code = ("import sys, metricsvc.aggregator; "
+            "print([m for m in ('ray', 'pydantic') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT / "tests")
+    assert out.stdout.strip() == "[]"
