@@ -1,4 +1,4 @@
-"""End to end on local Ray: ours vs the siiRL pattern vs one call per key.
+"""End to end on local Ray: ours vs siiRL's one-call and four-call patterns vs one call per key.
 
 W rank actors (num_cpus=0) each record K plain float metrics per step and close the
 step; the driver waits for each step's final result. Reported per pattern: steps/s,
@@ -6,6 +6,9 @@ actor calls per step, the latency from the last rank's flush to the final result
 (p50/p95), and the actor's CPU time per batch (process time inside the actor), with
 ratios against ours measured in the same run. ``ours`` closes a step with ``flush()``
 (the ack is read at the next step), ``ours_wait`` with the blocking ``wait_submit()``.
+``siirl1`` is siiRL's one-call pattern on its actor path (a queue, a processing loop,
+per-key lists of Metric objects: ``baselines/siirl_actor.py``); ``siirl`` its four-call
+pattern with the per-key lists reduced inline (``baselines/siirl_style.py``).
 
     python benchmarks/bench_rpc.py [--worlds 4 8 16 32] [--keys 50 300] [--steps 30]
 """
@@ -24,6 +27,7 @@ import ray
 
 import metricsvc
 from benchmarks.baselines.per_key import PerKeyClient, PerKeyWorker
+from benchmarks.baselines.siirl_actor import SiirlActor, SiirlOneCallClient
 from benchmarks.baselines.siirl_style import SiirlStyleClient, SiirlStyleWorker
 from metricsvc.client import MetricClient
 
@@ -52,6 +56,8 @@ class BenchRank:
             self.client = None
         elif pattern == "siirl":
             self.client = SiirlStyleClient(worker, world)
+        elif pattern == "siirl1":
+            self.client = SiirlOneCallClient(worker, world)
         else:
             self.client = PerKeyClient(worker, world)
         self.pattern = pattern
@@ -81,6 +87,9 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
              "run": {"root": "/tmp/metricsvc-bench", "trial": f"{index}-{os.getpid()}"}})
     elif pattern == "siirl":
         worker = SiirlStyleWorker.remote()
+    elif pattern == "siirl1":
+        worker = SiirlActor.remote()
+        ray.get(worker.start.remote())
     else:
         worker = PerKeyWorker.remote()
     active = ranks[:world]
@@ -97,6 +106,12 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
         if pattern == "harness":
             flushed = ray.get([r.step.remote() for r in active])
             latencies.append(time.time() - max(flushed))
+            continue
+        if pattern == "siirl1":  # siiRL reads the result after every rank's wait_submit
+            flushed = ray.get([r.step.remote() for r in active])
+            result = ray.get(worker.wait_final_res.remote())
+            latencies.append(time.time() - max(flushed))
+            assert len(result) == keys
             continue
         final = (worker.wait_final_res.remote(step, 120) if pattern.startswith("ours")
                  else worker.wait_final_res.remote(keys))
@@ -141,7 +156,7 @@ def main() -> list[dict]:
     for world in args.worlds:
         for keys in args.keys:
             # harness: the driver's trigger alone; ours_wait: ours with the blocking close
-            for pattern in ("harness", "ours", "ours_wait", "siirl", "per_key"):
+            for pattern in ("harness", "ours", "ours_wait", "siirl1", "siirl", "per_key"):
                 steps = args.steps if pattern != "per_key" else args.per_key_steps
                 rows.append(run(pattern, ranks, world, keys, steps, index))
                 index += 1
