@@ -29,13 +29,17 @@ class SiirlMethods:
         """
         if not isinstance(metrics, Mapping):
             raise TypeError(f"submit_metric expects a mapping, got {type(metrics).__name__}")
-        for key, value in metrics.items():
-            if _is_std_stats(value):
-                raise TypeError(
-                    f"submit_metric: {key!r} is a siiRL StdStats (sum, sum_sq, count): record "
-                    f"the values themselves, stat(reduce='std', **{{{key.removesuffix('/std')!r}: "
-                    f"values}}), an exact std over every rank's values")
-        self.buffer.record_plain(metrics, self._expected(world_size, metrics))
+        expected = self._expected(world_size, metrics)
+        try:
+            self.buffer.record_plain(metrics, expected)
+        except TypeError:  # a value that is no number: say what a siiRL StdStats becomes
+            key = next((k for k, v in metrics.items() if _is_std_stats(v)), None)
+            if key is None:
+                raise
+            raise TypeError(
+                f"submit_metric: {key!r} is a siiRL StdStats (sum, sum_sq, count): record "
+                f"the values themselves, stat(reduce='std', **{{{key.removesuffix('/std')!r}: "
+                f"values}}), an exact std over every rank's values") from None
 
     def stop(self) -> None:
         """siiRL's ``MetricClient.stop()``: wait until the service has taken every batch this
