@@ -14,6 +14,8 @@ import ray
 import metricsvc
 from metricsvc.client import MetricClient
 
+HAS_TORCH = importlib.util.find_spec("torch") is not None  # looked up once, not per step
+
 DEMO_CONFIG: dict[str, Any] = {
     "name": "metricsvc_demo",
     "run": {"root": "runs", "experiment": "demo"},
@@ -35,7 +37,7 @@ class DemoWorker:
         batch = fake_batch(self.rng, rows=4 + 2 * self.rank, shift=0.1 * self.rank)
         timing = {"gen": 0.01 * (1 + self.rank), "update_actor": 0.02,
                   "step": time.perf_counter() - start + 0.05}
-        if importlib.util.find_spec("torch") is not None:
+        if HAS_TORCH:
             import torch  # the built-in PPO recorders read torch tensors, as a real rank's
 
             tensors = {k: torch.from_numpy(v) for k, v in batch.items()}

@@ -137,7 +137,7 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
         if self._stale(epoch):
             return self._ack("epoch_changed")
         self.calls["submit"] += 1
-        self._ensure_ticker()
+        self.timer.start()
         newest = self.aggregator.newest_closed
         try:
             outcome = self.aggregator.submit(batch)
@@ -170,7 +170,7 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
         if self._stale(epoch):
             return self._ack("epoch_changed")
         self.calls["submit_many"] += 1
-        self._ensure_ticker()
+        self.timer.start()
         statuses, finished = [], []
         for batch in batches:
             try:
@@ -200,7 +200,7 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
         return the window's metrics. ``close=True``: a step no rank submits is final with
         the window alone. Raises ``BatchRejected`` (window kept) if the step is final."""
         self.calls["export_stream"] += 1
-        self._ensure_ticker()
+        self.timer.start()
         metrics, finished = self.aggregator.export_stream(name, int(step), close)
         if finished:
             await self._publish(finished)
@@ -294,10 +294,6 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
             self.sinks.publish(result.step, result.metrics, result.meta)
         await self.results.notify()
 
-    def _ensure_ticker(self) -> None:
-        if self.config.straggler_timeout_s is not None:
-            self.timer.start()
-
 
 class StragglerTimer:
     """Finishes, as partial, the steps whose straggler timeout has passed: a task on the
@@ -311,6 +307,7 @@ class StragglerTimer:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        """Start the timer once (no straggler timeout: never)."""
         if self._task is None and self.period is not None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
