@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import ray
@@ -82,7 +81,7 @@ def main() -> None:
         progress(step + 1, args.steps, f"step {step} final")
 
     health = ray.get(worker.close.remote())
-    print(f"journal: {Path(health['run_dir']) / cfg.sinks.jsonl.filename}")
+    print(f"journal: {health['journal']}")
     print(f"batches merged: {health['batches']}, submits: {health['calls'].get('submit', 0)}, "
           f"rejected: {health['rejected_batches']}")
     for name, sink in health["sinks"].items():
