@@ -18,10 +18,9 @@ Prints the relative error of each against the one-process value.
 
 from __future__ import annotations
 
-import statistics
-
 import numpy as np
 
+from benchmarks.baselines.siirl_style import reduce_by_substring
 from metricsvc.aggregator import Aggregator
 from metricsvc.client import MetricClient
 
@@ -52,16 +51,6 @@ def per_rank(r: dict) -> dict[str, float]:
             "perf/total_num_tokens": r["tokens"]}
 
 
-def siirl_reduce(name: str, values: list[float]) -> float:
-    if "min" in name:
-        return min(values)
-    if "max" in name:
-        return max(values)
-    if "sum" in name or "total" in name:
-        return sum(values)
-    return statistics.mean(values)
-
-
 def ours(ranks: list[dict]) -> dict[str, float]:
     agg = Aggregator(world_size=len(ranks))
     finished = []
@@ -84,7 +73,8 @@ def main() -> dict[str, dict[str, float]]:
     reported = {
         "rank 0 only (wandb.log)": locals_[0],
         "verl reduce_metrics": {k: float(np.mean([m[k] for m in locals_])) for k in truth},
-        "siiRL MetricWorker": {k: siirl_reduce(k, [m[k] for m in locals_]) for k in truth},
+        "siiRL MetricWorker": {k: reduce_by_substring(k, [m[k] for m in locals_])
+                               for k in truth},
         "metricsvc": ours(ranks),
     }
     heads = list(reported)

@@ -22,6 +22,8 @@ from typing import Any
 
 import ray
 
+from benchmarks.baselines.siirl_style import siirl_kind
+
 
 @dataclass
 class Metric:
@@ -34,14 +36,12 @@ def _values(metrics: list[Metric]) -> list[float]:
     return [v for m in metrics for v in (m.value if isinstance(m.value, list) else [m.value])]
 
 
+_PYTHON = {"min": min, "max": max, "sum": sum, "mean": statistics.mean}  # siiRL's, in Python
+
+
 def metric_func(name: str):
-    if "min" in name:
-        return lambda ms: min(_values(ms))
-    if "max" in name:
-        return lambda ms: max(_values(ms))
-    if "sum" in name or "total" in name:
-        return lambda ms: sum(_values(ms))
-    return lambda ms: statistics.mean(_values(ms))
+    reduce = _PYTHON[siirl_kind(name)]
+    return lambda ms: reduce(_values(ms))
 
 
 @ray.remote(num_cpus=0)
