@@ -1,12 +1,25 @@
-"""MkDocs hook: the site's home page is the README (one source), with its links to
-``docs/...`` pages made relative to the site."""
+"""MkDocs hooks: the site's home page is the README, with its links to ``docs/...`` pages
+made relative to the site, and the benchmarks page shows the plot the benchmark writes
+(``benchmarks/results/``): one source for each, no copy under ``docs/``."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "results"
+PLOTS = ("scale.png",)  # benchmark figures the pages show
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File
+
+    for name in PLOTS:
+        files.append(File(name, str(RESULTS), config["site_dir"],
+                          config["use_directory_urls"]))
+    return files
 
 
 def on_page_read_source(page, config):  # noqa: ARG001 (MkDocs' hook signature)
