@@ -24,6 +24,7 @@ import numpy as np
 from metricsvc.admission import Admission
 from metricsvc.declare import decode_derived
 from metricsvc.derive import Deriver
+from metricsvc.errors import BatchRejected
 from metricsvc.output import StepOutput, StepResult, TagOwners
 from metricsvc.published import Published, Status
 from metricsvc.ranks import LagWatch, WorldSize
@@ -37,7 +38,7 @@ from metricsvc.restart import RestartMethods
 from metricsvc.run_declarations import RunDeclarations
 from metricsvc.step import PendingStep, Window, regroup
 from metricsvc.streams import StreamMethods
-from metricsvc.validation import BatchRejected, KeyCache, Limits, check_batch
+from metricsvc.validation import KeyCache, Limits, check_batch
 from metricsvc.wire import as_batch, encode
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from metricsvc.declare import Derived
-from metricsvc.validation import BatchRejected
+from metricsvc.errors import BatchRejected
 
 
 def _describe(decl: Derived) -> str:

@@ -16,10 +16,10 @@ import numpy as np
 
 from metricsvc import records
 from metricsvc.declare import Derived, decode_derived
+from metricsvc.errors import BatchRejected
 from metricsvc.records import Batch
 from metricsvc.reduce import kind_name
 from metricsvc.sketch import Sketch, merge_sparse
-from metricsvc.validation import BatchRejected
 
 
 @dataclass

@@ -19,8 +19,9 @@ import struct
 
 import numpy as np
 
+from metricsvc.errors import BatchRejected
 from metricsvc.records import NFIELDS, Batch
-from metricsvc.validation import BatchRejected, Limits
+from metricsvc.validation import Limits
 
 _HEADER = struct.Struct("<qiiq?dIIIII")
 _COLUMNS = (  # name, dtype, length as a function of (K, S, N)

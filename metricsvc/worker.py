@@ -29,6 +29,7 @@ from metricsvc.config import (
     ServiceConfig,
     load_config,
 )
+from metricsvc.errors import BatchRejected
 from metricsvc.files import write_atomic
 from metricsvc.journal import Journal
 from metricsvc.records import Batch
@@ -41,7 +42,6 @@ from metricsvc.run_folder import (
 )
 from metricsvc.siirl import SiirlActorMethods
 from metricsvc.sinks import SinkDispatcher, build_sinks
-from metricsvc.validation import BatchRejected
 
 log = logging.getLogger(__name__)
 
