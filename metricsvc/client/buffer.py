@@ -11,17 +11,15 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.summarize import (
-    MaskCache,
-    Row,
     add_sketches,
     element_rows,
-    is_tensor,
     merge_rows,
     sketch,
     summarize,
     summarize_many,
     to_host,
 )
+from metricsvc.client.tensors import MaskCache, Row, is_tensor
 from metricsvc.protocol import (
     AUTO,
     KINDS,

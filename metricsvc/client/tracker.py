@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from metricsvc.client.summarize import is_tensor
+from metricsvc.client.tensors import is_tensor
 from metricsvc.protocol import Derived, ReduceType, check_key
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from metricsvc.client.summarize import is_tensor
+from metricsvc.client.tensors import is_tensor
 
 
 @dataclass(frozen=True)

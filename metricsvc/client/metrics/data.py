@@ -9,7 +9,7 @@ from typing import Any
 
 from metricsvc.client.metrics.batch import get, response_info
 from metricsvc.client.metrics.catalogue import Catalogue
-from metricsvc.client.summarize import Difference
+from metricsvc.client.tensors import Difference
 from metricsvc.protocol import Derived, Metric, ReduceType
 
 EXPLAINED_VARIANCE = Derived(
