@@ -15,8 +15,8 @@ import ray
 from metricsvc.client import MetricClient
 from metricsvc.config import load_config
 from metricsvc.journal import read_journal
+from metricsvc.keys import safe_tag
 from metricsvc.sinks import SinkDispatcher, build_sinks, default_registry
-from metricsvc.sinks.names import safe_tag
 from tests import readback
 from tests.sink_fixtures import RecordingSink
 

@@ -14,7 +14,7 @@ import ray
 
 from metricsvc.client import MetricClient
 from metricsvc.journal import read_journal
-from metricsvc.sinks.names import safe_tag
+from metricsvc.keys import safe_tag
 from tests import readback
 from tests.helpers import wait_for_new_incarnation
 

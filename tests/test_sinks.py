@@ -91,7 +91,7 @@ def test_a_failing_sink_is_retried_then_dead_lettered_and_others_go_on(tmp_path)
 
 
 def test_keys_become_safe_tags_that_cannot_climb_out_of_a_folder():
-    from metricsvc.sinks.names import is_internal, safe_tag
+    from metricsvc.keys import is_internal, safe_tag
 
     assert safe_tag("eval/acc (top-1)/mean") == "eval/acc__top-1_/mean"
     assert safe_tag("../../etc/passwd") == "_/_/etc/passwd"

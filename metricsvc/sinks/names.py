@@ -7,8 +7,6 @@ from collections.abc import Mapping
 
 from metricsvc.keys import is_internal, safe_tag, tag_order
 
-__all__ = ["is_internal", "public_metrics", "safe_tag", "tag_order", "tagged"]
-
 
 def public_metrics(metrics: Mapping[str, float], allow_nan: bool) -> dict[str, float]:
     """Return what a sink may see: no internal keys; non-finite values only if allowed."""

@@ -20,9 +20,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from metricsvc.keys import safe_tag
 from metricsvc.model import Strict
 from metricsvc.sinks.logfiles import LevelDBLogTail
-from metricsvc.sinks.names import safe_tag, tagged
+from metricsvc.sinks.names import tagged
 from metricsvc.sinks.spec import Builtin
 from metricsvc.sinks.state import SinkState
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from metricsvc.keys import safe_tag
 from metricsvc.model import Strict, plain
 from metricsvc.sinks.logfiles import tfrecords
-from metricsvc.sinks.names import safe_tag, tagged
+from metricsvc.sinks.names import tagged
 from metricsvc.sinks.spec import Builtin
 
 
