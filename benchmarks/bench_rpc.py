@@ -10,7 +10,10 @@ ratios against ours measured in the same run. ``ours`` closes a step with ``flus
 per-key lists of Metric objects: ``baselines/siirl_actor.py``); ``siirl`` its four-call
 pattern with the per-key lists reduced inline (``baselines/siirl_style.py``).
 
-    python benchmarks/bench_rpc.py [--worlds 4 8 16 32] [--keys 50 300] [--steps 30]
+    python -m benchmarks.bench_rpc [--worlds 4 16] [--keys 30 300] [--steps 40] [--rounds 3]
+
+It ends with the end-to-end table: ours against siiRL's one-call and four-call patterns,
+as ratios measured round by round.
 """
 
 from __future__ import annotations
@@ -141,11 +144,45 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
             "latency_p95_ms": 1e3 * lat[min(len(lat) - 1, int(0.95 * len(lat)))]}
 
 
+def _range(values: list[float], fmt: str = ".2f") -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:{fmt}}" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}–{hi:{fmt}}"
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """The end-to-end table: per (W, K), each round's ratios of ours against siiRL's one-call
+    (``siirl1``) and four-call (``siirl``) patterns, measured back to back in that round."""
+    lines = ["| W, K | siiRL 1-call steps/s | ours `flush` steps/s | ours / siiRL 1-call | "
+             "ours / siiRL 4-call | flush→final p50 ms, ours / siiRL 1-call | "
+             "actor CPU ms / batch, ours / siiRL 1-call |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for world, keys in dict.fromkeys((r["world"], r["keys"]) for r in rows):
+        got = {}
+        for pattern in ("ours", "siirl1", "siirl"):
+            got[pattern] = sorted((r for r in rows if r["pattern"] == pattern
+                                   and (r["world"], r["keys"]) == (world, keys)),
+                                  key=lambda r: r["round"])
+        ours, one, four = got["ours"], got["siirl1"], got["siirl"]
+        sps = [o["steps_per_s"] / s["steps_per_s"] for o, s in zip(ours, one)]
+        sps4 = [o["steps_per_s"] / s["steps_per_s"] for o, s in zip(ours, four)]
+        lines.append(
+            f"| {world}, {keys} | {_range([r['steps_per_s'] for r in one], '.1f')} | "
+            f"{_range([r['steps_per_s'] for r in ours], '.1f')} | {_range(sps)} | "
+            f"{_range(sps4)} | "
+            f"{_range([r['latency_p50_ms'] for r in ours], '.1f')} / "
+            f"{_range([r['latency_p50_ms'] for r in one], '.1f')} | "
+            f"{_range([r['actor_cpu_ms_per_batch'] for r in ours], '.3f')} / "
+            f"{_range([r['actor_cpu_ms_per_batch'] for r in one], '.3f')} |")
+    return lines
+
+
 def main() -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16, 32])
-    parser.add_argument("--keys", type=int, nargs="+", default=[50, 300])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--keys", type=int, nargs="+", default=[30, 300])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every pattern back to back (ratios are per round)")
     parser.add_argument("--per-key-steps", type=int, default=3,
                         help="steps for the one-call-per-key baseline (it is slow)")
     args = parser.parse_args()
@@ -153,26 +190,35 @@ def main() -> list[dict]:
     ranks = [BenchRank.remote(r) for r in range(max(args.worlds))]
     run("harness", ranks, max(args.worlds), 1, 3, -1)  # warm-up: every rank process started
     rows, index = [], 0
-    for world in args.worlds:
-        for keys in args.keys:
-            # harness: the driver's trigger alone; ours_wait: ours with the blocking close
-            for pattern in ("harness", "ours", "ours_wait", "siirl1", "siirl", "per_key"):
-                steps = args.steps if pattern != "per_key" else args.per_key_steps
-                rows.append(run(pattern, ranks, world, keys, steps, index))
-                index += 1
+    patterns = ["ours", "ours_wait", "siirl1", "siirl"]
+    for round_ in range(args.rounds):
+        for world in args.worlds:
+            for keys in args.keys:
+                # harness: the driver's trigger alone; ours_wait: ours with the blocking close;
+                # the order alternates by round so neither side always goes first
+                order = patterns if round_ % 2 == 0 else patterns[::-1]
+                extra = ["harness"] + (["per_key"] if round_ == 0 else [])
+                for pattern in extra + order:
+                    steps = args.steps if pattern != "per_key" else args.per_key_steps
+                    row = run(pattern, ranks, world, keys, steps, index)
+                    rows.append({**row, "round": round_})
+                    index += 1
     print(f"bench_rpc: local Ray on {os.cpu_count()} cores; W rank actors each flush K plain "
-          "float metrics per step")
-    print("| W | K | pattern | steps/s | actor calls / step | actor CPU ms / batch | "
+          f"float metrics per step; {args.rounds} rounds, every pattern back to back")
+    print("| W | K | round | pattern | steps/s | actor calls / step | actor CPU ms / batch | "
           "flush→final p50 ms | p95 ms | ours: steps/s × |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         ours = next(r for r in rows if r["pattern"] == "ours" and r["world"] == row["world"]
-                    and r["keys"] == row["keys"])
-        print(f"| {row['world']} | {row['keys']} | {row['pattern']} | "
+                    and r["keys"] == row["keys"] and r["round"] == row["round"])
+        print(f"| {row['world']} | {row['keys']} | {row['round']} | {row['pattern']} | "
               f"{row['steps_per_s']:.1f} | {row['calls_per_step']:.1f} | "
               f"{row['actor_cpu_ms_per_batch']:.3f} | "
               f"{row['latency_p50_ms']:.1f} | {row['latency_p95_ms']:.1f} | "
               f"{ours['steps_per_s'] / row['steps_per_s']:.2f} |")
+    print()
+    print("End to end, ours against siiRL's patterns (ranges over the rounds):")
+    print("\n".join(summary(rows)))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "rpc.json").write_text(json.dumps(rows, indent=2) + "\n")
     ray.shutdown()

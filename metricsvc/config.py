@@ -204,7 +204,15 @@ class ServiceConfig(Strict):
 
     @property
     def max_concurrency(self) -> int:
-        """Concurrent calls the actor accepts: every rank may wait on it at once."""
+        """Threads for the actor's calls other than readers' waits and the sinks' flush and
+        close: one. Merges take the actor's lock in turn anyway, calls run in the order they
+        came, and one thread costs Ray less per call than a pool."""
+        return 1
+
+    @property
+    def max_readers(self) -> int:
+        """Threads for ``wait_final_res`` / ``wait_final`` callers (the ``readers`` group):
+        every rank may wait on the actor at once."""
         return self.limits.max_world_size + 64
 
     def parsed_rules(self) -> dict[str, ReduceType]:

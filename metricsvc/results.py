@@ -1,14 +1,19 @@
 """Finished steps for readers: the last ``keep_results`` of them, and waiting on them.
 
-Any number of ``wait_final_res`` callers wait on one condition without holding a thread;
-each published step wakes them.
+``wait_final_res`` callers wait on one condition, each in a thread of the actor's
+``readers`` group (so no number of waiting readers can hold up a rank's merge); each
+published step wakes them. The condition's lock is the actor's: what a reader checks is
+never half merged.
 """
 
 from __future__ import annotations
 
-import asyncio
+import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
+
+import ray
 
 from metricsvc.aggregator import Aggregator, StepResult
 from metricsvc.errors import StepNotFinal, StepUnavailable
@@ -17,12 +22,13 @@ from metricsvc.errors import StepNotFinal, StepUnavailable
 class Results:
     """The published steps a reader may ask for, newest ``keep`` of them."""
 
-    def __init__(self, aggregator: Aggregator, keep: int, run_dir: Path) -> None:
+    def __init__(self, aggregator: Aggregator, keep: int, run_dir: Path,
+                 lock: threading.RLock) -> None:
         self.aggregator = aggregator
         self.keep = keep
         self.run_dir = run_dir
         self._by_step: OrderedDict[int, StepResult] = OrderedDict()
-        self._changed = asyncio.Condition()
+        self._changed = threading.Condition(lock)  # the actor's lock: held by every merge
 
     def put(self, result: StepResult) -> None:
         """Keep ``result`` (forgetting the oldest past ``keep``)."""
@@ -43,12 +49,12 @@ class Results:
         """Return the result of ``step`` if kept; never waits."""
         return self._by_step.get(step)
 
-    async def notify(self) -> None:
+    def notify(self) -> None:
         """Wake every waiting reader: something was published."""
-        async with self._changed:
+        with self._changed:
             self._changed.notify_all()
 
-    async def wait(self, step: int | None, timeout_s: float | None) -> StepResult:
+    def wait(self, step: int | None, timeout_s: float | None) -> StepResult:
         """Return the result of ``step`` once it is final (``None``: the newest step any rank
         closed, waiting for one if none has).
 
@@ -57,23 +63,19 @@ class Results:
             StepUnavailable: final, but never submitted or no longer kept.
         """
         agg = self.aggregator
-        try:
-            async with self._changed:
-                if step is None:
-                    await asyncio.wait_for(
-                        self._changed.wait_for(lambda: agg.newest_closed is not None), timeout_s
-                    )
-                    step = agg.newest_closed
-                target = int(step)  # type: ignore[arg-type]
-                await asyncio.wait_for(
-                    self._changed.wait_for(
-                        lambda: agg.last_emitted is not None and agg.last_emitted >= target
-                    ),
-                    timeout_s,
-                )
-        except asyncio.TimeoutError:
-            raise StepNotFinal(self._not_final_message(step, timeout_s)) from None
-        result = self._by_step.get(target)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def until(ready) -> bool:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self._changed.wait_for(ready, left)
+
+        with self._changed:
+            if step is None and not until(lambda: agg.newest_closed is not None):
+                raise StepNotFinal(self._not_final_message(None, timeout_s))
+            target = int(agg.newest_closed if step is None else step)  # type: ignore[arg-type]
+            if not until(lambda: agg.last_emitted is not None and agg.last_emitted >= target):
+                raise StepNotFinal(self._not_final_message(target, timeout_s))
+            result = self._by_step.get(target)
         if result is None:
             raise StepUnavailable(
                 f"step {target} has no result: no rank submitted it, or it was evicted "
@@ -105,7 +107,8 @@ class ReaderMethods:
 
     results: Results
 
-    async def wait_final_res(
+    @ray.method(concurrency_group="readers")
+    def wait_final_res(
         self, step: int | None = None, timeout_s: float | None = None
     ) -> dict[str, float]:
         """Return the merged metrics of ``step`` once it is final.
@@ -113,11 +116,12 @@ class ReaderMethods:
         ``step=None`` means the newest step any rank has closed (waiting for one
         if none has). Raises ``StepNotFinal`` (a TimeoutError) after ``timeout_s``.
         """
-        return (await self.results.wait(step, timeout_s)).metrics
+        return self.results.wait(step, timeout_s).metrics
 
-    async def wait_final(self, step: int | None = None, timeout_s: float | None = None) -> dict:
+    @ray.method(concurrency_group="readers")
+    def wait_final(self, step: int | None = None, timeout_s: float | None = None) -> dict:
         """Like ``wait_final_res`` but return ``{"step", "metrics", "meta"}``."""
-        result = await self.results.wait(step, timeout_s)
+        result = self.results.wait(step, timeout_s)
         return {"step": result.step, "metrics": result.metrics, "meta": result.meta}
 
     def get_result(self, step: int) -> dict | None:

@@ -20,7 +20,7 @@ from metricsvc.keys import default_namespace
 from metricsvc.redaction import Redactor
 from metricsvc.run_folder import check_run_dir, probe_run_dir
 from metricsvc.sinks.base import check_libraries
-from metricsvc.worker import MetricWorker
+from metricsvc.worker import actor_class
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def start_metric_worker(
     if cfg.run.trial is None:
         # Fixed here, not in the actor: a restarted actor must find the same run folder.
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"trial": new_trial()})})
-    handle = MetricWorker.options(  # type: ignore[attr-defined]
+    handle = actor_class(cfg.max_readers).options(
         name=cfg.name,
         namespace=cfg.namespace,
         get_if_exists=True,

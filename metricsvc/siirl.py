@@ -7,11 +7,11 @@ from __future__ import annotations
 class SiirlActorMethods:
     """Mixed into the MetricWorker actor."""
 
-    async def start(self) -> None:
+    def start(self) -> None:
         """siiRL's ``MetricWorker.start()``: the service serves from its creation, so this
         only answers (``ray.get(metric_worker.start.remote())`` works as in siiRL)."""
 
-    async def stop(self) -> None:
+    def stop(self) -> None:
         """siiRL's ``MetricWorker.stop()``: nothing to stop between steps here (siiRL's loop
         restarts on the next ``wait_final_res``). The service keeps serving; end it with
         ``metricsvc.stop_metric_worker`` (or ``close()``)."""

@@ -2,17 +2,21 @@
 
 It owns the run folder (``run_folder``), the merge (``Aggregator``), the journal
 (``Journal``, the service's log), the readers' results (``Results``) and the sinks
-(``SinkDispatcher``). The actor is asynchronous: a rank's ``submit`` merges and returns at
-once, any number of ``wait_final_res`` callers wait without holding a thread, and finished
-steps reach the sinks through background threads, so no sink I/O sits on the merge path.
-Starting it from a driver is ``metricsvc.service``.
+(``SinkDispatcher``). The actor is threaded, not asyncio: Ray runs a threaded actor's call
+for about half the CPU of an async one, and the singleton's CPU per call is what bounds a
+run's steps per second. A rank's ``submit`` merges under the actor's lock and returns at
+once; ``wait_final_res`` callers wait in a thread group of their own (``readers``), so
+waiting readers can never hold up a merge; finished steps reach the sinks through
+background threads, so no sink I/O sits on the merge path. Starting it from a driver is
+``metricsvc.service``.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -41,6 +45,7 @@ from metricsvc.run_folder import (
     hold_run_dir,
 )
 from metricsvc.siirl import SiirlActorMethods
+from metricsvc.stream_calls import StreamCallMethods
 from metricsvc.sinks import SinkDispatcher, build_sinks
 
 log = logging.getLogger(__name__)
@@ -55,7 +60,7 @@ def _restarted_by_ray() -> bool:
         return False
 
 
-class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
+class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
     """Actor body; use ``MetricWorker`` (the Ray actor class) or ``start_metric_worker``."""
 
     def __init__(self, config: ConfigSource = None) -> None:
@@ -82,7 +87,11 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
         self.redactor = Redactor(cfg.model_dump())
         write_atomic(self.run_dir / "config.yaml",
                       yaml.safe_dump(self.redactor.value(cfg.model_dump())))
-        self.results = Results(self.aggregator, cfg.limits.keep_results, self.run_dir)
+        # Held by every call that reads or changes the merge state, and by the readers'
+        # condition: Ray runs this actor's calls on several threads.
+        self._lock = threading.RLock()
+        self.results = Results(self.aggregator, cfg.limits.keep_results, self.run_dir,
+                               self._lock)
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: clients resend on a change
         self.job = ray.get_runtime_context().get_job_id()  # the job whose run this is
         self.aggregator.journaled_meta = self.journal.meta  # an old step's batches: checked
@@ -97,8 +106,8 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
         self.sinks = SinkDispatcher(build_sinks(cfg.sinks, check=True, built=writer),
                                     self.run_dir, cfg.sinks.delivery, self.redactor,
                                     replay=journal)
-        self.timer = StragglerTimer(cfg.straggler_timeout_s, self.aggregator.expire,
-                                    self._publish)
+        self.timer = StragglerTimer(cfg.straggler_timeout_s, self._lock,
+                                    self.aggregator.expire, self._publish)
         self._started = time.time()
         self.calls: Counter[str] = Counter()
         self._closed = False
@@ -123,7 +132,7 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
                 "last_final_step": self.aggregator.last_emitted, **extra}
 
     # -- ranks -------------------------------------------------------------------------
-    async def submit(self, batch: Batch | bytes, epoch: str | None = None) -> dict[str, Any]:
+    def submit(self, batch: Batch | bytes, epoch: str | None = None) -> dict[str, Any]:
         """Merge one rank's batch (or its wire bytes); return the ack.
 
         ``epoch``: the incarnation the client last heard from. If this is another one
@@ -134,6 +143,10 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
         Raises:
             BatchRejected: (a ValueError) the batch was refused; nothing was merged.
         """
+        with self._lock:
+            return self._submit(batch, epoch)
+
+    def _submit(self, batch: Batch | bytes, epoch: str | None) -> dict[str, Any]:
         if self._stale(epoch):
             return self._ack("epoch_changed")
         self.calls["submit"] += 1
@@ -151,22 +164,26 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
             self.sinks.event({"type": "late_batch", "step": batch.step, "rank": batch.rank,
                               "seq": batch.seq, "keys": len(batch.keys)})
         if outcome.finished:
-            await self._publish(outcome.finished)
+            self._publish(outcome.finished)
         elif self.aggregator.newest_closed != newest:
-            await self.results.notify()  # wait_final_res(step=None) watches newest_closed
+            self.results.notify()  # wait_final_res(step=None) watches newest_closed
         ack = self._ack(outcome.status, step=batch.step, seq=batch.seq)
         if outcome.notice is not None:
             ack["notice"] = outcome.notice
         return ack
 
-    async def submit_many(self, batches: list[Batch | bytes],
-                          epoch: str | None = None) -> dict[str, Any]:
+    def submit_many(self, batches: list[Batch | bytes],
+                    epoch: str | None = None) -> dict[str, Any]:
         """Merge batches forwarded by a combiner, each exactly as if sent directly.
 
         Returns the ack with one status per batch (``rejected: <why>`` for a refused one:
         a refusal does not stop the others). ``epoch`` as for ``submit``: another
         incarnation's answers ``epoch_changed`` and merges nothing.
         """
+        with self._lock:
+            return self._submit_many(batches, epoch)
+
+    def _submit_many(self, batches: list[Batch | bytes], epoch: str | None) -> dict[str, Any]:
         if self._stale(epoch):
             return self._ack("epoch_changed")
         self.calls["submit_many"] += 1
@@ -182,29 +199,10 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
                             else f"{outcome.status}; earlier: {outcome.notice}")
             finished.extend(outcome.finished)
         if finished:
-            await self._publish(finished)
+            self._publish(finished)
         else:
-            await self.results.notify()
+            self.results.notify()
         return self._ack("batch", statuses=statuses)
-
-    # -- streams -----------------------------------------------------------------------
-    async def stream_submit(self, name: str, client: str, batch: Batch | bytes) -> dict[str, Any]:
-        """Add a stream client's records to the current window of stream ``name``."""
-        self.calls["stream_submit"] += 1
-        batch = self.aggregator.decode(batch)
-        status = self.aggregator.stream_submit(name, client, batch)
-        return self._ack(status, seq=batch.seq)
-
-    async def export_stream(self, name: str, step: int, close: bool = False) -> dict[str, float]:
-        """Publish the window of stream ``name`` with ``step``, start a new window, and
-        return the window's metrics. ``close=True``: a step no rank submits is final with
-        the window alone. Raises ``BatchRejected`` (window kept) if the step is final."""
-        self.calls["export_stream"] += 1
-        self.timer.start()
-        metrics, finished = self.aggregator.export_stream(name, int(step), close)
-        if finished:
-            await self._publish(finished)
-        return metrics
 
     def job_id(self) -> str:
         """Return the id of the Ray job that started this service (it dies with that job)."""
@@ -212,6 +210,10 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
 
     def health(self) -> dict[str, Any]:
         """Return the actor's state: pending steps, counters, sink errors, run folder."""
+        with self._lock:
+            return self._health()
+
+    def _health(self) -> dict[str, Any]:
         sinks = self.sinks.health()
         journal = self.journal.health()
         return {
@@ -236,23 +238,25 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
         }
 
     # -- lifecycle ---------------------------------------------------------------------
-    async def flush(self, timeout_s: float = 30.0) -> bool:
+    @ray.method(concurrency_group="control")
+    def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every finished step so far has been handed to the sinks."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.sinks.flush, timeout_s)
+        return self.sinks.flush(timeout_s)
 
-    async def close(self) -> dict[str, Any]:
+    @ray.method(concurrency_group="control")
+    def close(self) -> dict[str, Any]:
         """Flush and close every sink, then let go of the run folder; a second call is
         harmless. Returns ``health()``."""
         if not self._closed:
             self._closed = True
             self.timer.stop()
-            await asyncio.get_running_loop().run_in_executor(None, self.sinks.close)
+            self.sinks.close()
             if self._owner_fd is not None:
                 os.close(self._owner_fd)  # the folder may have a new owner now
                 self._owner_fd = None
         return self.health()
 
-    async def rewind(self, to_step: int) -> dict[str, Any]:
+    def rewind(self, to_step: int) -> dict[str, Any]:
         """Resume from the checkpoint of ``to_step``: every step after it is recorded afresh.
 
         Published steps past it are superseded, not deleted: the journal starts a new
@@ -264,6 +268,10 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
         if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < -1:
             raise ValueError(f"rewind(to_step=...) takes a step >= -1 (-1: before step 0), "
                              f"got {to_step!r}")
+        with self._lock:
+            return self._rewind(to_step)
+
+    def _rewind(self, to_step: int) -> dict[str, Any]:
         kept = self.results.get(to_step)
         totals = (kept.meta.get("derived_totals") if kept is not None
                   else self.journal.totals_at(to_step))
@@ -273,7 +281,7 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
             self._reloaded_through = min(self._reloaded_through, to_step)
         self.sinks.rewind(to_step)
         log.warning("rewound to step %d: %d published steps superseded", to_step, superseded)
-        await self.results.notify()
+        self.results.notify()
         return {"to_step": to_step, "superseded": superseded}
 
     def config_dump(self) -> dict[str, Any]:
@@ -288,44 +296,48 @@ class MetricWorkerImpl(ReaderMethods, SiirlActorMethods):
         self.sinks.close(timeout_s=10)
 
     # -- internals ---------------------------------------------------------------------
-    async def _publish(self, finished: list[StepResult]) -> None:
+    def _publish(self, finished: list[StepResult]) -> None:
+        """Keep finished steps for readers and hand them to the sinks (the lock is held)."""
         for result in finished:
             self.results.put(result)
             self.sinks.publish(result.step, result.metrics, result.meta)
-        await self.results.notify()
+        self.results.notify()
 
 
 class StragglerTimer:
-    """Finishes, as partial, the steps whose straggler timeout has passed: a task on the
-    actor's event loop, started by the first call that may open a step."""
+    """Finishes, as partial, the steps whose straggler timeout has passed: a daemon thread,
+    started by the first call that may open a step."""
 
-    def __init__(self, timeout_s: float | None, expire: Callable[[], list[StepResult]],
-                 publish: Callable[[list[StepResult]], Any]) -> None:
+    def __init__(self, timeout_s: float | None, lock: threading.RLock,
+                 expire: Callable[[], list[StepResult]],
+                 publish: Callable[[list[StepResult]], None]) -> None:
         self.period = None if timeout_s is None else min(1.0, timeout_s / 4)
-        self.expire, self.publish = expire, publish
+        self.lock, self.expire, self.publish = lock, expire, publish
         self.errors = 0
-        self._task: asyncio.Task[None] | None = None
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Start the timer once (no straggler timeout: never)."""
-        if self._task is None and self.period is not None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        if self._thread is None and self.period is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="metricsvc-straggler-timer")
+            self._thread.start()
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        self._stopped.set()
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.period)  # type: ignore[arg-type]
+    def _run(self) -> None:
+        while not self._stopped.wait(self.period):
             try:
-                finished = self.expire()
-                for r in finished:
-                    if r.meta["partial"]:
-                        log.warning("step %d finished partial: missing ranks %s",
-                                    r.step, r.meta["missing_ranks"])
-                if finished:
-                    await self.publish(finished)
+                with self.lock:  # the actor's: a merge never sees a step half expired
+                    finished = self.expire()
+                    for r in finished:
+                        if r.meta["partial"]:
+                            log.warning("step %d finished partial: missing ranks %s",
+                                        r.step, r.meta["missing_ranks"])
+                    if finished:
+                        self.publish(finished)
             except Exception:  # the straggler timer must outlive any one bad step
                 self.errors += 1
                 log.exception("straggler timer: finishing timed-out steps failed")
@@ -333,10 +345,19 @@ class StragglerTimer:
 
 _DEFAULTS = ServiceConfig()
 
-MetricWorker = ray.remote(
-    num_cpus=0,
-    max_restarts=_DEFAULTS.max_restarts,
-    max_concurrency=_DEFAULTS.max_concurrency,
-)(type("MetricWorker", (MetricWorkerImpl,), {"__doc__": MetricWorkerImpl.__doc__}))
-# (Named MetricWorker so that Ray's log lines read "(MetricWorker pid=...)".)
+
+@functools.cache
+def actor_class(max_readers: int = _DEFAULTS.max_readers) -> Any:
+    """Return the Ray actor class whose ``readers`` group has ``max_readers`` threads (Ray
+    fixes concurrency groups with the class, not in ``.options``)."""
+    return ray.remote(
+        num_cpus=0,
+        max_restarts=_DEFAULTS.max_restarts,
+        max_concurrency=_DEFAULTS.max_concurrency,
+        concurrency_groups={"readers": max_readers, "control": 4},
+    )(type("MetricWorker", (MetricWorkerImpl,), {"__doc__": MetricWorkerImpl.__doc__}))
+    # (Named MetricWorker so that Ray's log lines read "(MetricWorker pid=...)".)
+
+
+MetricWorker = actor_class()
 """The Ray actor class. ``start_metric_worker`` creates the named singleton from a config."""

@@ -51,7 +51,7 @@ def test_overrides_and_round_trip():
     cfg = load_config(None, name="other", namespace="ns")
     assert (cfg.name, cfg.namespace) == ("other", "ns")
     assert load_config(cfg.model_dump()) == cfg and load_config(cfg) == cfg
-    assert cfg.max_concurrency > cfg.limits.max_world_size
+    assert cfg.max_readers > cfg.limits.max_world_size
 
 
 def test_run_dir_is_root_experiment_trial(tmp_path):

@@ -351,3 +351,21 @@ def test_a_rank_whose_counted_steps_shifted_by_one_is_named_and_told_to_pass_ste
     meta = ray.get(handle.wait_final.remote(step=4, timeout_s=30))["meta"]
     assert meta["lagging_ranks"] == [1]
     assert ray.get(handle.health.remote())["lagging_ranks"] == [1]
+
+
+def test_many_waiting_readers_never_hold_up_a_merge_and_each_gets_its_step(make_worker):
+    """The actor runs its calls on threads: readers wait in a group of their own, so more
+    waiting readers than merge threads (200 here, none with a timeout) cannot keep a rank's
+    batch from merging, and each reader is woken by the step it waits for."""
+    handle, cfg = make_worker()
+    waiting = [handle.wait_final_res.remote(i % 3, None) for i in range(200)]
+    ready, _ = ray.wait(waiting, timeout=0.2)
+    assert not ready  # nothing published yet: every reader is waiting
+    clients = clients_for(cfg, 2)
+    for step in range(3):
+        for rank, client in enumerate(clients):
+            client.submit_metric({"x/mean": float(10 * step + rank)})
+            client.wait_submit(timeout_s=30)
+    results = ray.get(waiting, timeout=60)
+    assert [r["x/mean"] for r in results] == [[0.5, 10.5, 20.5][i % 3] for i in range(200)]
+    assert ray.get(handle.health.remote(), timeout=30)["calls"]["submit"] == 6

@@ -145,9 +145,10 @@ class MetricClient(SiirlMethods, Tracker):
         encoding here; the batch is handed to this client's sender thread, and the client
         moves to the next step at once.
 
-        The sender delivers one batch at a time, in step order (Ray runs an async actor's
-        calls concurrently, so batches sent without waiting could overtake each other and a
-        step could be published before its predecessor arrived). Its answers are read at the
+        The sender delivers one batch at a time, in step order (Ray does not promise to run
+        an actor's calls in the order sent: a large batch travels through the object store,
+        so batches sent without waiting could overtake each other and a step could be
+        published before its predecessor arrived). Its answers are read at the
         next ``flush`` / ``wait_submit`` / ``wait_acks``: a refusal (``BatchRejected``, with
         a note naming the step), a late or late-joining step (``LateBatch``,
         ``StepAlreadyFinal``) or a notice is raised or warned there, after this call's

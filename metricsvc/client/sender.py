@@ -3,8 +3,9 @@ the restart protocol (``metricsvc.resend``).
 
 A blocking ``send`` runs on the caller's thread (``wait_submit``); ``hand_over`` queues a
 batch for the sender thread (``flush``), whose answers the caller reads later. Either way
-one delivery runs at a time, so steps reach the service in order (Ray runs an async
-actor's calls concurrently: batches sent without waiting could overtake each other). Every
+one delivery runs at a time, so steps reach the service in order (Ray does not promise to
+run an actor's calls in the order sent: a large batch travels through the object store,
+so batches sent without waiting could overtake each other). Every
 batch is kept until an ack says the journal holds its step, and resent to a restarted
 actor that lacks it; a refused one is dropped at once (resending cannot help).
 """
