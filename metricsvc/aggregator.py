@@ -37,7 +37,7 @@ from metricsvc.report import ReportMethods
 from metricsvc.restart import RestartMethods
 from metricsvc.run_declarations import RunDeclarations
 from metricsvc.step import PendingStep, Window, regroup
-from metricsvc.streams import StreamMethods
+from metricsvc.streams import StreamLedger, StreamMethods
 from metricsvc.validation import KeyCache, Limits, check_batch
 from metricsvc.wire import as_batch, encode
 
@@ -91,6 +91,7 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
         self._clock = clock
         self._pending: dict[int, PendingStep] = {}
         self._windows: dict[str, Window] = {}
+        self.stream_ledger = StreamLedger()
         self._exports = 0
         # Ranks that closed each emitted step, and (for the newest) the digests of their
         # batches: a byte-identical resend is a duplicate, other content a conflict.

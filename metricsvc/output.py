@@ -117,6 +117,8 @@ class StepOutput:
         }
         if p.streams:
             meta["streams"] = list(p.streams)
+            # Read back after a restart: which stream batches the journal holds
+            meta["stream_seqs"] = {name: dict(seqs) for name, seqs in p.stream_seqs.items()}
         totals = self.deriver.state()
         if totals:
             meta["derived_totals"] = totals

@@ -4,13 +4,9 @@ rewind. The aggregator's part."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from metricsvc.step import PendingStep
-
-if TYPE_CHECKING:
-    pass
-
 
 
 class RestartMethods:
@@ -38,12 +34,16 @@ class RestartMethods:
             declarations = meta.get("declarations")
             if isinstance(declarations, dict):
                 self.declarations.restore(declarations, step)
+            stream_seqs = meta.get("stream_seqs")
+            if isinstance(stream_seqs, dict):
+                self.stream_ledger.journaled(stream_seqs)
 
     def rewind(self, to_step: int, totals: Mapping[str, Any] | None) -> int:
         """Forget every step past ``to_step`` (published or pending): they will be recorded
         afresh. ``totals``: the running sums as journaled with ``to_step``. Returns how
         many published steps were superseded."""
         superseded = self.published.forget_after(to_step)
+        self.stream_ledger.forget_after(to_step)
         for step in [s for s in self._pending if s > to_step]:
             del self._pending[step]
         if self.last_emitted is not None and self.last_emitted > to_step:

@@ -161,6 +161,8 @@ class PendingStep(Collection):
         self.digests: dict[tuple[int, int], bytes] = {}  # (rank, seq) -> content digest
         self.batches = 0
         self.streams: list[str] = []
+        # Per stream exported into this step: each client's newest batch (seq) it holds
+        self.stream_seqs: dict[str, dict[str, int]] = {}
         self.timed_out = False
         self.stream_only = False
         # Until the run's world size is agreed: how to rebuild this step without the
@@ -226,6 +228,7 @@ class Window(Collection):
     def __init__(self) -> None:
         super().__init__()
         self.seqs: set[tuple[str, int]] = set()
+        self.last_seq: dict[str, int] = {}  # each client's newest batch in the window
 
     def add_batch(self, client: str, batch: Batch) -> bool:
         """Keep a stream batch; False (and nothing kept) if it was seen before."""
@@ -236,6 +239,7 @@ class Window(Collection):
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch), True)
         self.declare(decode_derived(batch.derived))
         self.seqs.add((client, batch.seq))
+        self.last_seq[client] = max(batch.seq, self.last_seq.get(client, batch.seq))
         return True
 
     def as_part(self, order: tuple) -> tuple[Part, list[str], np.ndarray, list]:

@@ -116,3 +116,52 @@ def test_stream_batches_are_idempotent_per_client_and_seq():
     assert finished[0].meta["partial"] is False and finished[0].meta["world_size"] == 0
     with pytest.raises(BatchRejected, match="already final"):
         agg.export_stream("s", 0)
+
+
+def test_a_restart_before_the_export_loses_and_doubles_no_stream_batch(make_worker):
+    """A stream's batches go through the restart protocol the ranks' use: each is kept until
+    the journal holds the step its window was exported into, and resent to a restarted
+    actor that lacks it (its window lived in memory)."""
+    from tests.helpers import wait_for_new_incarnation
+
+    handle, cfg = make_worker(sinks={"console": None, "jsonl": {}})
+    driver = MetricClient(handle, rank=0, world_size=1)
+    rec = quiet(driver)
+    values = [3.0, 5.0, 11.0]
+    rec.stat(reward=np.array(values[:1]))
+    rec.flush()
+    ray.get(handle.export_stream.remote("rollout", 0, True))
+    assert ray.get(handle.wait_final_res.remote(0, 10))["rollout/reward/mean"] == 3.0
+    assert ray.get(handle.flush.remote())  # step 0 is journaled
+    for v in values[1:]:
+        rec.stat(reward=np.array([v]))
+        rec.flush()  # step 0's export is durable: what it held is forgotten here
+    assert len(rec.sender.outbox) == 2  # the two batches of the window not exported yet
+    epoch = ray.get(handle.health.remote())["epoch"]
+    ray.kill(handle, no_restart=False)  # the window dies with the actor
+    wait_for_new_incarnation(handle, epoch)
+    rec.stat(reward=np.array([17.0]))
+    rec.flush()  # told epoch_changed: resends the two, then this one
+    ray.get(handle.export_stream.remote("rollout", 1, True))
+    got = ray.get(handle.wait_final_res.remote(1, 10))
+    assert got["rollout/reward/mean"] == pytest.approx(np.mean([5.0, 11.0, 17.0]), rel=1e-15)
+    assert got["rollout/reward/min"] == 5.0 and got["rollout/reward/max"] == 17.0
+    health = ray.get(handle.health.remote())
+    assert health["calls"]["epoch_changed"] == 1 and rec.sender.outbox.resent == 2
+
+
+def test_a_stream_recorder_reaches_the_service_under_per_node_topology(make_worker):
+    """Streams have no step barrier, so they go to the MetricWorker itself, not through the
+    node's combiner (which gathers ranks' steps)."""
+    from metricsvc.protocol import combiner_name
+
+    handle, cfg = make_worker(topology="per_node")
+    node = ray.get_runtime_context().get_node_id()
+    combiner = ray.get_actor(combiner_name(cfg.name, node), namespace=cfg.namespace)
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    rec = quiet(client)
+    rec.stat(reduce="sum", episodes=2.0)
+    rec.close()
+    ray.get(handle.export_stream.remote("rollout", 0, True))
+    assert ray.get(handle.wait_final_res.remote(0, 10)) == {"rollout/episodes": 2.0}
+    ray.kill(combiner)

@@ -11,7 +11,7 @@ import ray
 
 from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.cursor import StepCursor
-from metricsvc.client.rpc import call, find_service
+from metricsvc.client.rpc import call, find_metric_worker, find_service
 from metricsvc.client.sender import Sender
 from metricsvc.client.siirl import SiirlMethods
 from metricsvc.client.stream import StreamRecorder
@@ -69,6 +69,7 @@ class MetricClient(SiirlMethods, Tracker):
                 "rank=rank, world_size=world_size))")
         self.rank, self.world_size = check_rank(rank, world_size)
         self._worker = worker
+        self._given = worker  # the MetricWorker's handle when the caller gave it
         self._via = via
         self._name = name or DEFAULT_NAME
         self._namespace = namespace or default_namespace()
@@ -103,8 +104,12 @@ class MetricClient(SiirlMethods, Tracker):
         return self
 
     def stream(self, name: str, **kwargs: Any) -> StreamRecorder:
-        """Return a recorder for stream ``name``: no step barrier; see ``StreamRecorder``."""
-        return StreamRecorder(lambda: self.worker, name, sketch_spec=self.buffer.sketch_spec,
+        """Return a recorder for stream ``name``: no step barrier; see ``StreamRecorder``.
+        It sends to the MetricWorker itself, never through a node's combiner."""
+        def metric_worker() -> Any:  # the handle given, else found by name on first use
+            self._given = self._given or find_metric_worker(self._name, self._namespace)
+            return self._given
+        return StreamRecorder(metric_worker, name, sketch_spec=self.buffer.sketch_spec,
                               compile=self.buffer.compile, retry_s=self.retry_s, **kwargs)
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None, *,

@@ -74,12 +74,17 @@ def find_service(name: str, namespace: str, via: str | None, rank: int) -> Any:
         if via is not None:
             raise ValueError(f"no combiner {via!r} for service {name!r}; "
                              f"start it with metricsvc.start_combiner") from None
-        try:
-            return ray.get_actor(name, namespace=namespace)
-        except ValueError:  # not a bad batch (nothing to drop): no service to send to
-            raise ServiceUnavailable(
-                f"no MetricWorker named {name!r} in namespace {namespace!r}: "
-                f"start it with metricsvc.start_metric_worker (or it was stopped)"
-            ) from None
+        return find_metric_worker(name, namespace)
     ray.get(combiner.register.remote(rank))
     return combiner
+
+
+def find_metric_worker(name: str, namespace: str) -> Any:
+    """Return the MetricWorker named ``name``, or raise ``ServiceUnavailable`` naming it."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:  # not a bad batch (nothing to drop): no service to send to
+        raise ServiceUnavailable(
+            f"no MetricWorker named {name!r} in namespace {namespace!r}: "
+            f"start it with metricsvc.start_metric_worker (or it was stopped)"
+        ) from None

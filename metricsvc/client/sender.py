@@ -27,9 +27,13 @@ Answer = tuple[Batch, "dict[str, Any] | None", "BaseException | None"]
 class Sender:
     """The delivery of one client's batches; see the module's docstring."""
 
-    def __init__(self, call: Call, label: str, max_inflight: int = 256) -> None:
+    def __init__(self, call: Call, label: str, max_inflight: int = 256,
+                 position: Callable[[Batch], int] = lambda batch: batch.step) -> None:
         self._call = call
         self.label = label
+        # Where a batch stands in the order acks' ``durable_through`` counts: a rank's step,
+        # a stream client's batch number
+        self._position = position
         # Sent but not yet in the service's journal (resent after a restart), and the
         # incarnation last heard from: the restart protocol, shared with the combiner.
         self.outbox = Outbox(max_inflight, label=label)
@@ -46,7 +50,7 @@ class Sender:
         """Deliver one batch now and return its ack. A refused batch leaves the outbox; an
         undelivered one too unless ``keep_undelivered``."""
         with self._send_lock:
-            self.outbox.sent(batch.step, blob)
+            self.outbox.sent(self._position(batch), blob)
             try:
                 return self._deliver(blob, timeout_s)
             except Refused:

@@ -6,6 +6,11 @@ everything flushed to stream ``name`` since the last export with that step
 (merged count-weighted, like any step) and starts a new window. Records still
 in a recorder's buffer at the export go to the next window: nothing is lost or
 counted twice.
+
+A recorder delivers through the same ``Sender`` as a rank's client: one batch at a time,
+each kept until the journal holds the step its window was exported into, and resent to a
+restarted actor (whose windows died with it). Streams go to the MetricWorker itself, never
+through a node's combiner, which gathers ranks' steps.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.rpc import call
+from metricsvc.client.sender import Sender
 from metricsvc.client.tracker import Tracker
 from metricsvc.protocol import Batch, Refused, SketchSpec, check_key, encode
 
@@ -39,6 +45,7 @@ class StreamRecorder(Tracker):
         retry_s: float = 120.0,
         flush_every: int = 256,
         flush_interval_s: float = 1.0,
+        max_inflight: int = 1024,
     ) -> None:
         self.name = check_key(name)
         self.client_id = uuid.uuid4().hex
@@ -52,15 +59,38 @@ class StreamRecorder(Tracker):
         self._seq = 0
         self._unacked: Batch | None = None
         self._last_flush = time.monotonic()
+        self._closed = False
         self.rpc_count = 0
+        # Batches are numbered (seq) in the order sent: the position acks count in
+        self.sender = Sender(self._call, f"stream {name!r}", max_inflight,
+                             position=lambda batch: batch.seq)
+
+    def _call(self, payload: bytes, epoch: str | None, timeout_s: float | None) -> dict:
+        self.rpc_count += 1
+        return call(self._worker, "stream_submit", self.name, self.client_id, payload, epoch,
+                    retry_s=self.retry_s, timeout_s=timeout_s)
 
     def _maybe_flush(self) -> None:
+        self._check_open()
         due = time.monotonic() - self._last_flush >= self.flush_interval_s
         if len(self.buffer) >= self.flush_every or due:
             self.flush()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name!r}: this recorder is closed (close() or "
+                               f"the end of its with-block); records after it are not sent: "
+                               f"take a new one with client.stream({self.name!r})")
+
     def flush(self, timeout_s: float | None = None) -> dict[str, Any] | None:
-        """Send what was recorded since the last flush (one host copy, one actor call)."""
+        """Send what was recorded since the last flush (one host copy, one actor call)
+        and return the ack; None if nothing was recorded.
+
+        On a timeout, or while the actor is unreachable past ``retry_s``, the batch is
+        kept and the next flush sends it again (the service merges it once); a refused
+        batch is dropped (resending cannot help) and the error raised.
+        """
+        self._check_open()
         with self.buffer.lock:
             if self._unacked is None:
                 if not len(self.buffer):
@@ -69,10 +99,8 @@ class StreamRecorder(Tracker):
                 self._unacked = self.buffer.take_batch(step=0, rank=0, world_size=1,
                                                        seq=self._seq, final=False)
             batch = self._unacked
-        self.rpc_count += 1
         try:
-            ack = call(self._worker, "stream_submit", self.name, self.client_id, encode(batch),
-                       retry_s=self.retry_s, timeout_s=timeout_s)
+            ack = self.sender.send(batch, encode(batch), timeout_s, keep_undelivered=False)
         except Refused:
             self._unacked = None  # rejected: resending the same batch cannot help
             raise
@@ -81,8 +109,12 @@ class StreamRecorder(Tracker):
         return ack
 
     def close(self) -> None:
-        """Flush what is left; the recorder can still be used afterwards."""
-        self.flush()
+        """Flush what is left and end the recorder: recording afterwards raises. The
+        batches the journal does not hold yet can no longer be resent after an actor
+        restart once this object is gone."""
+        if not self._closed:
+            self.flush()
+            self._closed = True
 
     def __enter__(self) -> StreamRecorder:
         return self
