@@ -45,8 +45,8 @@ from metricsvc.run_folder import (
     hold_run_dir,
 )
 from metricsvc.siirl import SiirlActorMethods
-from metricsvc.stream_calls import StreamCallMethods
 from metricsvc.sinks import SinkDispatcher, build_sinks
+from metricsvc.stream_calls import StreamCallMethods
 
 log = logging.getLogger(__name__)
 
