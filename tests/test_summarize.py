@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from metricsvc.client.summarize import (
     accelerator_path_on_cpu,
     merge_rows,
-    rows_to_host,
     summarize,
     summarize_many,
+    to_host,
 )
 from metricsvc.client.synccount import HostTransferCounter
 from metricsvc.records import (
@@ -101,11 +101,12 @@ def test_bad_input_raises_naming_the_key(values, mask, error, message):
         summarize(values, mask, key="critic/advantages")
 
 
-def test_rows_to_host_makes_one_transfer_for_all_device_rows():
+def test_to_host_makes_one_transfer_for_all_device_rows():
     rows = [summarize(torch.randn(5) + i) for i in range(40)] + [summarize(np.arange(3.0))]
     with HostTransferCounter() as counter:
-        data, copies = rows_to_host(rows)
+        host, copies = to_host(rows)
     assert counter.count == 1 and copies == 1
+    data = np.stack(host)
     assert data.shape == (41, NFIELDS) and data[-1, SUM] == 3.0
     np.testing.assert_array_equal(data[0], rows[0].numpy())
 

@@ -345,13 +345,6 @@ def to_host(parts: Sequence[Any]) -> tuple[list[np.ndarray], int]:
     return out, len(by_device)
 
 
-def rows_to_host(rows: Sequence[Row]) -> tuple[np.ndarray, int]:
-    """Return rows as one ``[K, NFIELDS]`` float64 matrix and the number of device copies."""
-    host, copies = to_host(rows)
-    data = np.stack(host) if host else np.zeros((0, NFIELDS))
-    return data, copies
-
-
 __all__ = [
     "COMPILE_MIN_NUMEL",
     "Difference",
