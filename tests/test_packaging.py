@@ -1,8 +1,10 @@
 """Layout promises: the service never imports torch; the demo runs end to end."""
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ CLIENT_IMPORTS = {
     "metricsvc.client.metrics.moe", "metricsvc.client.metrics.timing",
     "metricsvc.client.metrics.validation", "metricsvc.client.rpc", "metricsvc.client.siirl",
     "metricsvc.client.device", "metricsvc.client.host", "metricsvc.client.tensors",
-    "metricsvc.client.sender", "metricsvc.client.cursor",
+    "metricsvc.client.sender", "metricsvc.client.cursor", "metricsvc.client.declarations",
     "metricsvc.client.stream",
     "metricsvc.client.summarize", "metricsvc.client.tracker", "metricsvc.declare",
     "metricsvc.errors",
@@ -170,23 +172,31 @@ def test_example_driver_runs_and_writes_the_journal(tmp_path):
     config = tmp_path / "demo.yaml"
     config.write_text(f"name: demo_worker\nrun:\n  root: {tmp_path}\n  experiment: demo\n"
                       "sinks:\n  console:\n    every: 1\n")
-    env = dict(os.environ)
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "ray_driver.py"), "--config", str(config),
-         "--workers", "3", "--steps", "3"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240,
-    )
+    # Its own Ray's files in a folder of this test's (short: Ray's socket paths are bounded)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="mt", dir="/tmp"))
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_TMPDIR": str(ray_tmp)}
+    try:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "ray_driver.py"), "--config", str(config),
+             "--workers", "3", "--steps", "3"],
+            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240,
+        )
+        logs = "".join(p.read_text(errors="replace")
+                       for p in (ray_tmp / "ray").glob("session_*/logs/worker-*"))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if " final: " in line]
     assert [line.split()[1] for line in lines] == ["0", "1", "2"]
     journal = next((tmp_path / "demo").glob("*/metrics.jsonl"))
     assert len(journal.read_text().splitlines()) == 3
     assert f"journal: {journal}" in out.stdout
-    # The actor's lines carry its public name, not the implementation class's. (Ray forwards
-    # an actor's stdout and stderr lines to the driver's asynchronously: a driver that ends
-    # right after its last step may exit before some arrive, on either stream.)
-    both = out.stdout + out.stderr
-    assert "(MetricWorker pid=" in both and "MetricWorkerImpl" not in both
+    # The actor's lines carry its public name, not the implementation class's: Ray names
+    # each actor in its log files, and prefixes the lines it forwards with that name. (It
+    # forwards them asynchronously: a driver that ends right after its last step may exit
+    # before some arrive, so the log files are what is read.)
+    both = out.stdout + out.stderr + logs
+    assert ":actor_name:MetricWorker\n" in logs and "MetricWorkerImpl" not in both
     assert "DeprecationWarning" not in both  # Ray's own, from a property it deprecated
 
 
@@ -203,6 +213,7 @@ LAYERS = [
     # 2: the client, and the service's merge (no Ray in the merge)
     {"metricsvc.client*", "metricsvc.step", "metricsvc.ranks",
      "metricsvc.published", "metricsvc.output", "metricsvc.admission", "metricsvc.streams",
+     "metricsvc.descriptions",
      "metricsvc.restart", "metricsvc.report", "metricsvc.aggregator"},
     # 3: what the actor writes to (each sink's registration makes its config section),
     # the config, the run's folder and results
