@@ -90,8 +90,9 @@ class Derived:
     name: str
     formula: str
     inputs: Mapping[str, str] = field(default_factory=dict)
-    help: str = ""
-    unit: str = ""
+    # What it means: shown by the sinks that can (not part of the definition a run fixes)
+    help: str = field(default="", compare=False)
+    unit: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         try:
@@ -265,25 +266,51 @@ def _in_group(key: str, pattern: str) -> bool:
     return key_pattern(pattern).match(key) is not None
 
 
-def encode_derived(declarations: Iterable[Derived]) -> bytes:
-    """Return declarations in their wire form (UTF-8 JSON; empty for none)."""
-    items = [d.wire() for d in declarations]
+MAX_ABOUT_CHARS = 1000  # a help text or unit
+
+
+def described(metric: Metric | Derived) -> dict[str, list[str]]:
+    """Return ``{name: [help, unit]}`` for a declaration that says what it means, else {}."""
+    return {metric.name: [metric.help, metric.unit]} if metric.help or metric.unit else {}
+
+
+def encode_derived(declarations: Iterable[Derived],
+                   about: Mapping[str, list[str]] | None = None) -> bytes:
+    """Return declarations in their wire form (UTF-8 JSON; empty for none): the list of
+    derived metrics, or with ``about`` (what declared names mean: ``{name: [help, unit]}``,
+    sent once) the object ``{"derived": [...], "about": {...}}``."""
+    items: Any = [d.wire() for d in declarations]
+    if about:
+        items = {"derived": items, "about": dict(about)}
     return json.dumps(items, separators=(",", ":")).encode("utf-8") if items else b""
 
 
-@functools.lru_cache(maxsize=256)  # ranks send the same declarations every step
 def decode_derived(blob: bytes) -> tuple[Derived, ...]:
-    """Return the declarations a batch carries, each checked as the client checked it.
+    """Return the derived-metric declarations a batch carries (see ``decode_declarations``)."""
+    return decode_declarations(blob)[0]
+
+
+@functools.lru_cache(maxsize=256)  # ranks send the same declarations every step
+def decode_declarations(blob: bytes) -> tuple[tuple[Derived, ...], dict[str, tuple[str, str]]]:
+    """Return the declarations a batch carries, each checked as the client checked it, and
+    what declared names mean (``{name or key pattern: (help, unit)}``).
 
     Raises:
         ValueError: malformed, or a declaration breaks a rule (it is named).
     """
     if not blob:
-        return ()
+        return (), {}
     try:
         items = json.loads(bytes(blob).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"malformed derived-metric declarations: {err}") from None
+    about = {}
+    if isinstance(items, dict):
+        if set(items) != {"derived", "about"} or not isinstance(items["about"], dict):
+            raise ValueError("malformed declarations: expected {\"derived\": [...], "
+                             "\"about\": {name: [help, unit]}}")
+        about = _about(items["about"])
+        items = items["derived"]
     if not isinstance(items, list) or len(items) > MAX_DECLARATIONS:
         raise ValueError(f"malformed derived-metric declarations: expected a list of at most "
                          f"{MAX_DECLARATIONS}")
@@ -296,7 +323,22 @@ def decode_derived(blob: bytes) -> tuple[Derived, ...]:
         if not isinstance(name, str) or not isinstance(formula, str):
             raise ValueError(f"malformed derived-metric declaration {str(item)[:200]}")
         out.append(Derived(name, formula, {s: k for s, k in inputs}))
-    return tuple(out)
+    return tuple(out), about
+
+
+def _about(items: dict[Any, Any]) -> dict[str, tuple[str, str]]:
+    if len(items) > MAX_DECLARATIONS:
+        raise ValueError(f"malformed declarations: more than {MAX_DECLARATIONS} descriptions")
+    out = {}
+    for name, text in items.items():
+        check_key(name)
+        key_pattern(name)
+        if (not isinstance(text, list) or len(text) != 2
+                or not all(isinstance(t, str) and len(t) <= MAX_ABOUT_CHARS for t in text)):
+            raise ValueError(f"the description of {name!r} must be [help, unit], two strings "
+                             f"of at most {MAX_ABOUT_CHARS} characters")
+        out[name] = (text[0], text[1])
+    return out
 
 
 class KeyIndex:

@@ -17,6 +17,7 @@ import numpy as np
 
 from metricsvc.declare import is_internal
 from metricsvc.derive import Deriver
+from metricsvc.descriptions import Descriptions
 from metricsvc.keys import safe_tag, tag_order
 from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM
 from metricsvc.reduce import (
@@ -54,6 +55,7 @@ class StepOutput:
         self.rename = Renamer(renames)
         self.deriver = deriver
         self.declarations = declarations
+        self.descriptions = Descriptions()
         self.clock = clock
 
     def kinds(self, keys: Sequence[str], codes: Sequence[int]) -> list[ReduceType]:
@@ -139,6 +141,12 @@ class StepOutput:
         first = self.declarations.fix(declared)
         if first:  # journaled once: a restart keeps the run's definitions
             meta["declarations"] = first
+        about = self.descriptions.learn(p.about)
+        if about:  # journaled once, too
+            meta["about"] = about
+        shown = self.descriptions.of(metrics)
+        if shown:  # what the sinks show, with the first step that exports each name
+            meta["descriptions"] = shown
         ignored = self.deriver.unread(declared, [p.keys[i] for i in internal])
         if ignored:
             meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so

@@ -34,6 +34,7 @@ class RestartMethods:
             declarations = meta.get("declarations")
             if isinstance(declarations, dict):
                 self.declarations.restore(declarations, step)
+            self.out.descriptions.restore(meta)
             stream_seqs = meta.get("stream_seqs")
             if isinstance(stream_seqs, dict):
                 self.stream_ledger.journaled(stream_seqs)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from metricsvc import records
-from metricsvc.declare import Derived, decode_derived
+from metricsvc.declare import Derived, decode_declarations
 from metricsvc.errors import BatchRejected
 from metricsvc.records import Batch
 from metricsvc.reduce import kind_name
@@ -45,6 +45,7 @@ class Collection:
         self.parts: list[Part] = []
         self._layouts: dict[tuple[str, ...], np.ndarray] = {}  # key tuple -> rows
         self.declared: dict[str, Derived] = {}  # derived metrics declared for these records
+        self.about: dict[str, tuple[str, str]] = {}  # what declared names mean (help, unit)
 
     @property
     def codes(self) -> np.ndarray:
@@ -106,11 +107,14 @@ class Collection:
         part.sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
         self.parts.append(part)
 
-    def declare(self, declarations: Iterable[Derived]) -> None:
+    def declare(self, declarations: Iterable[Derived],
+                about: dict[str, tuple[str, str]] | None = None) -> None:
         """Note the derived metrics declared for these records (the run's declarations,
-        ``RunDeclarations``, say what each name means)."""
+        ``RunDeclarations``, say what each name means) and what declared names mean."""
         for decl in declarations:
             self.declared.setdefault(decl.name, decl)
+        if about:
+            self.about.update(about)
 
     def _reserve(self, n: int) -> None:
         cap = len(self._codes)
@@ -185,7 +189,7 @@ class PendingStep(Collection):
         """Keep a checked batch as a part; a final batch closes the step for its rank."""
         part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data)
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch))
-        self.declare(decode_derived(batch.derived))
+        self.declare(*decode_declarations(batch.derived))
         self.digests[(batch.rank, batch.seq)] = digest
         self.batches += 1
         if batch.final:
@@ -237,7 +241,7 @@ class Window(Collection):
         idx = self.locate(batch.keys, batch.kinds, f"stream client {client}")
         part = Part((client, batch.seq), None, idx, batch.data)
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch), True)
-        self.declare(decode_derived(batch.derived))
+        self.declare(*decode_declarations(batch.derived))
         self.seqs.add((client, batch.seq))
         self.last_seq[client] = max(batch.seq, self.last_seq.get(client, batch.seq))
         return True

@@ -120,7 +120,7 @@ class StreamMethods:
             located = Part(part.order, None, into.locate(keys, codes, f"stream {name!r}"),
                            part.rows)
             into.add(located, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
-            into.declare(window.declared.values())
+            into.declare(window.declared.values(), window.about)
             into.streams.append(name)
             seqs = into.stream_seqs.setdefault(name, {})
             for client, seq in window.last_seq.items():

@@ -195,3 +195,47 @@ def mlflow_metrics(tracking_uri: str) -> dict[int, dict[str, float]]:
             assert m.key not in out[m.step], f"mlflow: {m.key} at step {m.step} twice"
             out[m.step][m.key] = m.value
     return dict(out)
+
+
+def tensorboard_descriptions(logdir: Path) -> dict[str, str]:
+    """Return each scalar tag's description (its summary metadata) in ``logdir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    found = {tag: acc.summary_metadata.get(tag) for tag in acc.Tags()["scalars"]}
+    return {tag: m.summary_description for tag, m in found.items()
+            if m is not None and m.summary_description}
+
+
+def wandb_config(root: Path) -> dict[str, object]:
+    """Return the config of the one offline wandb run under ``root``, as its transaction
+    logs hold it (every update, in order)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    paths = sorted(root.rglob("run-*.wandb"))
+    _one_run(paths, "wandb")
+    out: dict[str, object] = {}
+    for path in paths:
+        for data in leveldb_log_records(path, b":W&B"):
+            record = pb.Record()
+            record.ParseFromString(data)
+            kind = record.WhichOneof("record_type")
+            items = (record.config.update if kind == "config" else
+                     record.run.config.update if kind == "run" else [])
+            for item in items:
+                out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return out
+
+
+def mlflow_tags(tracking_uri: str) -> dict[str, str]:
+    """Return the tags of the one run in the MLflow store."""
+    import os
+
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    return dict(run.data.tags)

@@ -156,6 +156,18 @@ def test_timing_throughput_and_train_perf_are_exact_across_ranks(make_worker):
     }
     assert_close(got, expected)
     assert "timing_per_token_ms/other" not in got and "timing_per_token_ms/step" not in got
+    # What each exported name means, from its family's declaration: with the first step
+    # that exports it, once
+    from metricsvc.client.metrics import timing
+
+    metas = [ray.get(handle.wait_final.remote(s, 30))["meta"] for s in range(steps)]
+    shown = metas[0]["descriptions"]
+    assert set(shown) == set(expected), set(expected) ^ set(shown)
+    assert shown["perf/throughput"] == {"help": timing.THROUGHPUT.help, "unit": "tokens/s/GPU"}
+    assert shown["timing_s/gen"] == {"help": "seconds of a stage on the slowest rank",
+                                     "unit": "s"}
+    assert shown["train_perf/total_tokens"]["unit"] == "tokens"
+    assert not any("descriptions" in m or "about" in m for m in metas[1:])
 
 
 def validation_data(seed):
@@ -394,8 +406,11 @@ def test_moe_balance_declares_two_metrics_whatever_the_number_of_layers_and_expe
 
     c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
     record_moe_balance(c, {layer: torch.arange(16) for layer in range(8)})
-    batch = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
-    assert len(batch.keys) == 8 * 16 and len(c.buffer.declared) == 2
+    first = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    assert len(first.keys) == 8 * 16 and len(c.buffer.declared) == 2
+    assert b'"about"' in first.derived  # what the two mean: with the first batch only
+    record_moe_balance(c, {layer: torch.arange(16) for layer in range(8)})
+    batch = c.buffer.take_batch(step=1, rank=0, world_size=1, seq=1, final=True)
     assert len(batch.derived) < 600  # bytes per batch for 128 load_percent and 8 layers
 
 

@@ -144,3 +144,28 @@ def test_hostile_declarations_are_refused_or_cheap_and_honest_steps_stay_exact(m
         assert (got["x/mean"], got["x/min"], got["x/max"]) == (5.5, 0.0, 11.0), step
     assert got.get("bt") is None
     assert ray.get(handle.wait_final.remote(step=0, timeout_s=5))["metrics"]["bt"] == 0.0
+
+
+@pytest.mark.parametrize(("about", "rule"), [
+    ({"x": ["help", 3]}, "must be [help, unit], two strings"),
+    ({"x": ["h" * 1001, ""]}, "of at most 1000 characters"),
+    ({"x": ["help"]}, "must be [help, unit]"),
+    ({"m/<a>_<b>": ["help", ""]}, "one <name>"),
+])
+def test_a_malformed_description_is_refused_naming_the_key_and_the_rule(about, rule):
+    """What a name means travels with a batch; a malformed one refuses the batch at the
+    aggregator, naming the key and the rule, and merges nothing."""
+    import json
+
+    from metricsvc.aggregator import Aggregator
+    from metricsvc.errors import BatchRejected
+    from metricsvc.records import Batch, scalar_row
+
+    blob = json.dumps({"derived": [], "about": about}).encode()
+    batch = Batch.build(step=0, rank=0, world_size=1, seq=0, final=True, keys=("x",),
+                        data=[scalar_row(1.0)], kinds=[0], expected=[0], derived=blob)
+    agg = Aggregator(world_size=1)
+    with pytest.raises(BatchRejected, match="step 0 rank 0") as err:
+        agg.submit(batch)
+    assert rule in str(err.value) and next(iter(about)) in str(err.value)
+    assert agg.last_emitted is None and agg.health()["rejected_batches"] == 1

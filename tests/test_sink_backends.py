@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import ray
 
-from metricsvc.client import MetricClient
+from metricsvc.client import Derived, MetricClient
 from metricsvc.config import load_config
 from metricsvc.journal import read_journal
 from metricsvc.keys import safe_tag
@@ -21,14 +21,17 @@ from tests import readback
 from tests.sink_fixtures import RecordingSink
 
 ROOT = Path(__file__).resolve().parent.parent
+PER_LR = Derived("tokens/per_lr", "value(t) / value(lr)", {"t": "tokens/total", "lr": "actor/lr"},
+                 help="tokens per unit of learning rate", unit="tokens")
 WEIRD = "eval/acc (top-1)/mean"  # needs sanitising for TensorBoard, SwanLab and MLflow
 
 
-def run_steps(cfg, steps=4, world=2):
+def run_steps(cfg, steps=4, world=2, declare=()):
     clients = [MetricClient(None, rank=r, world_size=world, name=cfg.name) for r in range(world)]
     rng = np.random.default_rng(0)
     for _ in range(steps):
         for c in clients:
+            c.declare(*declare)
             c.stat(mask=rng.random(6) < 0.8, **{"critic/advantages": rng.normal(size=6)})
             c.submit_metric({"actor/lr": 1e-5, "tokens/total": int(rng.integers(10, 20)),
                              WEIRD: float(rng.random()), "rollout/reward__count": 3.0})
@@ -52,7 +55,7 @@ def assert_same(got, journal, rename=lambda k: k, rel=1e-12):
 def test_every_sink_of_all_yaml_gets_the_same_numbers_as_the_journal(make_worker, tmp_path):
     cfg_all = load_config("all")
     handle, cfg = make_worker(sinks={**cfg_all.sinks.model_dump(), "console": None})
-    run_steps(cfg)
+    run_steps(cfg, declare=[PER_LR])
     health = ray.get(handle.close.remote())
     run_dir = Path(health["run_dir"])
     journal = journal_values(run_dir)
@@ -68,6 +71,18 @@ def test_every_sink_of_all_yaml_gets_the_same_numbers_as_the_journal(make_worker
     assert_same(readback.swanlab_scalars(run_dir / "swanlab"), journal, safe_tag)
     assert_same(readback.mlflow_metrics((run_dir / "mlruns").as_uri()), journal,
                 lambda k: safe_tag(k, 250))
+
+    # What a declared metric means reaches every sink that can show it, once
+    meaning = "tokens per unit of learning rate [tokens]"
+    first = read_journal(run_dir / "metrics.jsonl")
+    assert first[0]["meta"]["descriptions"] == {
+        "tokens/per_lr": {"help": "tokens per unit of learning rate", "unit": "tokens"}}
+    assert all("descriptions" not in r["meta"] for r in first[1:])
+    assert readback.tensorboard_descriptions(run_dir / "tensorboard") == {
+        "tokens/per_lr": meaning}
+    assert readback.wandb_config(run_dir)["description/tokens/per_lr"] == meaning
+    assert readback.mlflow_tags((run_dir / "mlruns").as_uri())[
+        "description/tokens/per_lr"] == meaning
 
 
 def test_failing_sink_dead_letters_every_step_while_others_get_all(make_worker):
@@ -189,7 +204,7 @@ def test_a_driver_that_exits_without_close_still_finishes_the_wandb_run(tmp_path
     script = textwrap.dedent(f"""
         import os
         import ray, metricsvc
-        from metricsvc.client import MetricClient
+        from metricsvc.client import Derived, MetricClient
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
         cfg = {{"name": "exit-wandb", "run": {{"root": {str(tmp_path)!r}, "trial": "t"}},
                "sinks": {{"console": None, "wandb": {{}}}}}}

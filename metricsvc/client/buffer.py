@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from metricsvc.client.declarations import ClientDeclarations
 from metricsvc.client.summarize import (
     add_sketches,
     element_rows,
@@ -30,7 +31,6 @@ from metricsvc.protocol import (
     SketchSpec,
     check_key,
     dense_to_sparse,
-    encode_derived,
     is_internal,
     kind_name,
     safe_tag,
@@ -70,9 +70,7 @@ class RecordBuffer:
         self._masks = MaskCache()  # one mask preparation per mask per step
         self._names: dict[str, str] = {}  # exported name (or sink tag) -> the key exporting it
         self._good_keys: set[str] = set()  # names already checked (they recur every step)
-        self._declared: dict[str, Derived] = {}  # derived metrics, for every step
-        self._declared_names: dict[str, str] = {}  # a name (or sink tag) one of them exports
-        self._declared_wire = b""
+        self.declarations = ClientDeclarations()  # derived metrics and what names mean
         self.trackers: dict[str, Any] = {}  # named trackers, by prefix (Tracker.get)
         self._attached: list[Any] = []  # what records here and has step-scoped state
         self.host_copies = 0
@@ -115,7 +113,7 @@ class RecordBuffer:
 
     def check_internal(self, key: str) -> str:
         """Refuse an internal key (a ``__`` path segment) that no declared metric reads."""
-        if is_internal(key) and not any(d.reads(key) for d in self._declared.values()):
+        if is_internal(key) and not self.declarations.reads(key):
             raise ValueError(
                 f"key {key!r}: a path segment starting with '__' marks an input of a derived "
                 f"metric, and no metric declared in this client reads it; declare the metric "
@@ -135,42 +133,19 @@ class RecordBuffer:
                 key recorded in this step exports (the names are named).
         """
         with self.lock:
-            new = {}
-            for decl in declarations:
-                if not isinstance(decl, Derived):
-                    raise TypeError(f"declare() takes Derived metrics, got "
-                                    f"{type(decl).__name__}")
-                held = self._declared.get(decl.name, new.get(decl.name))
-                if held is decl:  # declared again each step: the same object
-                    continue
-                if held is not None and held != decl:
-                    raise ValueError(
-                        f"derived metric {decl.name!r} is declared with formula "
-                        f"{held.formula!r} over {held.inputs}; it cannot be declared again "
-                        f"as {decl.formula!r} over {decl.inputs}: one exported name, one source"
-                    )
-                if held is not None:
-                    continue
-                for name in decl.claims():
-                    owner = self._names.get(name)
-                    other = self._declared_names.get(name)
-                    if owner is not None or (other is not None and other != decl.name):
-                        raise ValueError(
-                            f"derived metric {decl.name!r} would export {name!r}, which "
-                            f"{f'key {owner!r}' if owner else f'derived metric {other!r}'} "
-                            f"already exports in {self.label}: one exported name, one source "
-                            f"(rename one of them)")
-                new[decl.name] = decl
-            if new:
-                for decl in new.values():
-                    self._declared_names.update(dict.fromkeys(decl.claims(), decl.name))
-                self._declared.update(new)
-                self._declared_wire = encode_derived(self._declared.values())
+            self.declarations.declare(declarations, self._names, self.label)
+
+    def describe(self, *metrics: Metric | Derived, under: Any = None) -> None:
+        """Say what ``metrics`` mean: the help and unit of each go to the service with the
+        next batch, once (the service journals them and gives them to the sinks).
+        ``under(name)``: the key a tracker records ``name`` as (its prefix and scopes)."""
+        with self.lock:
+            self.declarations.describe(metrics, under)
 
     @property
     def declared(self) -> dict[str, Derived]:
         """Return the derived metrics declared in this client, by name."""
-        return dict(self._declared)
+        return dict(self.declarations.held)
 
     def record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
         """Summarise ``{full key: value}`` under one mask and merge into the buffer."""
@@ -216,7 +191,7 @@ class RecordBuffer:
         names = self._names
         new = [key for key in rows if key not in self._entries]
         claimed = {}
-        declared = self._declared_names
+        declared = self.declarations.names
         for key in new:
             for name in _exported(key, code):
                 if name in declared:
@@ -285,7 +260,7 @@ class RecordBuffer:
                 step=step, rank=rank, world_size=world_size, seq=seq, final=final, keys=keys,
                 data=parts[:k] if k else [], kinds=[e.code for e in entries],
                 expected=[e.expected for e in entries], sketches=sketches,
-                sketch_alpha=self.sketch_spec.alpha, derived=self._declared_wire,
+                sketch_alpha=self.sketch_spec.alpha, derived=self.declarations.take_wire(),
             )
             self._reset()
             return batch

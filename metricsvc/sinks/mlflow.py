@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import Field
 
 from metricsvc.model import Strict
-from metricsvc.sinks.names import tagged
+from metricsvc.sinks.names import descriptions, tagged
 from metricsvc.sinks.spec import Builtin
 from metricsvc.sinks.state import SinkState
 
@@ -74,12 +74,16 @@ class MlflowSink:
                     self._held.setdefault(int(m.step), set()).add(m.key)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         now = int(time.time() * 1000)
         held = self._held.pop(step, ())
         batch = [Metric(tag, float(v), now, step) for tag, v in tagged(metrics, 250).items()
                  if tag not in held]
+        about = descriptions(meta, 230)  # a run tag per metric: "description/<metric>"
+        if about:
+            self.client.log_batch(self.run_id, tags=[RunTag(f"description/{tag}", text[:5000])
+                                                     for tag, text in about.items()])
         for i in range(0, len(batch), 1000):  # MLflow caps a batch at 1000 metrics
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from metricsvc.keys import is_internal, safe_tag, tag_order
 
@@ -28,4 +29,15 @@ def tagged(metrics: Mapping[str, float], max_length: int = 255) -> dict[str, flo
         held = owner.get(tag)
         if held is None or tag_order(key, tag) < tag_order(held, tag):
             owner[tag], out[tag] = key, value
+    return out
+
+
+def descriptions(meta: Mapping[str, Any], max_length: int = 255) -> dict[str, str]:
+    """Return ``{safe_tag: "help [unit]"}`` for the names this step is the first to export
+    with a description (``meta["descriptions"]``, from the declarations' help and unit)."""
+    out = {}
+    for name, text in (meta.get("descriptions") or {}).items():
+        words = " ".join(part for part in (text.get("help", ""), text.get("unit") and
+                                           f"[{text['unit']}]") if part)
+        out.setdefault(safe_tag(name, max_length), words)
     return out

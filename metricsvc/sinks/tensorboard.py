@@ -20,7 +20,7 @@ from pydantic import Field, field_validator
 from metricsvc.keys import safe_tag
 from metricsvc.model import Strict, plain
 from metricsvc.sinks.logfiles import tfrecords
-from metricsvc.sinks.names import tagged
+from metricsvc.sinks.names import descriptions, tagged
 from metricsvc.sinks.spec import Builtin
 
 
@@ -91,10 +91,11 @@ class TensorboardSink:
 
         held = self._held.pop(step, ())
         now = time.time()
+        about = descriptions(meta)  # shown as each scalar's description in TensorBoard
         for tag, value in tagged(metrics).items():
             if tag not in held:
-                self._writer.write_event(Event(wall_time=now, step=step,
-                                               summary=scalar(tag, value)))
+                summary = scalar(tag, value, summary_description=about.get(tag, ""))
+                self._writer.write_event(Event(wall_time=now, step=step, summary=summary))
                 self._dirty = True
         for name, hist in meta.get("histograms", {}).items():
             tag = safe_tag(name)

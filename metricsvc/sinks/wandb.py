@@ -25,6 +25,7 @@ from pydantic import Field
 
 from metricsvc.model import Strict
 from metricsvc.sinks.logfiles import LevelDBLogTail
+from metricsvc.sinks.names import descriptions
 from metricsvc.sinks.spec import Builtin
 from metricsvc.sinks.state import SinkState
 
@@ -137,6 +138,10 @@ class WandbSink:
             self._held.discard(step)
             return
         row: dict[str, Any] = dict(metrics)
+        about = descriptions(meta)
+        if about:  # wandb's metrics have no description field: the run's config holds them
+            self.run.config.update({f"description/{tag}": text for tag, text in about.items()},
+                                   allow_val_change=True)
         histograms = meta.get("histograms")
         if histograms:
             import wandb

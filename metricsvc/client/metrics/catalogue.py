@@ -20,7 +20,7 @@ class Catalogue:
 
     def __init__(self, *entries: Metric | Derived) -> None:
         self.entries = entries
-        self._kinds: dict[str, ReduceType] = {}
+        self._entries: dict[str, Metric] = {}
 
     def __iter__(self) -> Iterator[Metric | Derived]:
         return iter(self.entries)
@@ -30,20 +30,26 @@ class Catalogue:
 
     def kind(self, key: str) -> ReduceType:
         """Return the declared kind of ``key`` (a name or one of a family's)."""
-        kind = self._kinds.get(key)
-        if kind is None:
+        return self.entry(key).kind
+
+    def entry(self, key: str) -> Metric:
+        """Return the declaration of ``key`` (a name or one of a family's)."""
+        entry = self._entries.get(key)
+        if entry is None:
             found = [e for e in self.entries if isinstance(e, Metric) and e.matches(key)]
             if len(found) != 1:
                 raise KeyError(f"{key!r} is declared {len(found)} times in this family; "
                                f"a built-in key needs exactly one declaration")
-            kind = self._kinds[key] = found[0].kind
-        return kind
+            entry = self._entries[key] = found[0]
+        return entry
 
     def stat(self, m: Any, mask: Any = None, **values: Any) -> None:
         """Record ``values`` on ``m`` (a client or tracker), each with its declared kind:
         one ``stat`` call per kind, under ``mask``."""
         groups: dict[ReduceType, dict[str, Any]] = {}
-        for key, value in values.items():
-            groups.setdefault(self.kind(key), {})[key] = value
+        entries = [self.entry(key) for key in values]
+        m.buffer.describe(*entries, under=m.full_key)  # what each means: sent once, shown by sinks
+        for (key, value), entry in zip(values.items(), entries):
+            groups.setdefault(entry.kind, {})[key] = value
         for kind, group in groups.items():
             m.stat(mask=mask, reduce=kind, **group)

@@ -144,6 +144,8 @@ def record_train_perf(m: Any, tokens: Any, seconds: float, name: str = "train_pe
     """Record AReaL's ``train_perf/*``: tokens summed over ranks, seconds the max over ranks,
     rates and cumulative totals (kept by the service across steps) derived after the merge."""
     m.declare(*train_perf(name))
-    # the kinds declared for train_perf/*, whatever the name
+    # the kinds and meanings declared for train_perf/*, whatever the name
+    m.buffer.describe(METRICS.entry("train_perf/tokens"), METRICS.entry("train_perf/seconds"),
+                      under=lambda key: m.full_key(name + key.removeprefix("train_perf")))
     m.stat(reduce=METRICS.kind("train_perf/tokens"), **{f"{name}/tokens": tokens})
     m.stat(reduce=METRICS.kind("train_perf/seconds"), **{f"{name}/seconds": float(seconds)})
