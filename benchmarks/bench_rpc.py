@@ -65,6 +65,10 @@ class BenchRank:
             self.client = PerKeyClient(worker, world)
         self.pattern = pattern
 
+    def cpu_s(self) -> float:
+        """This rank process's CPU time, every thread (Ray's own included)."""
+        return time.process_time()
+
     def step(self) -> float:
         values = dict(zip(self.names, self.rng.normal(size=len(self.names)).tolist()))
         start = time.time()
@@ -98,12 +102,16 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
     active = ranks[:world]
     ray.get([r.setup.remote(pattern, worker, world, keys) for r in active])
     latencies = []
+    merge0 = 0.0
     if worker is None:
         cpu0 = 0.0
     elif pattern.startswith("ours"):
-        cpu0 = ray.get(worker.health.remote())["cpu_s"]
+        health = ray.get(worker.health.remote())
+        cpu0, merge0 = health["cpu_s"], health["merge_cpu_s"]
     else:
         cpu0 = ray.get(worker.cpu_s.remote())
+    ranks0 = sum(ray.get([r.cpu_s.remote() for r in active]))
+    driver0 = time.process_time()
     t0 = time.perf_counter()
     for step in range(steps):
         if pattern == "harness":
@@ -123,13 +131,16 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
         latencies.append(time.time() - max(flushed))
         assert len(result) == keys
     elapsed = time.perf_counter() - t0
-    cpu_ms_per_batch = 0.0
+    driver_ms = 1e3 * (time.process_time() - driver0) / steps
+    ranks_ms = 1e3 * (sum(ray.get([r.cpu_s.remote() for r in active])) - ranks0) / steps
+    cpu_ms_per_batch = merge_ms = 0.0
     if pattern == "harness":
         calls = 0
     elif pattern.startswith("ours"):
         health = ray.get(worker.health.remote())
         calls = health["calls"]["submit"]
         cpu_ms_per_batch = 1e3 * (health["cpu_s"] - cpu0) / max(1, health["batches"])
+        merge_ms = 1e3 * (health["merge_cpu_s"] - merge0) / steps
         ray.get(worker.close.remote())
     else:
         calls = ray.get(worker.call_count.remote())
@@ -140,6 +151,9 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
     return {"pattern": pattern, "world": world, "keys": keys, "steps": steps,
             "steps_per_s": steps / elapsed, "calls_per_step": calls / steps,
             "actor_cpu_ms_per_batch": cpu_ms_per_batch,
+            "actor_cpu_ms_per_step": cpu_ms_per_batch * world,
+            "merge_cpu_ms_per_step": merge_ms, "ranks_cpu_ms_per_step": ranks_ms,
+            "driver_cpu_ms_per_step": driver_ms,
             "latency_p50_ms": 1e3 * statistics.median(lat),
             "latency_p95_ms": 1e3 * lat[min(len(lat) - 1, int(0.95 * len(lat)))]}
 
@@ -173,6 +187,32 @@ def summary(rows: list[dict]) -> list[str]:
             f"{_range([r['latency_p50_ms'] for r in one], '.1f')} | "
             f"{_range([r['actor_cpu_ms_per_batch'] for r in ours], '.3f')} / "
             f"{_range([r['actor_cpu_ms_per_batch'] for r in one], '.3f')} |")
+    return lines
+
+
+def breakdown(rows: list[dict]) -> list[str]:
+    """Where the CPU of one step goes (medians over the rounds): the ranks' processes less
+    the harness's (the driver triggering each rank's step costs the same for every
+    pattern), the service actor's process (for ours: its merge, validation, finishing and
+    journal hand-off inside the calls, the rest Ray's per-call work and the sink threads),
+    and the driver's process."""
+    lines = ["| W, K | pattern | ranks' metrics CPU ms / step | actor CPU ms / step "
+             "(ours: inside the calls) | driver CPU ms / step | steps/s |",
+             "|---|---|---:|---:|---:|---:|"]
+    med = statistics.median
+    for world, keys in dict.fromkeys((r["world"], r["keys"]) for r in rows):
+        mine = [r for r in rows if (r["world"], r["keys"]) == (world, keys)]
+        harness = med(r["ranks_cpu_ms_per_step"] for r in mine if r["pattern"] == "harness")
+        for pattern in ("ours", "siirl1"):
+            got = [r for r in mine if r["pattern"] == pattern]
+            inside = (f" ({med(r['merge_cpu_ms_per_step'] for r in got):.2f})"
+                      if pattern == "ours" else "")
+            lines.append(
+                f"| {world}, {keys} | {pattern} | "
+                f"{med(r['ranks_cpu_ms_per_step'] for r in got) - harness:.2f} | "
+                f"{med(r['actor_cpu_ms_per_step'] for r in got):.2f}{inside} | "
+                f"{med(r['driver_cpu_ms_per_step'] for r in got):.2f} | "
+                f"{med(r['steps_per_s'] for r in got):.1f} |")
     return lines
 
 
@@ -219,6 +259,9 @@ def main() -> list[dict]:
     print()
     print("End to end, ours against siiRL's patterns (ranges over the rounds):")
     print("\n".join(summary(rows)))
+    print()
+    print("Where the CPU of one step goes (medians over the rounds; 2 cores share it all):")
+    print("\n".join(breakdown(rows)))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "rpc.json").write_text(json.dumps(rows, indent=2) + "\n")
     ray.shutdown()

@@ -13,6 +13,7 @@ background threads, so no sink I/O sits on the merge path. Starting it from a dr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -21,7 +22,7 @@ import time
 import uuid
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -110,6 +111,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
                                     self.aggregator.expire, self._publish)
         self._started = time.time()
         self.calls: Counter[str] = Counter()
+        self.merge_cpu_s = 0.0  # CPU inside the ranks' calls: the service's own work
         self._closed = False
 
     def _durable_through(self) -> int | None:
@@ -143,7 +145,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
         Raises:
             BatchRejected: (a ValueError) the batch was refused; nothing was merged.
         """
-        with self._lock:
+        with _merging(self):
             return self._submit(batch, epoch)
 
     def _submit(self, batch: Batch | bytes, epoch: str | None) -> dict[str, Any]:
@@ -180,7 +182,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
         a refusal does not stop the others). ``epoch`` as for ``submit``: another
         incarnation's answers ``epoch_changed`` and merges nothing.
         """
-        with self._lock:
+        with _merging(self):
             return self._submit_many(batches, epoch)
 
     def _submit_many(self, batches: list[Batch | bytes], epoch: str | None) -> dict[str, Any]:
@@ -234,6 +236,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
             "run_dir": str(self.run_dir),
             "uptime_s": time.time() - self._started,
             "cpu_s": time.process_time(),  # this process's CPU time, all its threads
+            "merge_cpu_s": self.merge_cpu_s,  # of it, inside submit / submit_many
             "closed": self._closed,
         }
 
@@ -302,6 +305,17 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
             self.results.put(result)
             self.sinks.publish(result.step, result.metrics, result.meta)
         self.results.notify()
+
+
+@contextlib.contextmanager
+def _merging(worker: MetricWorkerImpl) -> Iterator[None]:
+    """Hold the actor's lock for a rank's call, counting its CPU in ``merge_cpu_s``."""
+    start = time.thread_time()
+    try:
+        with worker._lock:
+            yield
+    finally:
+        worker.merge_cpu_s += time.thread_time() - start
 
 
 class StragglerTimer:
