@@ -71,6 +71,8 @@ class RecordBuffer:
         self._names: dict[str, str] = {}  # exported name (or sink tag) -> the key exporting it
         self._good_keys: set[str] = set()  # names already checked (they recur every step)
         self.declarations = ClientDeclarations()  # derived metrics and what names mean
+        # What a call's keys claimed (by keys, code and declarations held), reused
+        self._claims: dict[tuple, dict[str, str]] = {}
         self.trackers: dict[str, Any] = {}  # named trackers, by prefix (Tracker.get)
         self._attached: list[Any] = []  # what records here and has step-scoped state
         self.host_copies = 0
@@ -180,15 +182,23 @@ class RecordBuffer:
             if sketches is None and entries.keys().isdisjoint(rows):
                 # Keys new in this step (the common case): nothing to merge with.
                 self._claim_names(rows, code)
-                entries.update((key, _Entry(code, expected, row)) for key, row in rows.items())
+                entries.update(zip(rows, [_Entry(code, expected, row) for row in rows.values()]))
             else:
                 self._merge_rows(rows, code, expected, sketches)
         if self.on_record is not None:
             self.on_record()
 
     def _claim_names(self, rows: Mapping[str, Any], code: int) -> None:
-        """Own the names new keys export; refuse one that another key of the step exports."""
+        """Own the names new keys export; refuse one that another key of the step exports.
+        A call with the keys of an earlier one (every step's same dict) reuses what that
+        one claimed, once no name of it is taken in this step."""
         names = self._names
+        known = (tuple(rows), code, len(self.declarations.held))
+        claimed = self._claims.get(known)
+        if claimed is not None and names.keys().isdisjoint(claimed) \
+                and self._entries.keys().isdisjoint(rows):
+            names.update(claimed)
+            return
         new = [key for key in rows if key not in self._entries]
         claimed = {}
         declared = self.declarations.names
@@ -209,6 +219,10 @@ class RecordBuffer:
                     )
                 claimed[name] = key
         names.update(claimed)
+        if len(new) == len(rows):  # every key new here: the same call next step claims this
+            if len(self._claims) >= 64:
+                self._claims.pop(next(iter(self._claims)))
+            self._claims[known] = claimed
 
     def _merge_rows(self, rows: dict[str, Row], code: int, expected: int,
                     sketches: dict[str, Row] | None) -> None:
@@ -247,7 +261,8 @@ class RecordBuffer:
         with self.lock:
             keys = tuple(self._entries)
             entries = list(self._entries.values())
-            dense = [i for i, e in enumerate(entries) if is_tensor(e.sketch)]
+            dense = [i for i, e in enumerate(entries)
+                     if e.sketch is not None and is_tensor(e.sketch)]
             parts, copies = to_host([e.row for e in entries]
                                     + [entries[i].sketch for i in dense])
             self.host_copies += copies

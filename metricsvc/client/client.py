@@ -83,7 +83,8 @@ class MetricClient(SiirlMethods, Tracker):
         self._flushes = 0
         self._unacked: Batch | None = None  # closed, not yet acked (kept across a timeout)
         self.sender = Sender(lambda payload, epoch, timeout_s: self._call(
-            "submit", payload, epoch, timeout_s=timeout_s), f"rank {self.rank}", max_inflight)
+            "submit", payload, epoch, timeout_s=timeout_s), f"rank {self.rank}", max_inflight,
+            start=self._start_submit)
         self.rpc_count = 0  # actor calls to the service
         if via is not None and worker is None:
             self.connect()  # register with the combiner before step 0
@@ -131,6 +132,12 @@ class MetricClient(SiirlMethods, Tracker):
         self.rpc_count += 1
         return call(lambda: self.worker, method, *args, retry_s=self.retry_s,
                     timeout_s=timeout_s, label=f"MetricWorker {self._name!r}")
+
+    def _start_submit(self, payload: bytes, epoch: str | None) -> Any:
+        """Issue ``submit`` now; return the wait for its ack (``flush``'s first try)."""
+        self.rpc_count += 1
+        ref = self.worker.submit.remote(payload, epoch)
+        return lambda: ray.get(ref)
 
     def _close_step(self, step: int | None) -> Batch:
         """Take the open step's records as one final batch (the same one again after a

@@ -17,10 +17,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from metricsvc.protocol import Batch, Outbox, Refused, deliver, is_refusal
+from metricsvc.protocol import ACTOR_ERRORS, Batch, Outbox, Refused, deliver, is_refusal
 
 # ``call(payload, epoch, timeout_s) -> ack``: one actor call carrying a batch's bytes
 Call = Callable[[bytes, "str | None", "float | None"], dict[str, Any]]
+# ``start(payload, epoch) -> wait``: the same call issued now; ``wait()`` returns its ack
+Start = Callable[[bytes, "str | None"], Callable[[], dict[str, Any]]]
 Answer = tuple[Batch, "dict[str, Any] | None", "BaseException | None"]
 
 
@@ -28,8 +30,10 @@ class Sender:
     """The delivery of one client's batches; see the module's docstring."""
 
     def __init__(self, call: Call, label: str, max_inflight: int = 256,
-                 position: Callable[[Batch], int] = lambda batch: batch.step) -> None:
+                 position: Callable[[Batch], int] = lambda batch: batch.step,
+                 start: Start | None = None) -> None:
         self._call = call
+        self._start = start
         self.label = label
         # Where a batch stands in the order acks' ``durable_through`` counts: a rank's step,
         # a stream client's batch number
@@ -39,20 +43,22 @@ class Sender:
         self.outbox = Outbox(max_inflight, label=label)
         self._cv = threading.Condition()
         self._send_lock = threading.Lock()  # one delivery at a time: batches stay in order
-        self._queue: deque[tuple[Batch, bytes]] = deque()
+        self._queue: deque[tuple[Batch, bytes, Any]] = deque()
         self._answers: deque[Answer] = deque()
         self.in_flight = 0  # handed over, not answered yet
         self._thread: threading.Thread | None = None
 
     # -- blocking ------------------------------------------------------------------------
     def send(self, batch: Batch, blob: bytes, timeout_s: float | None, *,
-             keep_undelivered: bool) -> dict[str, Any]:
+             keep_undelivered: bool, issued: Any = None) -> dict[str, Any]:
         """Deliver one batch now and return its ack. A refused batch leaves the outbox; an
-        undelivered one too unless ``keep_undelivered``."""
+        undelivered one too unless ``keep_undelivered``. ``issued``: the wait of the call
+        ``hand_over`` already made for it (under the send lock, the batch in the outbox)."""
         with self._send_lock:
-            self.outbox.sent(self._position(batch), blob)
+            if issued is None:
+                self.outbox.sent(self._position(batch), blob)
             try:
-                return self._deliver(blob, timeout_s)
+                return self._deliver(blob, timeout_s, issued)
             except Refused:
                 self.outbox.drop(blob)
                 raise
@@ -61,11 +67,19 @@ class Sender:
                     self.outbox.drop(blob)
                 raise
 
-    def _deliver(self, blob: bytes, timeout_s: float | None) -> dict[str, Any]:
+    def _deliver(self, blob: bytes, timeout_s: float | None, issued: Any = None) -> dict[str, Any]:
         exchange = deliver(self.outbox, blob)
         payload = next(exchange)
         while True:
-            ack = self._call(payload, self.outbox.epoch, timeout_s)
+            ack = None
+            if issued is not None:  # the first call was made at the hand-over
+                try:
+                    ack = issued()
+                except ACTOR_ERRORS:  # the actor is down: call again, waiting it out
+                    pass
+                issued = None
+            if ack is None:
+                ack = self._call(payload, self.outbox.epoch, timeout_s)
             try:
                 payload = exchange.send(ack)
             except StopIteration as done:
@@ -75,7 +89,20 @@ class Sender:
     def hand_over(self, batch: Batch, blob: bytes) -> None:
         """Queue ``batch`` for the sender thread (started if idle)."""
         with self._cv:
-            self._queue.append((batch, blob))
+            issued = None
+            # Nothing in flight: make the call here, so that the thread only waits for its
+            # answer (the encoding and the call's own work stay on this thread)
+            if self._start is not None and not self.in_flight \
+                    and self._send_lock.acquire(blocking=False):
+                try:
+                    self.outbox.sent(self._position(batch), blob)
+                    issued = self._start(blob, self.outbox.epoch)
+                except BaseException:
+                    self.outbox.drop(blob)
+                    issued = None
+                finally:
+                    self._send_lock.release()
+            self._queue.append((batch, blob, issued))
             self.in_flight += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -90,10 +117,10 @@ class Sender:
                 if not self._cv.wait_for(lambda: self._queue, timeout=30.0):
                     self._thread = None  # idle: the next hand-over starts a new one
                     return
-                batch, blob = self._queue[0]
+                batch, blob, issued = self._queue[0]
             ack, error = None, None
             try:  # undelivered stays owed: a restarted actor that lacks it gets it
-                ack = self.send(batch, blob, None, keep_undelivered=True)
+                ack = self.send(batch, blob, None, keep_undelivered=True, issued=issued)
             except BaseException as err:  # noqa: BLE001  handed to the caller
                 error = err
             with self._cv:
