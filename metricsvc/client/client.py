@@ -11,7 +11,7 @@ import ray
 
 from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.cursor import StepCursor
-from metricsvc.client.rpc import call, find_metric_worker, find_service
+from metricsvc.client.rpc import call, find_metric_worker, find_service, issue
 from metricsvc.client.sender import Sender
 from metricsvc.client.siirl import SiirlMethods
 from metricsvc.client.stream import StreamRecorder
@@ -133,11 +133,9 @@ class MetricClient(SiirlMethods, Tracker):
         return call(lambda: self.worker, method, *args, retry_s=self.retry_s,
                     timeout_s=timeout_s, label=f"MetricWorker {self._name!r}")
 
-    def _start_submit(self, payload: bytes, epoch: str | None) -> Any:
-        """Issue ``submit`` now; return the wait for its ack (``flush``'s first try)."""
+    def _start_submit(self, payload: bytes, epoch: str | None) -> Any:  # flush's first try
         self.rpc_count += 1
-        ref = self.worker.submit.remote(payload, epoch)
-        return lambda: ray.get(ref)
+        return issue(self.worker, "submit", payload, epoch)
 
     def _close_step(self, step: int | None) -> Batch:
         """Take the open step's records as one final batch (the same one again after a
@@ -153,21 +151,18 @@ class MetricClient(SiirlMethods, Tracker):
             return self._unacked
 
     def flush(self, *, step: int | None = None) -> None:
-        """Close this rank's step without waiting for the service: one host copy and one
-        encoding here; the batch is handed to this client's sender thread, and the client
-        moves to the next step at once.
+        """Close this rank's step without waiting for the service: one host copy, one
+        encoding and (nothing in flight) the call here; the sender thread waits for the ack
+        and the client moves to the next step at once.
 
-        The sender delivers one batch at a time, in step order (Ray does not promise to run
-        an actor's calls in the order sent: a large batch travels through the object store,
-        so batches sent without waiting could overtake each other and a step could be
-        published before its predecessor arrived). Its answers are read at the
-        next ``flush`` / ``wait_submit`` / ``wait_acks``: a refusal (``BatchRejected``, with
-        a note naming the step), a late or late-joining step (``LateBatch``,
-        ``StepAlreadyFinal``) or a notice is raised or warned there, after this call's
-        own step is handed over: an error about step N never costs step N+1 its records. At most
-        ``max_unacked`` flushes wait for their answer: one more waits for the oldest. Every
-        batch is kept until the journal holds its step and is resent to a restarted actor,
-        as with ``wait_submit``. ``step`` as for ``wait_submit``.
+        One batch is delivered at a time, in step order. Answers are read at the next
+        ``flush`` / ``wait_submit`` / ``wait_acks``: a refusal (``BatchRejected``, with a note
+        naming the step), a late or late-joining step (``LateBatch``, ``StepAlreadyFinal``)
+        or a notice is raised or warned there, after this call's own step is handed over:
+        an error about step N never costs step N+1 its records. At most ``max_unacked``
+        flushes wait for their answer: one more waits for the oldest. Every batch is kept
+        until the journal holds its step and is resent to a restarted actor, as with
+        ``wait_submit``. ``step`` as for ``wait_submit``.
         """
         if not self.sender.wait_until(self.max_unacked, self.retry_s + 60):
             raise ServiceUnavailable(f"rank {self.rank}: {self.in_flight} flushes "
@@ -245,13 +240,11 @@ class MetricClient(SiirlMethods, Tracker):
 
     def discard(self) -> int:
         """Drop what was recorded (and not yet sent) for the open step; return how many keys
-        were withdrawn.
-
-        The step stays open: after a failed training step, the service publishes it
-        without this rank (partial) unless the rank records and closes it again. A batch
-        already sent cannot be withdrawn: after a ``wait_submit`` that timed out, the
-        service may have merged it. It is then delivered again (a resend merges once), so
-        its step holds this rank's records either way, and a ``ServiceNotice`` says so.
+        were withdrawn. The step stays open: after a failed training step, the service
+        publishes it without this rank (partial) unless the rank records and closes it
+        again. A batch already sent cannot be withdrawn: after a ``wait_submit`` that timed
+        out, the service may have merged it. It is then delivered again (a resend merges
+        once), so its step holds this rank's records either way; a ``ServiceNotice`` says so.
         """
         with self.buffer.lock:
             dropped = self.buffer.discard()

@@ -64,6 +64,12 @@ def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
             time.sleep(delay)
 
 
+def issue(handle: Any, method: str, *args: Any) -> Callable[[], Any]:
+    """Make the call ``handle.method(*args)`` now; return the wait for its answer."""
+    ref = getattr(handle, method).remote(*args)
+    return lambda: ray.get(ref)
+
+
 def find_service(name: str, namespace: str, via: str | None, rank: int) -> Any:
     """Return where a rank's batches go: the combiner ``via`` names, else this node's
     combiner (topology per_node; the rank registers with it), else the MetricWorker."""
