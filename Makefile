@@ -19,6 +19,9 @@ run: $(STAMP)
 	$(PY) examples/ray_driver.py --config $(CONFIG)
 
 test: $(STAMP)
+	@# Compiled once here: every Ray worker and child process the tests start imports the
+	@# package, and where PYTHONDONTWRITEBYTECODE is set none would write its bytecode.
+	$(PY) -m compileall -q metricsvc examples tests benchmarks > /dev/null
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
