@@ -97,7 +97,7 @@ class Sender:
                 try:
                     self.outbox.sent(self._position(batch), blob)
                     issued = self._start(blob, self.outbox.epoch)
-                except BaseException:
+                except Exception:  # the thread makes the call (and reports what fails)
                     self.outbox.drop(blob)
                     issued = None
                 finally:
