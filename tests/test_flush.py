@@ -107,7 +107,7 @@ def test_flushes_the_actor_never_journaled_are_resent_to_its_next_incarnation(ma
 
 def test_back_to_back_flushes_arrive_in_step_order(make_worker):
     """Ray does not promise to run an actor's calls in the order sent; flushes sent without
-    used to overtake each other, and with one rank a step was published before its
+    waiting used to overtake each other, and with one rank a step was published before its
     predecessor arrived, which then counted as late (its data never merged)."""
     handle, cfg = make_worker(world_size=1, sinks={"console": None, "jsonl": {}})
     c = MetricClient(None, rank=0, world_size=1, name=cfg.name, max_unacked=8)
