@@ -76,8 +76,9 @@ def test_a_removed_node_makes_its_ranks_steps_partial_and_the_others_never_notic
     node_c = ray_cluster.add_node(num_cpus=1, resources={"node_c": 1000})
     ray_cluster.wait_for_nodes()
     placement = {**PLACEMENT, 5: "node_c", 6: "node_c"}
-    # A timeout a loaded machine's first steps stay well inside; the partial steps wait it out.
-    handle, cfg = make_worker(world_size=7, topology="per_node", straggler_timeout_s=4.0)
+    # A timeout well past the spread of one step's 7 calls, issued at once (their first steps
+    # close within it, loaded or not); the partial steps wait it out.
+    handle, cfg = make_worker(world_size=7, topology="per_node", straggler_timeout_s=2.5)
     ranks = start_ranks(cfg, placement)
     run_steps(ranks, range(2))
     ray.get(handle.wait_final.remote(1, 30))
