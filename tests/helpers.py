@@ -27,6 +27,12 @@ class RankActor:
         return {"ack": ack, "step": self.client.step, "rpc": self.client.rpc_count,
                 "host_copies": self.client.host_copies}
 
+    def reset(self, worker_name: str, rank: int, world_size: int, **kwargs: Any) -> None:
+        """Become a fresh rank of another service: a pooled actor (``pooled_ranks``) keeps
+        its process, and the torch it imported, from one test to the next."""
+        self.client = MetricClient(None, rank=rank, world_size=world_size, name=worker_name,
+                                   **kwargs)
+
     def node_id(self) -> str:
         """Return the id of the Ray node this rank runs on."""
         return ray.get_runtime_context().get_node_id()
@@ -80,3 +86,18 @@ def wait_for_new_incarnation(handle: Any, epoch: str, deadline_s: float = 60.0) 
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             time.sleep(0.1)
     raise TimeoutError(f"the actor did not come back within {deadline_s} s")
+
+
+_POOL: list[Any] = []  # this session's RankActors that tests borrow (never killed)
+
+
+def pooled_ranks(worker_name: str, world_size: int, **kwargs: Any) -> list[Any]:
+    """Return ``world_size`` RankActors, each a fresh client of ``worker_name``, reusing the
+    session's: starting a rank's process (and importing torch there) costs more than most
+    tests. A test that kills a rank or places it on a node starts its own."""
+    while len(_POOL) < world_size:
+        _POOL.append(RankActor.remote(worker_name, len(_POOL), world_size, **kwargs))
+    ranks = _POOL[:world_size]
+    ray.get([a.reset.remote(worker_name, r, world_size, **kwargs) for r, a in enumerate(ranks)],
+            timeout=120)
+    return ranks

@@ -9,7 +9,7 @@ import torch
 
 from metricsvc.client import MetricClient
 from metricsvc.client.metrics import validation_metrics
-from tests.helpers import RankActor
+from tests.helpers import pooled_ranks
 
 WORLD = 4
 P, R = 5, 7  # prompt and response widths
@@ -48,7 +48,7 @@ def concat(batches):
 def run_ranks(cfg, per_rank_calls, ranks=None):
     """Run one step: rank ``r`` applies ``per_rank_calls[r]`` and flushes; returns the ranks."""
     world = len(per_rank_calls)
-    ranks = ranks or [RankActor.remote(cfg.name, r, world) for r in range(world)]
+    ranks = ranks or pooled_ranks(cfg.name, world)
     ray.get([a.run.remote(calls) for a, calls in zip(ranks, per_rank_calls)])
     return ranks
 

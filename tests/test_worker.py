@@ -15,7 +15,7 @@ from metricsvc.client import MetricClient, ReduceType
 from metricsvc.client.summarize import accelerator_path_on_cpu
 from metricsvc.client.synccount import HostTransferCounter
 from metricsvc.records import Batch, scalar_row
-from tests.helpers import RankActor, random_rank_data
+from tests.helpers import pooled_ranks, random_rank_data
 
 
 def clients_for(cfg, world_size, **kwargs):
@@ -30,7 +30,7 @@ def journal(cfg):
 
 def test_quickstart_dag_workers_submit_and_driver_reads_final_result(make_worker):
     handle, cfg = make_worker()
-    ranks = [RankActor.remote(cfg.name, r, 4) for r in range(4)]
+    ranks = pooled_ranks(cfg.name, 4)
 
     def calls(rank, step):
         return [
