@@ -2,7 +2,9 @@
 the restart protocol (``metricsvc.resend``).
 
 A blocking ``send`` runs on the caller's thread (``wait_submit``); ``hand_over`` queues a
-batch for the sender thread (``flush``), whose answers the caller reads later. Either way
+batch for the sender thread (``flush``), whose answers the caller reads later. When nothing
+is in flight, ``hand_over`` makes the call itself and the thread only waits for its answer
+(a thread's wake-up and the call's own work cost a rank more than the call). Either way
 one delivery runs at a time, so steps reach the service in order (Ray does not promise to
 run an actor's calls in the order sent: a large batch travels through the object store,
 so batches sent without waiting could overtake each other). Every
@@ -87,7 +89,8 @@ class Sender:
 
     # -- in the background ---------------------------------------------------------------
     def hand_over(self, batch: Batch, blob: bytes) -> None:
-        """Queue ``batch`` for the sender thread (started if idle)."""
+        """Queue ``batch`` for the sender thread (started if idle), having made its call
+        here if nothing is in flight."""
         with self._cv:
             issued = None
             # Nothing in flight: make the call here, so that the thread only waits for its
