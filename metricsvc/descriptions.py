@@ -22,7 +22,8 @@ class Descriptions:
     def __init__(self) -> None:
         self.about: dict[str, tuple[str, str]] = {}
         self._patterns: list[str] = []  # the names with ``<...>`` segments
-        self._checked: set[str] = set()  # exported names looked up (described or not)
+        self._shown: set[str] = set()  # exported names given to the sinks: never again
+        self._unknown: set[str] = set()  # exported names no description covered (yet)
 
     def learn(self, about: Mapping[str, Any]) -> dict[str, list[str]]:
         """Keep what ``about`` says; return the entries that are new (to journal)."""
@@ -32,7 +33,7 @@ class Descriptions:
             for name, (help_, unit) in new.items():
                 self.about[name] = (help_, unit)
             self._patterns = [n for n in self.about if "<" in n]
-            self._checked.clear()  # names looked up before may be described now
+            self._unknown.clear()  # names without a description may have one now
         return new
 
     def restore(self, meta: Mapping[str, Any]) -> None:
@@ -43,20 +44,23 @@ class Descriptions:
                         if isinstance(v, list) and len(v) == 2})
         shown = meta.get("descriptions")
         if isinstance(shown, dict):
-            self._checked.update(shown)
+            self._shown.update(shown)
 
     def of(self, names: Iterable[str]) -> dict[str, dict[str, str]]:
-        """Return ``{name: {"help", "unit"}}`` for each of ``names`` not looked up before
-        that a description covers: the name itself, or the key it exports (``key/mean``)."""
+        """Return ``{name: {"help", "unit"}}`` for each of ``names`` not given to the sinks
+        before that a description covers: the name itself, or the key it exports
+        (``key/mean``)."""
         out = {}
         for name in names:
-            if name in self._checked:
+            if name in self._shown or name in self._unknown:
                 continue
-            self._checked.add(name)
             text = self._find(name)
             if text is None and "/" in name:
                 text = self._find(name.rsplit("/", 1)[0])  # key/mean, key/p90, ...
-            if text is not None:
+            if text is None:
+                self._unknown.add(name)
+            else:
+                self._shown.add(name)
                 out[name] = {"help": text[0], "unit": text[1]}
         return out
 

@@ -442,3 +442,24 @@ def test_a_family_catalogue_gives_each_key_its_one_declared_kind():
     assert timing.METRICS.kind("perf/total_num_tokens") is ReduceType.SUM
     with pytest.raises(KeyError, match="'critic/unknown' is declared 0 times"):
         data.METRICS.kind("critic/unknown")
+
+
+def test_each_name_is_described_once_whatever_arrives_later_and_after_a_restart():
+    """A name's description goes to the sinks with the first step that exports it, once:
+    descriptions that arrive later (another family recorded from a later step on) or are
+    read back after a restart never send it again."""
+    from metricsvc.descriptions import Descriptions
+
+    live = Descriptions()
+    assert live.learn({"timing_s/<stage>": ("seconds", "s")})
+    first = live.of(["timing_s/gen", "x"])
+    assert first == {"timing_s/gen": {"help": "seconds", "unit": "s"}}
+    assert live.learn({"x": ("an x", "")})  # a later family: x is described now
+    assert live.of(["timing_s/gen", "x"]) == {"x": {"help": "an x", "unit": ""}}
+    assert live.of(["timing_s/gen", "x"]) == {}
+
+    restarted = Descriptions()  # the journal's steps, read back in order
+    restarted.restore({"about": {"timing_s/<stage>": ["seconds", "s"]},
+                       "descriptions": first})
+    restarted.restore({"about": {"x": ["an x", ""]}})
+    assert restarted.of(["timing_s/gen", "x"]) == {"x": {"help": "an x", "unit": ""}}
