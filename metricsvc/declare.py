@@ -269,11 +269,6 @@ def _in_group(key: str, pattern: str) -> bool:
 MAX_ABOUT_CHARS = 1000  # a help text or unit
 
 
-def described(metric: Metric | Derived) -> dict[str, list[str]]:
-    """Return ``{name: [help, unit]}`` for a declaration that says what it means, else {}."""
-    return {metric.name: [metric.help, metric.unit]} if metric.help or metric.unit else {}
-
-
 def encode_derived(declarations: Iterable[Derived],
                    about: Mapping[str, list[str]] | None = None) -> bytes:
     """Return declarations in their wire form (UTF-8 JSON; empty for none): the list of

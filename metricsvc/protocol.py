@@ -11,7 +11,7 @@ behind it. The service (the actor and every module it loads) never imports torch
 
 from __future__ import annotations
 
-from metricsvc.declare import Derived, Metric, described, encode_derived
+from metricsvc.declare import Derived, Metric, encode_derived
 from metricsvc.errors import (
     BatchRejected,
     Late,
@@ -118,7 +118,6 @@ __all__ = [
     "merge_sparse",
     "sparse_counts",
     "encode",
-    "described",
     "encode_derived",
     "is_internal",
     "kind_name",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from metricsvc.protocol import Derived, Metric, described, encode_derived, is_internal
+from metricsvc.protocol import Derived, Metric, encode_derived, is_internal
 
 
 class ClientDeclarations:
@@ -62,9 +62,9 @@ class ClientDeclarations:
             name = metric.name if under is None else under(metric.name)
             if name not in self._described:
                 self._described.add(name)
-                text = described(metric).get(metric.name)
-                if text is not None and not is_internal(name):  # an internal key is never shown
-                    self._about[name] = text
+                said = metric.help or metric.unit
+                if said and not is_internal(name):  # an internal key is never shown
+                    self._about[name] = [metric.help, metric.unit]
 
     def reads(self, key: str) -> bool:
         """Return True if a held derived metric reads ``key``."""
