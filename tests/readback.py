@@ -70,9 +70,9 @@ def _wandb_row(record) -> dict:
     return row
 
 
-def _wandb_rows(root: Path):
-    """Yield ``(path, row)`` for every history record of the one offline wandb run under
-    ``root`` (all of its transaction logs: one per incarnation)."""
+def _wandb_records(root: Path):
+    """Yield ``(path, kind, record)`` for every record of the one offline wandb run under
+    ``root`` (all of its transaction logs: one per incarnation), in order."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     paths = sorted(root.rglob("run-*.wandb"))
@@ -81,8 +81,14 @@ def _wandb_rows(root: Path):
         for data in leveldb_log_records(path, b":W&B"):
             record = pb.Record()
             record.ParseFromString(data)
-            if record.WhichOneof("record_type") == "history":
-                yield path, _wandb_row(record)
+            yield path, record.WhichOneof("record_type"), record
+
+
+def _wandb_rows(root: Path):
+    """Yield ``(path, row)`` for every history record of the one offline wandb run."""
+    for path, kind, record in _wandb_records(root):
+        if kind == "history":
+            yield path, _wandb_row(record)
 
 
 def wandb_history(root: Path) -> dict[int, dict[str, float]]:
@@ -111,10 +117,7 @@ def wandb_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
 def tensorboard_histograms(logdir: Path) -> dict[int, dict[str, tuple[list, list]]]:
     """Return ``{step: {tag: (edges, counts)}}`` of the histograms in ``logdir``'s event files
     (EventAccumulator; a bucket's lower edge is the previous limit, the first one's the min)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"histograms": 0})
-    acc.Reload()
+    acc = _tensorboard(logdir)
     out: dict[int, dict[str, tuple[list, list]]] = defaultdict(dict)
     for tag in acc.Tags()["histograms"]:
         for event in acc.Histograms(tag):
@@ -165,12 +168,18 @@ def swanlab_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
     return dict(out)
 
 
-def tensorboard_scalars(logdir: Path) -> dict[int, dict[str, float]]:
-    """Return the scalars of the event files in ``logdir`` (tensorboard's EventAccumulator)."""
+def _tensorboard(logdir: Path):
+    """Return tensorboard's own reader of the event files in ``logdir``, loaded."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()  # 0: keep every event
+    return acc
+
+
+def tensorboard_scalars(logdir: Path) -> dict[int, dict[str, float]]:
+    """Return the scalars of the event files in ``logdir`` (tensorboard's EventAccumulator)."""
+    acc = _tensorboard(logdir)
     out: dict[int, dict[str, float]] = defaultdict(dict)
     for tag in acc.Tags()["scalars"]:
         for event in acc.Scalars(tag):
@@ -179,8 +188,8 @@ def tensorboard_scalars(logdir: Path) -> dict[int, dict[str, float]]:
     return dict(out)
 
 
-def mlflow_metrics(tracking_uri: str) -> dict[int, dict[str, float]]:
-    """Return every metric of the one run in the MLflow store."""
+def _mlflow_run(tracking_uri: str):
+    """Return ``(client, run)``: the one run in the MLflow store at ``tracking_uri``."""
     import os
 
     import mlflow
@@ -189,6 +198,12 @@ def mlflow_metrics(tracking_uri: str) -> dict[int, dict[str, float]]:
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
     (run,) = client.search_runs([experiment.experiment_id])
+    return client, run
+
+
+def mlflow_metrics(tracking_uri: str) -> dict[int, dict[str, float]]:
+    """Return every metric of the one run in the MLflow store."""
+    client, run = _mlflow_run(tracking_uri)
     out: dict[int, dict[str, float]] = defaultdict(dict)
     for key in run.data.metrics:
         for m in client.get_metric_history(run.info.run_id, key):
@@ -199,10 +214,7 @@ def mlflow_metrics(tracking_uri: str) -> dict[int, dict[str, float]]:
 
 def tensorboard_descriptions(logdir: Path) -> dict[str, str]:
     """Return each scalar tag's description (its summary metadata) in ``logdir``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = _tensorboard(logdir)
     found = {tag: acc.summary_metadata.get(tag) for tag in acc.Tags()["scalars"]}
     return {tag: m.summary_description for tag, m in found.items()
             if m is not None and m.summary_description}
@@ -211,31 +223,15 @@ def tensorboard_descriptions(logdir: Path) -> dict[str, str]:
 def wandb_config(root: Path) -> dict[str, object]:
     """Return the config of the one offline wandb run under ``root``, as its transaction
     logs hold it (every update, in order)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    paths = sorted(root.rglob("run-*.wandb"))
-    _one_run(paths, "wandb")
     out: dict[str, object] = {}
-    for path in paths:
-        for data in leveldb_log_records(path, b":W&B"):
-            record = pb.Record()
-            record.ParseFromString(data)
-            kind = record.WhichOneof("record_type")
-            items = (record.config.update if kind == "config" else
-                     record.run.config.update if kind == "run" else [])
-            for item in items:
-                out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    for _, kind, record in _wandb_records(root):
+        items = (record.config.update if kind == "config" else
+                 record.run.config.update if kind == "run" else [])
+        for item in items:
+            out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return out
 
 
 def mlflow_tags(tracking_uri: str) -> dict[str, str]:
     """Return the tags of the one run in the MLflow store."""
-    import os
-
-    import mlflow
-
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
-    (run,) = client.search_runs([experiment.experiment_id])
-    return dict(run.data.tags)
+    return dict(_mlflow_run(tracking_uri)[1].data.tags)
