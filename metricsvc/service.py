@@ -76,7 +76,6 @@ def start_metric_worker(
         namespace=cfg.namespace,
         get_if_exists=True,
         max_restarts=cfg.max_restarts,
-        max_concurrency=cfg.max_concurrency,
         num_cpus=cfg.num_cpus,
         runtime_env=runtime_env,
     ).remote(cfg.model_dump())

@@ -85,9 +85,9 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
         continuing = _restarted_by_ray() or cfg.run.resume
         if not continuing:
             claim_run_dir(self.run_dir, cfg)
-        self.redactor = Redactor(cfg.model_dump())
-        write_atomic(self.run_dir / "config.yaml",
-                      yaml.safe_dump(self.redactor.value(cfg.model_dump())))
+        dumped = cfg.model_dump()
+        self.redactor = Redactor(dumped)
+        write_atomic(self.run_dir / "config.yaml", yaml.safe_dump(self.redactor.value(dumped)))
         # Held by every call that reads or changes the merge state, and by the readers'
         # condition: Ray runs this actor's calls on several threads.
         self._lock = threading.RLock()

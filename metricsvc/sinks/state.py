@@ -20,6 +20,8 @@ from typing import Any
 from metricsvc.files import LineFile, write_atomic
 from metricsvc.keys import safe_file_name
 
+log = logging.getLogger(__name__)
+
 
 class SinkState:
     """The durable record of sink ``name`` in ``run_dir``; read and written by its thread."""
@@ -40,9 +42,6 @@ class SinkState:
         data = {**self.load(), **values}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(data))
-
-
-log = logging.getLogger(__name__)
 
 
 class Watermark:
