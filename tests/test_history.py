@@ -1,0 +1,191 @@
+"""One history of a run (issue 35): restarts, resumes, rewinds, closes and streams, in one
+run, leave every sink and reader equal to a run that never failed. One test per case a
+user met; ``test_history_model`` drives random mixes of them against a plain model."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import ray
+
+import metricsvc
+from metricsvc.cli import load_steps
+from metricsvc.client import MetricClient
+from metricsvc.declare import Derived
+from metricsvc.errors import ServiceUnavailable, StepUnavailable
+from metricsvc.journal import read_journal
+from tests import readback
+from tests.helpers import wait_for_new_incarnation
+
+SINKS = {"console": None, "jsonl": {}, "tensorboard": {}}
+
+
+def sigkill(handle):
+    """SIGKILL the actor's process; return the next incarnation's health once it serves."""
+    health = ray.get(handle.health.remote(), timeout=60)
+    os.kill(health["pid"], signal.SIGKILL)
+    return wait_for_new_incarnation(handle, health["epoch"])
+
+
+def run_steps(name: str, values: dict[int, float]) -> None:
+    """Close each step of ``values`` (in order) with one rank's ``{"x": value}``."""
+    client = MetricClient(None, rank=0, world_size=1, name=name, start_step=min(values))
+    for step in sorted(values):
+        client.submit_metric({"x": values[step]})
+        client.wait_submit(step=step, timeout_s=30)
+
+
+def held(run: Path) -> dict[str, dict[int, float]]:
+    """What each place a user looks at shows of 'x', step by step."""
+    journal = {r["step"]: r["metrics"]["x"] for r in read_journal(run / "metrics.jsonl")}
+    report = {r["step"]: r["metrics"]["x"] for r in load_steps(str(run))}
+    board = {s: m["x"] for s, m in readback.tensorboard_scalars(run / "tensorboard").items()}
+    return {"journal": journal, "report": report, "tensorboard": board}
+
+
+def assert_everywhere(run: Path, want: dict[int, float]) -> None:
+    for where, got in held(run).items():
+        assert got == pytest.approx(want), where
+
+
+def test_a_restart_then_a_rewind_writes_the_rerun_to_every_sink(make_worker):
+    handle, cfg = make_worker(world_size=1, sinks=SINKS)
+    run_steps(cfg.name, {s: float(s) for s in range(10)})
+    ray.get(handle.flush.remote())
+    sigkill(handle)
+    ray.get(handle.rewind.remote(to_step=3))
+    rerun = {s: 100.0 + s for s in range(4, 10)}
+    run_steps(cfg.name, rerun)
+    assert ray.get(handle.wait_final_res.remote(9, 30)) == {"x": 109.0}
+    health = ray.get(handle.close.remote())
+    assert not health["sink_errors"], health["sink_errors"]
+    assert_everywhere(Path(health["run_dir"]), {**{s: float(s) for s in range(4)}, **rerun})
+
+
+def test_a_crash_then_a_resume_from_a_checkpoint_keeps_the_rerun_for_later_readers(
+        make_worker):
+    handle, cfg = make_worker(world_size=1, sinks=SINKS)
+    run_steps(cfg.name, {s: float(s) for s in range(8)})
+    ray.get(handle.flush.remote())
+    ray.kill(handle, no_restart=True)  # the job crashed, its service with it
+    resumed_cfg = cfg.model_dump()
+    resumed = metricsvc.start_metric_worker(resumed_cfg, resume_from_step=3)
+    rerun = {s: 100.0 + s for s in range(4, 8)}
+    run_steps(cfg.name, rerun)
+    health = metricsvc.stop_metric_worker(resumed)
+    assert not health["sink_errors"], health["sink_errors"]
+    want = {**{s: float(s) for s in range(4)}, **rerun}
+    run = Path(health["run_dir"])
+    assert_everywhere(run, want)
+    later = metricsvc.start_metric_worker({**resumed_cfg, "run": {**resumed_cfg["run"],
+                                                                 "resume": True}})
+    assert {s: ray.get(later.wait_final_res.remote(s, 10))["x"] for s in range(8)} == want
+    metricsvc.stop_metric_worker(later)
+    assert_everywhere(run, want)
+
+
+def test_resume_from_step_in_the_config_is_the_same_operation(make_worker):
+    handle, cfg = make_worker(world_size=1, sinks=SINKS)
+    run_steps(cfg.name, {s: float(s) for s in range(6)})
+    ray.kill(handle, no_restart=True)
+    dumped = cfg.model_dump()
+    resumed = metricsvc.start_metric_worker(
+        {**dumped, "run": {**dumped["run"], "resume": True, "from_step": 2}})
+    run_steps(cfg.name, {3: 30.0})
+    health = metricsvc.stop_metric_worker(resumed)
+    assert_everywhere(Path(health["run_dir"]), {0: 0.0, 1: 1.0, 2: 2.0, 3: 30.0})
+
+
+def test_a_kill_mid_rerun_leaves_tensorboard_the_rerun(make_worker):
+    handle, cfg = make_worker(world_size=1, sinks=SINKS)
+    run_steps(cfg.name, {s: float(s) for s in range(8)})
+    ray.get(handle.rewind.remote(to_step=3))
+    run_steps(cfg.name, {4: 40.0, 5: 50.0})
+    ray.get(handle.flush.remote())
+    sigkill(handle)
+    run_steps(cfg.name, {6: 60.0, 7: 70.0, 8: 80.0})
+    health = ray.get(handle.close.remote())
+    assert_everywhere(Path(health["run_dir"]),
+                      {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0, 5: 50.0, 6: 60.0, 7: 70.0,
+                       8: 80.0})
+
+
+_TOTAL = Derived("seen", "total(sum(x))", {"x": "x"})
+
+
+@pytest.mark.parametrize("to_step, skipped", [(5, None), (2, 2)],
+                         ids=["past_the_last_step", "a_step_without_the_key"])
+def test_running_totals_resume_from_the_last_record_at_or_before_the_rewind(
+        make_worker, to_step, skipped):
+    handle, cfg = make_worker(world_size=1, sinks={"console": None, "jsonl": {}})
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    client.declare(_TOTAL)
+    for step in range(4):  # totals 1, 3, 6, 10 (step 2 has no x: 3 through it)
+        if step != skipped:
+            client.submit_metric({"x": step + 1.0})
+        else:
+            client.submit_metric({"y": 0.0})
+        client.wait_submit(step=step, timeout_s=30)
+    sums = {0: 1.0, 1: 3.0, 2: 6.0 if skipped is None else 3.0, 3: 10.0 if skipped is None
+            else 7.0}
+    ray.get(handle.rewind.remote(to_step=to_step))
+    base = sums[min(to_step, 3)]
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name, start_step=to_step + 1)
+    client.declare(_TOTAL)
+    for i, step in enumerate(range(to_step + 1, to_step + 3)):
+        client.submit_metric({"x": 5.0})
+        client.wait_submit(step=step, timeout_s=30)
+        got = ray.get(handle.wait_final_res.remote(step, 30))["seen"]
+        assert got == base + 5.0 * (i + 1)
+
+
+def test_a_batch_sent_to_a_closed_service_is_refused_to_its_sender(make_worker):
+    handle, cfg = make_worker(world_size=1, sinks={"console": None, "jsonl": {}})
+    run_steps(cfg.name, {0: 1.0})
+    ray.get(handle.close.remote())
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name, start_step=1)
+    client.submit_metric({"x": 2.0})
+    with pytest.raises(ServiceUnavailable, match="closed"):
+        client.wait_submit(step=1, timeout_s=30)
+    client.submit_metric({"x": 3.0})
+    client.flush(step=2)
+    with pytest.raises(ServiceUnavailable, match="closed"):
+        client.wait_acks(timeout_s=30)
+    with pytest.raises(StepUnavailable):  # never published, never served
+        ray.get(handle.wait_final_res.remote(1, 1))
+
+
+def test_a_stream_batch_owed_at_a_restart_is_resent_by_flush_and_lands_in_the_export(
+        make_worker):
+    handle, cfg = make_worker(world_size=1, sinks={"console": None, "jsonl": {}})
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    recorder = client.stream("rollout")
+    recorder.stat(**{"reward": [1.0, 2.0, 3.0]})
+    recorder.flush()  # sent; the export that would journal it never came
+    sigkill(handle)
+    assert recorder.flush() is not None  # nothing new, but what the restart lost is owed
+    recorder.close()
+    window = ray.get(handle.export_stream.remote("rollout", 0, True))
+    assert window["rollout/reward"] == pytest.approx(2.0)
+
+
+def test_a_rewind_before_a_description_keeps_it_in_the_latest_segment(make_worker):
+    handle, cfg = make_worker(world_size=1, sinks={"console": None, "jsonl": {}})
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    client.declare(Derived("twice", "2 * mean(x)", {"x": "x"}, help="x doubled", unit="u"))
+    for step in range(3):
+        client.submit_metric({"x": float(step)})
+        client.wait_submit(step=step, timeout_s=30)
+    ray.get(handle.rewind.remote(to_step=-1))
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    client.declare(Derived("twice", "2 * mean(x)", {"x": "x"}, help="x doubled", unit="u"))
+    for step in range(2):
+        client.submit_metric({"x": 10.0 + step})
+        client.wait_submit(step=step, timeout_s=30)
+    health = ray.get(handle.close.remote())
+    journal = read_journal(Path(health["run_dir"]) / "metrics.jsonl")
+    assert [r["metrics"]["twice"] for r in journal] == [20.0, 22.0]
+    assert journal[0]["meta"]["descriptions"]["twice"] == {"help": "x doubled", "unit": "u"}
