@@ -48,6 +48,20 @@ class RunConfig(Strict):
                            "error: a new run is never taken for a restart)"
     )
 
+    from_step: int | None = Field(
+        None, ge=-1,
+        description="resuming from the checkpoint of this step: with resume, the run "
+                    "continues and every step after it is recorded afresh (a rewind made "
+                    "before any batch is taken; -1: before step 0)"
+    )
+
+    @model_validator(mode="after")
+    def _from_step_resumes(self) -> RunConfig:
+        if self.from_step is not None and not self.resume:
+            raise ValueError(f"from_step: {self.from_step} continues a run from a "
+                             f"checkpoint: set resume: true too")
+        return self
+
     @field_validator("experiment", "trial")
     @classmethod
     def _one_path_part(cls, v: str | None) -> str | None:

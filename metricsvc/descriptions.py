@@ -22,11 +22,16 @@ class Descriptions:
     def __init__(self) -> None:
         self.about: dict[str, tuple[str, str]] = {}
         self._patterns: list[str] = []  # the names with ``<...>`` segments
-        self._shown: set[str] = set()  # exported names given to the sinks: never again
+        # Exported names given to the sinks (never again) and descriptions journaled, each
+        # with the step whose meta holds it: a rewind before that step gives it again
+        self._shown: dict[str, int] = {}
+        self._journaled: dict[str, int] = {}
+        self._unjournaled: set[str] = set()
         self._unknown: set[str] = set()  # exported names no description covered (yet)
 
-    def learn(self, about: Mapping[str, Any]) -> dict[str, list[str]]:
-        """Keep what ``about`` says; return the entries that are new (to journal)."""
+    def learn(self, about: Mapping[str, Any], step: int) -> dict[str, list[str]]:
+        """Keep what ``about`` says; return the entries to journal with ``step``: the new
+        ones, and those a rewind took out of the latest segment."""
         new = {name: [str(text[0]), str(text[1])] for name, text in about.items()
                if tuple(text) != self.about.get(name)}
         if new:
@@ -34,19 +39,29 @@ class Descriptions:
                 self.about[name] = (help_, unit)
             self._patterns = [n for n in self.about if "<" in n]
             self._unknown.clear()  # names without a description may have one now
+        for name in self._unjournaled:
+            new.setdefault(name, list(self.about[name]))
+        self._unjournaled.clear()
+        self._journaled.update(dict.fromkeys(new, step))
         return new
 
-    def restore(self, meta: Mapping[str, Any]) -> None:
-        """Continue from a journaled step's ``meta`` (after a restart)."""
+    def restore(self, meta: Mapping[str, Any], step: int) -> None:
+        """Continue from journaled ``step``'s ``meta`` (after a restart)."""
         about = meta.get("about")
         if isinstance(about, dict):
             self.learn({k: v for k, v in about.items()
-                        if isinstance(v, list) and len(v) == 2})
+                        if isinstance(v, list) and len(v) == 2}, step)
         shown = meta.get("descriptions")
         if isinstance(shown, dict):
-            self._shown.update(shown)
+            self._shown.update(dict.fromkeys(shown, step))
 
-    def of(self, names: Iterable[str]) -> dict[str, dict[str, str]]:
+    def forget_after(self, step: int) -> None:
+        """A rewind to ``step``: what later steps journaled or showed is given again."""
+        self._unjournaled.update(n for n, at in self._journaled.items() if at > step)
+        self._journaled = {n: at for n, at in self._journaled.items() if at <= step}
+        self._shown = {n: at for n, at in self._shown.items() if at <= step}
+
+    def of(self, names: Iterable[str], step: int) -> dict[str, dict[str, str]]:
         """Return ``{name: {"help", "unit"}}`` for each of ``names`` not given to the sinks
         before that a description covers: the name itself, or the key it exports
         (``key/mean``)."""
@@ -60,7 +75,7 @@ class Descriptions:
             if text is None:
                 self._unknown.add(name)
             else:
-                self._shown.add(name)
+                self._shown[name] = step
                 out[name] = {"help": text[0], "unit": text[1]}
         return out
 

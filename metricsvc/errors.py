@@ -6,8 +6,9 @@ Catch by what happened, whichever side raised it:
   of it was merged, and sending it again cannot help. ``BatchRejected`` (the service
   refused a batch), ``StepMismatch`` (a client refused to close a step it does not hold).
 - ``Unavailable``: a service or a result cannot be reached. ``ServiceUnavailable`` (no
-  MetricWorker, or none answered within the budget), ``StepUnavailable`` (no result for
-  that step here).
+  MetricWorker, or none answered within the budget; ``ServiceClosed``, also a
+  ``Refused``: the service is closed and refused the batch), ``StepUnavailable`` (no
+  result for that step here).
 - ``NotFinal``: a step is not published yet. ``StepNotFinal``.
 - ``Late``: data for a step already published. ``StepAlreadyFinal`` (a client joined
   late and moved on), ``LateBatch`` (a warning: the batch was journaled, not merged).
@@ -41,6 +42,11 @@ class Unavailable(MetricsvcError):
 
 class ServiceUnavailable(Unavailable, RuntimeError):
     """The MetricWorker is gone for good, or stayed unreachable for the whole budget."""
+
+
+class ServiceClosed(ServiceUnavailable, Refused):
+    """The MetricWorker is closed (``close()`` / ``stop_metric_worker`` began): the batch was
+    refused, nothing of it merged, and no resend to this service can help."""
 
 
 class StepUnavailable(Unavailable, LookupError):

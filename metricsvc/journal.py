@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from metricsvc.files import LineFile
+from metricsvc.history import journal_rewinds, rewind_of
 from metricsvc.output import StepResult
 from metricsvc.sinks.jsonl import JsonlSinkConfig
 
@@ -60,7 +61,6 @@ class JsonlSink:
         self.config = config or JsonlSinkConfig()
         self.path: Path | None = None
         self._file: LineFile | None = None
-        self._held: set[int] = set()  # after a restart: steps the journal already holds
         self._through: int | None = None  # after a restart: its newest step
 
     def open(self, run_dir: Path) -> None:
@@ -68,17 +68,12 @@ class JsonlSink:
         self._file = LineFile(self.path)
 
     def resume(self, after: int | None) -> None:
-        """Leave out of later writes every step past ``after`` the journal already holds
-        (a step finished again from resent batches after a restart, say)."""
+        """Read back the newest step the journal's latest segment holds (``held_through``):
+        the run's history (``metricsvc.history``) decides from it what is written again."""
         assert self.path is not None
-        steps = [r["step"] for r in iter_journal(self.path)]  # one record at a time
-        self._held = {s for s in steps if after is None or s > after}
-        self._through = max(steps, default=None)
+        self._through = max((r["step"] for r in iter_journal(self.path)), default=None)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        if step in self._held:
-            self._held.discard(step)
-            return
         record = {
             "step": step,
             "metrics": {k: _json_number(v) for k, v in metrics.items()},
@@ -91,21 +86,16 @@ class JsonlSink:
         """The newest step the journal's latest segment holds (read back from the file)."""
         return self._through
 
-    def rewind(self, to_step: int) -> None:
-        """Start a new segment: readers archive every earlier record past ``to_step`` (the
-        lines stay in the file, never deleted)."""
-        self._held = {s for s in self._held if s <= to_step}
-        self.write_event({"rewind": {"to_step": to_step}})
-
     def write_event(self, event: Mapping[str, Any]) -> None:
-        """Journal something that is not a finished step (e.g. a late batch)."""
-        self._append({"event": dict(event), "time": time.time()})
+        """Journal something that is not a finished step (e.g. a late batch). A ``rewind``
+        begins a segment of the run's history: it is synced before this returns."""
+        self._append({"event": dict(event), "time": time.time()}, sync="rewind" in event)
 
-    def _append(self, record: Mapping[str, Any]) -> None:
+    def _append(self, record: Mapping[str, Any], sync: bool = False) -> None:
         if self._file is None:
             raise RuntimeError("JsonlSink.write called before open or after close")
         line = json.dumps(record, allow_nan=False, sort_keys=False) + "\n"
-        self._file.append(line.encode("utf-8"), fsync=self.config.fsync)
+        self._file.append(line.encode("utf-8"), fsync=sync or self.config.fsync)
 
     def close(self) -> None:
         if self._file is not None:
@@ -192,11 +182,15 @@ class Journal:
         return count, lambda: iter_journal(path)
 
     def totals_at(self, step: int) -> dict[str, Any] | None:
-        """The running totals journaled with ``step`` (None: not journaled)."""
+        """The running totals journaled with the last step at or before ``step`` in the
+        latest segment (each step's meta holds them all: None, none yet)."""
         if step < 0 or not self.holds_steps():
             return None
-        record = next((r for r in iter_journal(self.path) if r["step"] == step), None)
-        return None if record is None else record["meta"].get("derived_totals")
+        totals = None
+        for record in iter_journal(self.path):
+            if record["step"] <= step:
+                totals = record["meta"].get("derived_totals")
+        return totals
 
     def health(self) -> dict[str, Any]:
         """The journal's own record: where it is and what reading it skipped."""
@@ -321,20 +315,15 @@ class JournalIndex:
                 if found is not None:
                     self._at.setdefault(int(found.group(1)), start)
                 elif b'"rewind"' in line:
-                    to_step = _rewind(line.decode("utf-8", "replace"))
-                    if to_step is not None:
-                        self._at = {s: a for s, a in self._at.items() if s <= to_step}
+                    rewind = rewind_of(line.decode("utf-8", "replace"))
+                    if rewind is not None:
+                        self._at = {s: a for s, a in self._at.items() if s <= rewind.to_step}
 
 
 def _rewinds(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
     """``(line, to_step)`` of each rewind event, with ``to_step`` the lowest of it and every
     later one (what a record before that line is archived past)."""
-    found = []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for number, line in enumerate(fh, 1):
-            to_step = _rewind(line)
-            if to_step is not None:
-                found.append((number, to_step))
+    found = [(number, rewind.to_step) for number, rewind in journal_rewinds(path)]
     for i in range(len(found) - 2, -1, -1):
         found[i] = (found[i][0], min(found[i][1], found[i + 1][1]))
     return found
@@ -344,14 +333,3 @@ def _later_rewind(rewinds: list[tuple[int, int]], number: int) -> int | None:
     """The lowest step a rewind after line ``number`` goes back to, or None."""
     at = bisect.bisect_right(rewinds, (number, float("inf")))
     return rewinds[at][1] if at < len(rewinds) else None
-
-
-def _rewind(line: str) -> int | None:
-    """The step a ``rewind`` event line goes back to, or None for any other line."""
-    if '"rewind"' not in line:
-        return None
-    try:
-        to_step = json.loads(line)["event"]["rewind"]["to_step"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return to_step if isinstance(to_step, int) and not isinstance(to_step, bool) else None

@@ -138,13 +138,13 @@ class StepOutput:
             meta["derived_limit"] = dict(self.deriver.limited)
         if self.deriver.undefined:  # inputs present, but no finite real value: omitted
             meta["derived_undefined"] = dict(self.deriver.undefined)
-        first = self.declarations.fix(declared)
+        first = self.declarations.fix(declared, p.step)
         if first:  # journaled once: a restart keeps the run's definitions
             meta["declarations"] = first
-        about = self.descriptions.learn(p.about)
+        about = self.descriptions.learn(p.about, p.step)
         if about:  # journaled once, too
             meta["about"] = about
-        shown = self.descriptions.of(metrics)
+        shown = self.descriptions.of(metrics, p.step)
         if shown:  # what the sinks show, with the first step that exports each name
             meta["descriptions"] = shown
         ignored = self.deriver.unread(declared, [p.keys[i] for i in internal])

@@ -56,6 +56,10 @@ class Outbox:
         if durable is not None:
             self._owed = [(s, p) for s, p in self._owed if s > durable]
 
+    def newest(self) -> Any:
+        """Return the newest payload still owed (None: nothing is)."""
+        return self._owed[-1][1] if self._owed else None
+
     def owed(self, durable_through: int | None) -> list[Any]:
         """Return, oldest first, what a new incarnation whose journal holds steps up to
         ``durable_through`` may lack."""

@@ -34,7 +34,7 @@ class RestartMethods:
             declarations = meta.get("declarations")
             if isinstance(declarations, dict):
                 self.declarations.restore(declarations, step)
-            self.out.descriptions.restore(meta)
+            self.out.descriptions.restore(meta, step)
             stream_seqs = meta.get("stream_seqs")
             if isinstance(stream_seqs, dict):
                 self.stream_ledger.journaled(stream_seqs)
@@ -53,5 +53,9 @@ class RestartMethods:
         self.lag.clear()
         self.deriver.totals.clear()
         self.deriver.restore(totals or {})
+        # What the superseded steps journaled once is journaled again with the rerun: the
+        # latest segment carries the run's definitions and descriptions
+        self.declarations.forget_after(to_step)
+        self.out.descriptions.forget_after(to_step)
         self._refresh_newest_closed()
         return superseded

@@ -29,6 +29,7 @@ class RunDeclarations:
         self._origin: dict[str, tuple[int, int]] = {}  # name -> (step, rank) it came from
         self._fixed: set[str] = set()  # published with: never replaced
         self._unjournaled: dict[str, Derived] = {}
+        self._journaled: dict[str, int] = {}  # name -> the step whose meta holds it
 
     def check(self, declarations: Iterable[Derived], step: int, rank: int) -> None:
         """Raise ``BatchRejected`` if a declaration differs from the run's of its name.
@@ -67,16 +68,24 @@ class RunDeclarations:
         """Return the run's declarations of ``names``."""
         return {name: self.held[name] for name in names if name in self.held}
 
-    def fix(self, names: Iterable[str]) -> dict[str, list[Any]]:
-        """Fix ``names`` (a step using them is being published); return the declarations
-        not journaled yet, in their wire form, for that step's meta."""
+    def fix(self, names: Iterable[str], step: int) -> dict[str, list[Any]]:
+        """Fix ``names`` (``step``, using them, is being published); return the
+        declarations not journaled yet, in their wire form, for that step's meta."""
         out: dict[str, list[Any]] = {}
         for name in names:
             self._fixed.add(name)
             decl = self._unjournaled.pop(name, None)
             if decl is not None:
                 out[name] = decl.wire()[1:]
+                self._journaled[name] = step
         return out
+
+    def forget_after(self, step: int) -> None:
+        """A rewind to ``step`` archives the steps after it: what they journaled is
+        journaled again with the next step that uses it (the definitions still hold)."""
+        for name in [n for n, at in self._journaled.items() if at > step]:
+            del self._journaled[name]
+            self._unjournaled[name] = self.held[name]
 
     def restore(self, journaled: Mapping[str, Any], step: int) -> None:
         """Take back declarations a journaled step's meta holds (after a restart)."""
@@ -88,3 +97,4 @@ class RunDeclarations:
                 continue  # a journal line edited by hand: the next declaration will do
             self.held[name], self._origin[name] = decl, (step, -1)
             self._fixed.add(name)
+            self._journaled[name] = step

@@ -45,6 +45,7 @@ def start_metric_worker(
     namespace: str | None = None,
     world_size: int | None = None,
     runtime_env: dict[str, Any] | None = None,
+    resume_from_step: int | None = None,
 ) -> Any:
     """Create (or return the existing) named MetricWorker singleton and wait until it serves.
 
@@ -54,8 +55,17 @@ def start_metric_worker(
     API keys in ``runtime_env``: Ray writes runtime environments to its logs. Export
     them where the driver (or ``ray start``) runs instead. Calling it twice returns
     the same actor.
+
+    ``resume_from_step=k``: continue the run in the configured folder (after a crash)
+    from the checkpoint of step ``k``, in one operation: the service reloads the run,
+    rewinds to ``k`` (journaled) before it takes any batch, and every step after ``k``
+    is recorded afresh (``run: {resume: true, from_step: k}`` in the config says the
+    same).
     """
     cfg = load_config(config, name=name, namespace=namespace, world_size=world_size)
+    if resume_from_step is not None:
+        cfg = load_config({**cfg.model_dump(), "run": {
+            **cfg.run.model_dump(), "resume": True, "from_step": resume_from_step}})
     check_libraries(cfg.sinks)  # here, in one line, not as retries in the actor
     if not Path(cfg.run.root).is_absolute():  # the driver's folder, not the cluster's cwd
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(

@@ -21,6 +21,7 @@ class StreamCallMethods:
     timer: Any
     _ack: Callable[..., dict[str, Any]]
     _stale: Callable[[str | None], bool]
+    _check_open: Callable[[str], None]
     _publish: Callable[[list[StepResult]], None]
 
     def stream_submit(self, name: str, client: str, batch: Batch | bytes,
@@ -34,6 +35,7 @@ class StreamCallMethods:
         lost with the old incarnation.
         """
         with self._lock:
+            self._check_open("stream_submit")
             if self._stale(epoch):
                 return self._stream_ack("epoch_changed", name, client)
             self.calls["stream_submit"] += 1
@@ -52,6 +54,7 @@ class StreamCallMethods:
         return the window's metrics. ``close=True``: a step no rank submits is final with
         the window alone. Raises ``BatchRejected`` (window kept) if the step is final."""
         with self._lock:
+            self._check_open("export_stream")
             self.calls["export_stream"] += 1
             self.timer.start()
             metrics, finished = self.aggregator.export_stream(name, int(step), close)

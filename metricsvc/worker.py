@@ -34,8 +34,9 @@ from metricsvc.config import (
     ServiceConfig,
     load_config,
 )
-from metricsvc.errors import BatchRejected
+from metricsvc.errors import BatchRejected, ServiceClosed
 from metricsvc.files import write_atomic
+from metricsvc.history import Rewind, RunHistory
 from metricsvc.journal import Journal
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
@@ -50,6 +51,13 @@ from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.stream_calls import StreamCallMethods
 
 log = logging.getLogger(__name__)
+
+
+def _actor_id() -> str | None:
+    try:
+        return ray.get_runtime_context().get_actor_id()
+    except Exception:  # not inside an actor (the impl built directly)
+        return None
 
 
 def _restarted_by_ray() -> bool:
@@ -83,6 +91,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
         self._owner_fd: int | None = hold_run_dir(self.run_dir, cfg.name)
         # Only a restart of this run (by Ray, or an explicit resume) reloads the folder.
         continuing = _restarted_by_ray() or cfg.run.resume
+        self.actor = _actor_id()
         if not continuing:
             claim_run_dir(self.run_dir, cfg)
         dumped = cfg.model_dump()
@@ -104,15 +113,22 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
         # Continuing a run, each sink continues its backend run and is given the journaled
         # steps past its watermark: what users look at survives the restart too.
         writer = {} if self.journal.writer is None else {"jsonl": self.journal.writer}
+        # The run's segments as the journal records them: every sink's watermark obeys it
+        self.history = RunHistory.read(self.journal.path if continuing else None)
         self.sinks = SinkDispatcher(build_sinks(cfg.sinks, check=True, built=writer),
                                     self.run_dir, cfg.sinks.delivery, self.redactor,
-                                    replay=journal)
+                                    replay=journal, history=self.history)
         self.timer = StragglerTimer(cfg.straggler_timeout_s, self._lock,
                                     self.aggregator.expire, self._publish)
         self._started = time.time()
         self.calls: Counter[str] = Counter()
         self.merge_cpu_s = 0.0  # CPU inside the ranks' calls: the service's own work
         self._closed = False
+        # Resuming from a checkpoint: rewound before any batch is taken, once (a Ray restart
+        # of this actor finds its own rewind in the journal and leaves the rerun alone)
+        if cfg.run.from_step is not None and not self.history.made_by(self.actor):
+            with self._lock:
+                self._rewind(cfg.run.from_step, by=self.actor)
 
     def _durable_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""
@@ -128,6 +144,16 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
             return False
         self.calls["epoch_changed"] += 1
         return True
+
+    def _check_open(self, what: str) -> None:
+        """Refuse a call that would change the run once ``close`` has begun: its sender
+        hears it (never acked and lost)."""
+        if self._closed:
+            self.calls["refused_closed"] += 1
+            raise ServiceClosed(
+                f"MetricWorker {self.config.name!r} is closed ({what} refused): nothing of it "
+                f"was merged; start a service (start_metric_worker, run.resume: true to "
+                f"continue this run) before sending more")
 
     def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
         return {"status": status, "epoch": self.epoch, "durable_through": self._durable_through(),
@@ -149,6 +175,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
             return self._submit(batch, epoch)
 
     def _submit(self, batch: Batch | bytes, epoch: str | None) -> dict[str, Any]:
+        self._check_open("submit")
         if self._stale(epoch):
             return self._ack("epoch_changed")
         self.calls["submit"] += 1
@@ -186,6 +213,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
             return self._submit_many(batches, epoch)
 
     def _submit_many(self, batches: list[Batch | bytes], epoch: str | None) -> dict[str, Any]:
+        self._check_open("submit_many")
         if self._stale(epoch):
             return self._ack("epoch_changed")
         self.calls["submit_many"] += 1
@@ -250,9 +278,11 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
     def close(self) -> dict[str, Any]:
         """Flush and close every sink, then let go of the run folder; a second call is
         harmless. Returns ``health()``."""
-        if not self._closed:
+        with self._lock:  # no merge runs once this is set, and none starts after it
+            first = not self._closed
             self._closed = True
             self.timer.stop()
+        if first:
             self.sinks.close()
             if self._owner_fd is not None:
                 os.close(self._owner_fd)  # the folder may have a new owner now
@@ -262,30 +292,39 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
     def rewind(self, to_step: int) -> dict[str, Any]:
         """Resume from the checkpoint of ``to_step``: every step after it is recorded afresh.
 
-        Published steps past it are superseded, not deleted: the journal starts a new
-        segment (its earlier records past ``to_step`` stay in the file, archived, and every
-        reader shows the latest segment), TensorBoard is given its restart marker (it
-        shows the rerun), and each sink's watermark goes back so a restart replays the
-        rerun. Returns ``{"to_step", "superseded"}``.
+        A new segment of the run's history begins (``metricsvc.history``), journaled and
+        synced before this returns. Published steps past it are superseded, not deleted:
+        their records stay in the journal, archived, and every reader shows the latest
+        segment; TensorBoard is given its restart marker (it shows the rerun); every sink's
+        watermark goes back, so it is given the rerun, and a restart replays it. Running
+        totals continue from the last step at or before ``to_step``. Returns
+        ``{"to_step", "superseded"}``.
         """
         if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < -1:
             raise ValueError(f"rewind(to_step=...) takes a step >= -1 (-1: before step 0), "
                              f"got {to_step!r}")
         with self._lock:
+            self._check_open("rewind")
             return self._rewind(to_step)
 
-    def _rewind(self, to_step: int) -> dict[str, Any]:
-        kept = self.results.get(to_step)
-        totals = (kept.meta.get("derived_totals") if kept is not None
-                  else self.journal.totals_at(to_step))
-        superseded = self.aggregator.rewind(to_step, totals)
+    def _rewind(self, to_step: int, by: str | None = None) -> dict[str, Any]:
+        # First the journal records it: a rewind the journal lacks never happened
+        self.sinks.rewind(Rewind(to_step, by), self.journal.writer)
+        superseded = self.aggregator.rewind(to_step, self._totals_at(to_step))
         self.results.forget_after(to_step)
         if self._reloaded_through is not None:
             self._reloaded_through = min(self._reloaded_through, to_step)
-        self.sinks.rewind(to_step)
         log.warning("rewound to step %d: %d published steps superseded", to_step, superseded)
         self.results.notify()
         return {"to_step": to_step, "superseded": superseded}
+
+    def _totals_at(self, step: int) -> dict[str, Any] | None:
+        """The running totals as of the last published step at or before ``step``: what
+        this service keeps of it, else the journal's record."""
+        kept = [s for s in self.results.steps() if s <= step]
+        if kept:
+            return self.results.get(max(kept)).meta.get("derived_totals")  # type: ignore
+        return self.journal.totals_at(step)
 
     def config_dump(self) -> dict[str, Any]:
         """Return the config this service runs (secrets hidden), for ``start_metric_worker``
@@ -345,6 +384,8 @@ class StragglerTimer:
         while not self._stopped.wait(self.period):
             try:
                 with self.lock:  # the actor's: a merge never sees a step half expired
+                    if self._stopped.is_set():  # closed meanwhile: nothing is published
+                        return
                     finished = self.expire()
                     for r in finished:
                         if r.meta["partial"]:

@@ -451,15 +451,19 @@ def test_each_name_is_described_once_whatever_arrives_later_and_after_a_restart(
     from metricsvc.descriptions import Descriptions
 
     live = Descriptions()
-    assert live.learn({"timing_s/<stage>": ("seconds", "s")})
-    first = live.of(["timing_s/gen", "x"])
+    assert live.learn({"timing_s/<stage>": ("seconds", "s")}, 0)
+    first = live.of(["timing_s/gen", "x"], 0)
     assert first == {"timing_s/gen": {"help": "seconds", "unit": "s"}}
-    assert live.learn({"x": ("an x", "")})  # a later family: x is described now
-    assert live.of(["timing_s/gen", "x"]) == {"x": {"help": "an x", "unit": ""}}
-    assert live.of(["timing_s/gen", "x"]) == {}
+    assert live.learn({"x": ("an x", "")}, 1)  # a later family: x is described now
+    assert live.of(["timing_s/gen", "x"], 1) == {"x": {"help": "an x", "unit": ""}}
+    assert live.of(["timing_s/gen", "x"], 2) == {}
 
     restarted = Descriptions()  # the journal's steps, read back in order
     restarted.restore({"about": {"timing_s/<stage>": ["seconds", "s"]},
-                       "descriptions": first})
-    restarted.restore({"about": {"x": ["an x", ""]}})
-    assert restarted.of(["timing_s/gen", "x"]) == {"x": {"help": "an x", "unit": ""}}
+                       "descriptions": first}, 0)
+    restarted.restore({"about": {"x": ["an x", ""]}}, 1)
+    assert restarted.of(["timing_s/gen", "x"], 2) == {"x": {"help": "an x", "unit": ""}}
+
+    live.forget_after(0)  # a rewind to step 0: step 1's description is given again
+    assert live.learn({}, 1) == {"x": ["an x", ""]}
+    assert live.of(["timing_s/gen", "x"], 1) == {"x": {"help": "an x", "unit": ""}}

@@ -201,8 +201,9 @@ class MetricClient(SiirlMethods, Tracker):
 
         While the actor restarts the call waits (up to ``retry_s``). On a timeout
         the batch is kept and calling again resends it; the service merges it
-        once. If the service rejects the batch, it is dropped, the step stays
-        open and the error (a ``metricsvc.errors.Refused``) is raised.
+        once. If the service refuses the batch, the error (a
+        ``metricsvc.errors.Refused``) is raised and the step is closed all the same: its
+        records are dropped (resending cannot help) and the client moves to the next step.
         """
         if not self.sender.wait_until(1, timeout_s):  # earlier flushes first: steps in order
             raise ray.exceptions.GetTimeoutError(
@@ -212,8 +213,8 @@ class MetricClient(SiirlMethods, Tracker):
         blob = encode(batch)
         try:  # undelivered stays in _unacked: the next call sends it again
             ack = self.sender.send(batch, blob, timeout_s, keep_undelivered=False)
-        except Refused:
-            self._unacked = None  # rejected by the service: retrying cannot help
+        except Refused:  # rejected by the service: retrying cannot help
+            self._closed(batch)  # the step is closed all the same: the rank goes on
             raise
         self._closed(batch)
         self._read_answers(handed_over=batch.step)  # earlier flushes' errors, after this

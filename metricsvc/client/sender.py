@@ -69,6 +69,15 @@ class Sender:
                     self.outbox.drop(blob)
                 raise
 
+    def resend_owed(self, timeout_s: float | None) -> dict[str, Any] | None:
+        """Deliver again the newest batch the journal may lack, if any, and return its ack.
+        The incarnation that has it answers ``duplicate``; one that lost it (a restart)
+        answers ``epoch_changed`` and is sent everything owed, oldest first. None: nothing
+        is owed."""
+        with self._send_lock:
+            newest = self.outbox.newest()
+            return None if newest is None else self._deliver(newest, timeout_s)
+
     def _deliver(self, blob: bytes, timeout_s: float | None, issued: Any = None) -> dict[str, Any]:
         exchange = deliver(self.outbox, blob)
         payload = next(exchange)

@@ -84,7 +84,9 @@ class StreamRecorder(Tracker):
 
     def flush(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         """Send what was recorded since the last flush (one host copy, one actor call)
-        and return the ack; None if nothing was recorded.
+        and return the ack. With nothing recorded, the newest batch the journal does not
+        hold yet is sent again (a restarted actor then gets every batch it lost, which
+        land in its next export); None if nothing was recorded and nothing is owed.
 
         On a timeout, or while the actor is unreachable past ``retry_s``, the batch is
         kept and the next flush sends it again (the service merges it once); a refused
@@ -92,13 +94,13 @@ class StreamRecorder(Tracker):
         """
         self._check_open()
         with self.buffer.lock:
-            if self._unacked is None:
-                if not len(self.buffer):
-                    return None
+            if self._unacked is None and len(self.buffer):
                 self._seq += 1
                 self._unacked = self.buffer.take_batch(step=0, rank=0, world_size=1,
                                                        seq=self._seq, final=False)
             batch = self._unacked
+        if batch is None:
+            return self.sender.resend_owed(timeout_s)
         try:
             ack = self.sender.send(batch, encode(batch), timeout_s, keep_undelivered=False)
         except Refused:

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from metricsvc.errors import ServiceUnavailable
+from metricsvc.history import Rewind, RunHistory
 from metricsvc.redaction import Redactor
 from metricsvc.sinks.base import DeliveryConfig, Sink
 from metricsvc.sinks.names import public_metrics
@@ -50,7 +52,7 @@ class _SinkWorker:
     """
 
     def __init__(self, sink: Sink, run_dir: Path, delivery: DeliveryConfig, dead: DeadLetter,
-                 redactor: Redactor,
+                 redactor: Redactor, history: RunHistory,
                  replay: Callable[[], Iterator[dict[str, Any]]] | None = None):
         self.sink = sink
         self.replay = replay  # None: a new run; else reads the journal of the run to continue
@@ -73,13 +75,16 @@ class _SinkWorker:
         self.stats = {"written": 0, "failures": 0, "dead_lettered": 0, "lost": 0,
                       "in_flight_at_close": 0, "last_step": None, "last_error": None,
                       "durable_through": None, "replayed": 0, "missing": None}
-        self.mark = Watermark(self.state, self.stats, self.name, self.redact)
+        self.mark = Watermark(self.state, self.stats, self.name, self.redact, history)
         self.thread = threading.Thread(target=self._serve, name=f"metricsvc-sink-{self.name}",
                                        daemon=True)
         self.thread.start()
 
     # -- producer side -----------------------------------------------------------------
     def put(self, item: tuple) -> None:
+        if item[0] == "rewind":  # never dropped: the thread makes room
+            self.queue.put(item)
+            return
         try:
             self.queue.put_nowait(item)
         except queue.Full:
@@ -110,7 +115,7 @@ class _SinkWorker:
             elif kind == "event" and hasattr(self.sink, "write_event"):
                 self._attempt(functools.partial(self.sink.write_event, item[1]))
             elif kind == "rewind":
-                self._rewind(item[1])
+                self._rewind(*item[1:])
             with self._lock:
                 self._current = None
                 if self._abandoned:
@@ -171,22 +176,29 @@ class _SinkWorker:
         durable = said[0]
         self.mark.advance(last if durable is None else min(durable, last))
 
-    def _rewind(self, to_step: int) -> None:
-        """Steps past ``to_step`` will be written again: the backend is told (where it can
-        show a rerun) and the watermark goes back, so a restart replays the rerun."""
+    def _rewind(self, rewind: Rewind, done: Rewound) -> None:
+        """A new segment of the run's history begins: the journal records it, the backend
+        is told (where it can show a rerun), and the watermark goes back, so a restart
+        replays the rerun. ``done`` hears the outcome."""
+        error = None
+        if hasattr(self.sink, "write_event"):  # the journal: the history's own record
+            error = self._attempt(functools.partial(self.sink.write_event, rewind.event()),
+                                  retry=True)
+            if error is not None:  # not recorded: nothing is rewound (the caller hears it)
+                done.heard(self.sink, error)
+                return
         if self.opened and hasattr(self.sink, "rewind"):
-            error = self._attempt(functools.partial(self.sink.rewind, to_step))
-            if error is not None:
-                log.error("sink %s could not rewind to step %d: %s", self.name, to_step, error)
-        self.mark.back_to(to_step)
+            error = self._attempt(functools.partial(self.sink.rewind, rewind.to_step))
+        if error is not None:
+            log.error("sink %s could not rewind to step %d: %s", self.name, rewind.to_step,
+                      error)
+        self.mark.back_to(rewind.to_step)
+        done.heard(self.sink, error)
 
     def _deliver_step(self, item: tuple) -> None:
         _, step, metrics, meta = item
-        last = self.stats["last_step"]
-        if last is None:
-            last = self.mark.floor
-        if last is not None and step <= last:
-            return  # each step once, in increasing order, whatever the producer did
+        if self.mark.holds(step):
+            return  # each step of a segment once, in increasing order
         visible = public_metrics(metrics, self.allow_nan)
         error = self._attempt(lambda: self.sink.write(step, visible, meta), retry=True)
         with self._lock:
@@ -283,9 +295,34 @@ class _SinkWorker:
                 self._dead_letter(item, f"not written: {why}")
             elif item is not _STOP and item[0] == "flush":
                 item[1].set()
+            elif item is not _STOP and item[0] == "rewind":
+                item[2].heard(self.sink, f"not rewound: {why}")
         self.queue.put_nowait(_STOP)  # the thread closes the sink once its write returns
         log.error("sink %s: close gave up after %s s; %d steps dead-lettered", self.name,
                   self.delivery.close_timeout_s, len(waiting) + (current is not None))
+
+
+class Rewound:
+    """The outcome of a rewind at the sink that must record it (the journal)."""
+
+    def __init__(self, sink: Sink | None) -> None:
+        self.sink = sink
+        self.error: str | None = None
+        self._done = threading.Event()
+        if sink is None:
+            self._done.set()
+
+    def heard(self, sink: Sink, error: str | None) -> None:
+        if sink is self.sink:
+            self.error = error
+            self._done.set()
+
+    def wait(self, timeout_s: float | None) -> None:
+        if not self._done.wait(timeout_s):
+            raise ServiceUnavailable(f"the rewind was not journaled within {timeout_s} s "
+                                     f"(sink {self.sink.name} busy)")  # type: ignore[union-attr]
+        if self.error is not None:
+            raise ServiceUnavailable(f"the rewind could not be journaled: {self.error}")
 
 
 class SinkDispatcher:
@@ -295,17 +332,19 @@ class SinkDispatcher:
         self, sinks: Sequence[Sink], run_dir: Path, delivery: DeliveryConfig | None = None,
         redactor: Redactor | None = None,
         replay: Callable[[], Iterator[dict[str, Any]]] | None = None,
+        history: RunHistory | None = None,
     ) -> None:
         """``replay``: reads the journal's step records when this continues a run (after a
         restart; each sink reads it in its own pass); each sink then continues its backend
-        run and gets what it lacks."""
+        run and gets what it lacks. ``history``: the run's, as its journal records it."""
         self.run_dir = run_dir
         delivery = self.delivery = delivery or DeliveryConfig()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.dead_letter = DeadLetter(run_dir / delivery.dead_letter)
         redactor = redactor or Redactor()
-        self._workers = [_SinkWorker(s, run_dir, delivery, self.dead_letter, redactor, replay)
-                         for s in sinks]
+        self.history = history or RunHistory()
+        self._workers = [_SinkWorker(s, run_dir, delivery, self.dead_letter, redactor,
+                                     self.history, replay) for s in sinks]
         self._closed = False
 
     @property
@@ -324,11 +363,26 @@ class SinkDispatcher:
             for worker in self._workers:
                 worker.put(("event", event))
 
-    def rewind(self, to_step: int) -> None:
-        """Queue a rewind to ``to_step`` for every sink, in order with the steps around it."""
-        if not self._closed:
-            for worker in self._workers:
-                worker.put(("rewind", to_step))
+    def rewind(self, rewind: Rewind, wait_for: Sink | None,
+               timeout_s: float | None = 30.0) -> None:
+        """Begin a new segment of the run's history: queued for every sink, in order with
+        the steps around it; return once ``wait_for`` (the journal) has recorded it.
+
+        Raises:
+            ServiceUnavailable: ``wait_for`` could not record it (the error is named), or
+                not within ``timeout_s``.
+        """
+        if self._closed:
+            raise ServiceUnavailable("the service is closed: no rewind")
+        done = Rewound(wait_for)
+        first = [w for w in self._workers if w.sink is wait_for]
+        for worker in first:  # recorded first: a rewind the journal lacks never happened
+            worker.put(("rewind", rewind, done))
+        done.wait(timeout_s)
+        self.history.rewound(rewind)
+        for worker in self._workers:
+            if worker.sink is not wait_for:
+                worker.put(("rewind", rewind, done))
 
     def flush(self, timeout_s: float | None = 30.0) -> bool:
         """Wait until every sink has handled everything queued so far; True if all did."""
@@ -360,8 +414,8 @@ class SinkDispatcher:
             worker.finish_close(deadline)
 
     def last_step(self, sink: Sink) -> int | None:
-        """Return the last step ``sink`` (one of this dispatcher's) has written (None if
-        none yet, or not one of them)."""
+        """Return the last step of the current segment ``sink`` (one of this dispatcher's)
+        has written (None if none yet, or not one of them)."""
         for worker in self._workers:
             if worker.sink is sink:
                 return worker.stats["last_step"]

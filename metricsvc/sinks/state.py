@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from metricsvc.files import LineFile, write_atomic
+from metricsvc.history import RunHistory
 from metricsvc.keys import safe_file_name
 
 log = logging.getLogger(__name__)
@@ -45,25 +46,37 @@ class SinkState:
 
 
 class Watermark:
-    """A sink's durable progress: the newest step its backend has made durable (kept in
-    its ``SinkState``), where a restart started from (``floor``), and the steps the saved
-    watermark claims but the content lacks (reported until they are written). Its figures
-    live in the sink's delivery record (``stats``)."""
+    """A sink's durable progress in the run's history (``metricsvc.history``): the newest
+    step its backend has made durable and the segment that was current then (kept in its
+    ``SinkState``), where this incarnation started from (``floor``: what the sink holds of
+    the current segment), and the steps the saved watermark claims but the content lacks
+    (reported until they are written). Its figures live in the sink's delivery record
+    (``stats``)."""
 
     def __init__(self, state: SinkState, stats: dict, name: str,
-                 redact: Callable[[str], str]) -> None:
+                 redact: Callable[[str], str], history: RunHistory | None = None) -> None:
         self.state, self.stats, self.name, self.redact = state, stats, name, redact
+        self.history = history or RunHistory()
+        self.segment = self.history.segment  # advanced by each rewind this sink is given
         self.floor: int | None = None
 
     def load(self) -> int | None:
-        """Start from the saved watermark (a restart); return it."""
-        floor = self.state.load().get("durable_through")
-        self.floor = self.stats["durable_through"] = floor if isinstance(floor, int) else None
+        """Start from the saved watermark (a restart), lowered by every rewind since it was
+        saved; return it."""
+        saved = self.state.load()
+        through, segment = saved.get("durable_through"), saved.get("segment", 0)
+        if not isinstance(through, int) or isinstance(through, bool):
+            through = None
+        if not isinstance(segment, int):
+            segment = 0
+        self.floor = self.stats["durable_through"] = self.history.holds_through(through,
+                                                                                segment)
         return self.floor
 
     def believe_content(self, held: int | None) -> None:
-        """The sink read back what it holds (``held``: its last step): believe that, not the
-        saved watermark, which past the content would make it skip steps for good."""
+        """The sink read back what it holds of the current segment (``held``: its last
+        step): believe that, not the saved watermark, which past the content would make it
+        skip steps for good."""
         if self.floor is not None and (held is None or held < self.floor):
             first = 0 if held is None else held + 1
             self.stats["missing"] = {
@@ -74,6 +87,12 @@ class Watermark:
                           f"send again is written again"}
             log.error("sink %s: %s", self.name, self.stats["missing"]["reason"])
         self.floor = self.stats["durable_through"] = held
+
+    def holds(self, step: int) -> bool:
+        """Return True if the sink already holds ``step`` of the current segment."""
+        last = self.stats["last_step"]
+        last = self.floor if last is None else last
+        return last is not None and step <= last
 
     def written(self, step: int) -> None:
         """Count ``step`` as written: it is no longer missing."""
@@ -89,21 +108,24 @@ class Watermark:
         known = self.stats["durable_through"]
         if through is None or through < 0 or (known is not None and through <= known):
             return  # nothing durable yet, or no progress
-        try:
-            self.state.update(durable_through=through)
-            self.stats["durable_through"] = through
-        except OSError as err:
-            log.error("sink %s: its watermark could not be saved: %s", self.name,
-                      self.redact(str(err)))
+        self._save(through)
+        self.stats["durable_through"] = through
 
     def back_to(self, step: int) -> None:
-        """Steps past ``step`` will be written again (a rewind): go back to it, saved too."""
+        """A new segment begins after ``step`` (a rewind): the sink holds at most ``step``
+        of it; saved too, so a restart replays the rerun."""
+        self.segment += 1
+        held = None if step < 0 else step
         for field in ("last_step", "durable_through"):
             if self.stats[field] is not None and self.stats[field] > step:
-                self.stats[field] = step
+                self.stats[field] = held
+        if self.floor is not None and self.floor > step:
+            self.floor = held
+        self._save(self.stats["durable_through"])
+
+    def _save(self, through: int | None) -> None:
         try:
-            if (self.state.load().get("durable_through") or -1) > step:
-                self.state.update(durable_through=step)
+            self.state.update(durable_through=through, segment=self.segment)
         except OSError as err:
             log.error("sink %s: its watermark could not be saved: %s", self.name,
                       self.redact(str(err)))

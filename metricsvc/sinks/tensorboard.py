@@ -71,16 +71,19 @@ class TensorboardSink:
         self._last_flush = time.monotonic()
 
     def resume(self, after: int | None) -> None:
-        """Leave out of later writes every (step, tag) past ``after`` the folder holds."""
-        from tensorboardX.proto.event_pb2 import Event
+        """Leave out of later writes every (step, tag) past ``after`` the folder holds in
+        the current segment: a restart marker (``rewind``) supersedes, as TensorBoard's
+        reader does, every earlier event at or past its step."""
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
 
         assert self.logdir is not None
         for path in sorted(self.logdir.glob("events.out.tfevents.*")):
             for data in tfrecords(path):
                 event = Event.FromString(data)
-                if event.WhichOneof("what") != "summary":
-                    continue
-                if after is not None and event.step <= after:
+                what = event.WhichOneof("what")
+                if what == "session_log" and event.session_log.status == SessionLog.START:
+                    self._held = {s: tags for s, tags in self._held.items() if s < event.step}
+                if what != "summary" or (after is not None and event.step <= after):
                     continue
                 held = self._held.setdefault(int(event.step), set())
                 held.update(value.tag for value in event.summary.value)
