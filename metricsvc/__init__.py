@@ -51,6 +51,10 @@ _EXPORTS = {
     "StreamRecorder": "metricsvc.client",
     "Tracker": "metricsvc.client",
     "ServiceUnavailable": "metricsvc.errors",
+    "ServiceClosed": "metricsvc.errors",
+    "final_result": "metricsvc.service",
+    "rewind": "metricsvc.service",
+    "service_health": "metricsvc.service",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

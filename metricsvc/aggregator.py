@@ -166,10 +166,15 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
             closed.append(self.last_emitted)
         self.newest_closed = max(closed, default=None)
 
+    def _tell(self, rank: int, why: str) -> None:
+        """Give ``rank`` a notice with its next ack (after any it has not heard yet)."""
+        earlier = self._notices.get(rank)
+        self._notices[rank] = why if earlier is None else f"{earlier}; {why}"
+
     def _drop(self, rank: int, why: str) -> None:
         """Drop an accepted batch of ``rank``; the rank hears why at its next call."""
         self.counts["dropped"] += 1
-        self._notices[rank] = why
+        self._tell(rank, why)
         log.warning("rank %d: %s", rank, why)
 
     def _conflict(self, batch: Batch, what: str) -> BatchRejected:
@@ -198,7 +203,7 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
             if batch.rank in pending.closed:
                 raise self._conflict(batch, "comes after the rank already closed this step")
         declared = decode_derived(batch.derived)  # cached: checked in _checked
-        self.declarations.check(declared, step, batch.rank)
+        ignored = self.declarations.check(declared, step, batch.rank)
         if declared:
             self.admission.check_cost(batch, declared,
                                       pending.keys if pending is not None else ())
@@ -212,10 +217,13 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
         if fresh.size:
             said = self._tags.notice([batch.keys[i] for i in fresh])
             if said is not None:
-                self._notices[batch.rank] = said
+                self._tell(batch.rank, said)
+        if ignored is not None:  # its data merged, its declaration not: it hears why
+            self._tell(batch.rank, ignored)
         for rank in self.declarations.adopt(declared, step, batch.rank):
-            self._notices[rank] = (f"step {step}: rank {batch.rank} declares a derived metric "
-                                   f"you declared otherwise; the lower rank's is the run's")
+            self._tell(rank, f"step {step}: rank {batch.rank} declares a derived metric you "
+                             f"declared otherwise; the lower rank's is the run's, yours is "
+                             f"ignored and your data merged")
         self.counts["batches"] += 1
         self.rank_last_seen[batch.rank] = max(step, self.rank_last_seen.get(batch.rank, step))
         if batch.final and (self.newest_closed is None or step > self.newest_closed):
@@ -235,7 +243,7 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
         said = self.lag.check(rank, step, None if following is None else following.closed,
                               self.world_size)
         if said is not None:
-            self._notices[rank] = said
+            self._tell(rank, said)
 
     def _after_emitted(self, batch: Batch, digest: bytes) -> Outcome:
         status, what = self.published.judge(batch, digest)

@@ -86,3 +86,16 @@ def is_refusal(error: BaseException) -> bool:
     the input was refused: resending the same bytes cannot help. The one rule the
     client, streams and combiners use to decide whether to keep a batch for a resend."""
     return isinstance(error, Refused)
+
+
+def own_error(error: BaseException) -> BaseException:
+    """Return the metricsvc error that ``error`` carries when it is Ray's wrapper of one
+    raised in an actor (``RayTaskError(BatchRejected)``, whose text is the remote
+    traceback): the service's own exception, its one-line message intact, with the wrapper
+    (and so the remote traceback) as its ``__cause__``. Any other error as it is."""
+    cause = getattr(error, "cause", None)
+    if cause is error or not isinstance(cause, MetricsvcError):
+        return error
+    cause.__cause__ = error
+    cause.__suppress_context__ = True
+    return cause

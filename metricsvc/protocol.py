@@ -19,6 +19,7 @@ from metricsvc.errors import (
     MetricsvcError,
     NotFinal,
     Refused,
+    ServiceClosed,
     ServiceNotice,
     ServiceUnavailable,
     StepAlreadyFinal,
@@ -27,6 +28,7 @@ from metricsvc.errors import (
     StepUnavailable,
     Unavailable,
     is_refusal,
+    own_error,
 )
 from metricsvc.keys import (
     DEFAULT_NAME,
@@ -62,7 +64,7 @@ from metricsvc.records import (
 )
 from metricsvc.reduce import AUTO, KINDS, OutputRules, ReduceType, kind_name, output_names
 from metricsvc.resend import Outbox, deliver
-from metricsvc.retry import ACTOR_ERRORS, backoff
+from metricsvc.retry import ACTOR_ERRORS, backoff, ray_get
 from metricsvc.sketch import SketchSpec, dense_to_sparse, merge_sparse, sparse_counts
 from metricsvc.wire import encode
 
@@ -95,6 +97,7 @@ __all__ = [
     "MetricsvcError",
     "NotFinal",
     "Refused",
+    "ServiceClosed",
     "ServiceNotice",
     "ServiceUnavailable",
     "StepAlreadyFinal",
@@ -103,6 +106,7 @@ __all__ = [
     "StepUnavailable",
     "Unavailable",
     "is_refusal",
+    "own_error",
     "Derived",
     "Metric",
     "Outbox",
@@ -110,6 +114,7 @@ __all__ = [
     "ReduceType",
     "SketchSpec",
     "backoff",
+    "ray_get",
     "check_key",
     "check_rank",
     "combiner_name",

@@ -1,11 +1,12 @@
 """The run's derived-metric declarations: one definition per name for the whole run.
 
 Ranks send their declarations with every batch. The first declaration of a name holds
-for the run, across steps and restarts: a later, different one is refused at the rank
-that sent it, naming both formulas, so a published value never depends on which rank
-happened to arrive first. Within the first step that declares a name (before anything
-with it is published) the lowest rank's declaration is the run's, whatever the arrival
-order; a rank whose declaration lost is refused at its next batch that carries it.
+for the run, across steps and restarts: a later, different one is ignored and the rank
+that sent it told (a notice naming both formulas) while its data is merged, so a
+published value never depends on which rank happened to arrive first. Within the first
+step that declares a name (before anything with it is published) the lowest rank's
+declaration is the run's, whatever the arrival order; a rank whose declaration lost is
+told at its next call.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from metricsvc.declare import Derived
-from metricsvc.errors import BatchRejected
 
 
 def _describe(decl: Derived) -> str:
@@ -31,12 +31,15 @@ class RunDeclarations:
         self._unjournaled: dict[str, Derived] = {}
         self._journaled: dict[str, int] = {}  # name -> the step whose meta holds it
 
-    def check(self, declarations: Iterable[Derived], step: int, rank: int) -> None:
-        """Raise ``BatchRejected`` if a declaration differs from the run's of its name.
+    def check(self, declarations: Iterable[Derived], step: int, rank: int) -> str | None:
+        """Return what ``rank`` must hear if one of its declarations differs from the run's
+        of its name (None: nothing). Such a declaration is ignored and the batch's data
+        merged: the same outcome whatever the arrival order.
 
         A different declaration from an earlier (step, rank) than the held one, before
-        the name was published, is not refused: it becomes the run's (``adopt``).
+        the name was published, is not ignored: it becomes the run's (``adopt``).
         """
+        ignored = []
         for decl in declarations:
             held = self.held.get(decl.name)
             if held is None or held == decl:
@@ -44,10 +47,12 @@ class RunDeclarations:
             if decl.name not in self._fixed and (step, rank) < self._origin[decl.name]:
                 continue
             o_step, o_rank = self._origin[decl.name]
-            raise BatchRejected(
-                f"derived metric {decl.name!r}: rank {rank} declares {_describe(decl)}, but the "
-                f"run declares it {_describe(held)} (rank {o_rank}, step {o_step}); a run's "
-                f"definition of a metric does not change mid-run: give the new one a new name")
+            ignored.append(
+                f"derived metric {decl.name!r}: rank {rank} declares {_describe(decl)}, but "
+                f"the run declares it {_describe(held)} (rank {o_rank}, step {o_step}); "
+                f"yours is ignored and your data merged: a run's definition of a metric does "
+                f"not change mid-run, give the new one a new name")
+        return "; ".join(ignored) or None
 
     def adopt(self, declarations: Iterable[Derived], step: int, rank: int) -> list[int]:
         """Keep what ``check`` let through; return the ranks whose declaration it replaced."""

@@ -18,6 +18,7 @@ import ray
 from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config, new_trial
 from metricsvc.keys import default_namespace
 from metricsvc.redaction import Redactor
+from metricsvc.retry import ray_get
 from metricsvc.run_folder import check_run_dir, probe_run_dir
 from metricsvc.sinks.base import check_libraries
 from metricsvc.worker import actor_class
@@ -138,9 +139,32 @@ def stop_metric_worker(handle: Any = None, *, name: str | None = None,
     one of them.
     """
     handle = handle or get_metric_worker(name, namespace)
-    health = ray.get(handle.close.remote(), timeout=timeout_s)
+    health = ray_get(handle.close.remote(), timeout=timeout_s)
     ray.kill(handle, no_restart=True)
     return health
+
+
+# -- the driver's calls, raising metricsvc's own exceptions (never Ray's wrapper) ---------
+def final_result(worker: Any, step: int | None = None, timeout_s: float | None = None, *,
+                 meta: bool = False) -> dict[str, Any]:
+    """Return the merged metrics of ``step`` once it is final (``step=None``: the newest
+    step a rank closed); ``meta=True``: ``{"step", "metrics", "meta"}``. What
+    ``ray.get(worker.wait_final_res.remote(step, timeout_s))`` returns, with errors raised
+    as they are meant: ``StepNotFinal`` after ``timeout_s``, ``StepUnavailable``,
+    ``ServiceClosed``, each one line."""
+    method = worker.wait_final if meta else worker.wait_final_res
+    return ray_get(method.remote(step, timeout_s))
+
+
+def rewind(worker: Any, to_step: int) -> dict[str, Any]:
+    """Resume the live service from the checkpoint of ``to_step``: every later step is
+    recorded afresh (``MetricWorker.rewind``); returns ``{"to_step", "superseded"}``."""
+    return ray_get(worker.rewind.remote(to_step=to_step))
+
+
+def service_health(worker: Any, timeout_s: float | None = 60.0) -> dict[str, Any]:
+    """Return the service's ``health()``."""
+    return ray_get(worker.health.remote(), timeout=timeout_s)
 
 
 def _close_at_exit(handle: Any) -> None:

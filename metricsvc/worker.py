@@ -34,7 +34,7 @@ from metricsvc.config import (
     ServiceConfig,
     load_config,
 )
-from metricsvc.errors import BatchRejected, ServiceClosed
+from metricsvc.errors import BatchRejected, Refused, ServiceClosed
 from metricsvc.files import write_atomic
 from metricsvc.history import Rewind, RunHistory
 from metricsvc.journal import Journal
@@ -301,8 +301,8 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
         ``{"to_step", "superseded"}``.
         """
         if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < -1:
-            raise ValueError(f"rewind(to_step=...) takes a step >= -1 (-1: before step 0), "
-                             f"got {to_step!r}")
+            raise Refused(f"rewind(to_step=...) takes a step >= -1 (-1: before step 0), "
+                          f"got {to_step!r}")
         with self._lock:
             self._check_open("rewind")
             return self._rewind(to_step)

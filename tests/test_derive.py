@@ -1,6 +1,8 @@
 """Derived metrics: declarations checked where they are made, formulas evaluated over merged
 records by a service that knows no domain formula."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -182,32 +184,37 @@ def _step(agg, step, rank, decl, n, m):
 
 
 @pytest.mark.parametrize("first", [0, 1])
-def test_a_declaration_means_the_same_whoever_arrives_first_and_a_conflict_is_refused(first):
+def test_a_declaration_means_the_same_whoever_arrives_first_and_the_loser_is_told(first):
     """Two ranks declaring 'a/share' differently gave 2.0 or 3.0 for the same data by
-    arrival order, and neither was refused. Now the lower rank's declaration is the
-    run's, whatever the order, and the other is refused naming both formulas, in later
-    steps and after a restart."""
+    arrival order. Then the lower rank's declaration became the run's, but the other
+    rank's whole batch was refused when it came second and merged when it came first: the
+    step was published from one rank's data or from two, at once or at the straggler
+    timeout. Now, in both orders, both ranks' data is merged at once under rank 0's
+    formula, and rank 1 is told (a notice naming both formulas), in later steps and after
+    a restart too."""
     from metricsvc.aggregator import Aggregator
-    from metricsvc.validation import BatchRejected
 
     agg = Aggregator(world_size=2)
-    refused = (r"derived metric 'a/share': rank 1 declares 'sum\(b\) / sum\(a\)'.* but the "
-               r"run declares it 'sum\(a\) / \(sum\(a\) \+ sum\(b\)\)' over .* \(rank 0, step 0\)")
+    told = (r"derived metric 'a/share': rank 1 declares 'sum\(b\) / sum\(a\)'.* but the "
+            r"run declares it 'sum\(a\) / \(sum\(a\) \+ sum\(b\)\)' over .* \(rank 0, "
+            r"step 0\); yours is ignored and your data merged")
     if first == 0:
         _step(agg, 0, 0, SHARE, 2.0, 2.0)
-        with pytest.raises(BatchRejected, match=refused):
-            _step(agg, 0, 1, OTHER, 2.0, 2.0)
-        (done,) = _step(agg, 0, 1, SHARE, 2.0, 2.0).finished
+        loser = _step(agg, 0, 1, OTHER, 4.0, 0.0)
+        (done,) = loser.finished
+        assert re.search(told, loser.notice)
     else:  # rank 1 first: rank 0's declaration, arriving later, is still the run's
-        _step(agg, 0, 1, OTHER, 2.0, 2.0)
+        assert _step(agg, 0, 1, OTHER, 4.0, 0.0).notice is None
         (done,) = _step(agg, 0, 0, SHARE, 2.0, 2.0).finished
-        with pytest.raises(BatchRejected, match=refused + ".*earlier: step 0: rank 0 declares"):
-            _step(agg, 1, 1, OTHER, 1.0, 1.0)  # and it hears why its own was replaced
-    assert done.metrics == {"a/share": 0.5}  # rank 0's formula either way
+        later = _step(agg, 1, 1, OTHER, 1.0, 1.0)  # it hears why its own was replaced
+        assert "rank 0 declares a derived metric you declared otherwise" in later.notice
+        assert re.search(told, later.notice)
+    assert done.metrics == {"a/share": 0.75}  # rank 0's formula over both ranks' data
     restarted = Aggregator(world_size=2)
     restarted.restore([{"step": 0, "metrics": done.metrics, "meta": done.meta}])
-    with pytest.raises(BatchRejected, match="derived metric 'a/share': rank 1 declares"):
-        _step(restarted, 1, 1, OTHER, 1.0, 1.0)
+    notice = _step(restarted, 1, 1, OTHER, 1.0, 1.0).notice
+    assert re.search(r"'a/share': rank 1 declares .* yours is ignored and your data merged",
+                     notice)
 
 
 def test_a_formula_with_no_real_value_is_omitted_with_its_reason_and_steps_go_on(make_worker):

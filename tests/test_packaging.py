@@ -205,7 +205,8 @@ def test_example_driver_runs_and_writes_the_journal(tmp_path):
 LAYERS = [
     # 0: leaves: rules and file helpers every side uses
     {"metricsvc.keys", "metricsvc.errors", "metricsvc.files", "metricsvc.redaction",
-     "metricsvc.records", "metricsvc.sketch", "metricsvc.resend", "metricsvc.retry"},
+     "metricsvc.records", "metricsvc.sketch", "metricsvc.resend", "metricsvc.retry",
+     "metricsvc.history"},
     # 1: the record's meaning and its wire form: what client and service share
     {"metricsvc.reduce", "metricsvc.formula", "metricsvc.declare", "metricsvc.derive",
      "metricsvc.run_declarations", "metricsvc.validation", "metricsvc.wire",

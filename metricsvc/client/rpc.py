@@ -9,7 +9,13 @@ from typing import Any
 
 import ray
 
-from metricsvc.protocol import ACTOR_ERRORS, ServiceUnavailable, backoff, combiner_name
+from metricsvc.protocol import (
+    ACTOR_ERRORS,
+    ServiceUnavailable,
+    backoff,
+    combiner_name,
+    ray_get,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
         handle = worker()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return ray.get(getattr(handle, method).remote(*args), timeout=left)
+            return ray_get(getattr(handle, method).remote(*args), timeout=left)
         except ACTOR_ERRORS as err:
             why = gone_for_good(handle)
             if why is not None:
@@ -67,7 +73,7 @@ def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
 def issue(handle: Any, method: str, *args: Any) -> Callable[[], Any]:
     """Make the call ``handle.method(*args)`` now; return the wait for its answer."""
     ref = getattr(handle, method).remote(*args)
-    return lambda: ray.get(ref)
+    return lambda: ray_get(ref)
 
 
 def find_service(name: str, namespace: str, via: str | None, rank: int) -> Any:

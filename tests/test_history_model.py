@@ -1,0 +1,203 @@
+"""Random mixes of what happens to a run, against a plain model of it (issue 35).
+
+Operations: close a step (``wait_submit``, or ``flush`` read back later), ``discard``,
+``rewind``, SIGKILL of the actor (Ray restarts it), a crash and a new driver resuming the
+folder (``resume_from_step``, or ``run.resume`` alone), ``close`` then a resume, and a
+stream window recorded, flushed (across a SIGKILL, too) and exported. After each check
+the journal's latest segment, ``metricsvc report``, TensorBoard (its own reader) and
+``wait_final`` equal the model: every published step once, with the values recorded for
+it. ``METRICSVC_MODEL_EXAMPLES`` draws more runs (default 3, about a minute).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import ray
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import metricsvc
+from metricsvc.client import MetricClient
+from metricsvc.errors import ServiceClosed
+from tests.test_history import crash, sigkill
+
+_services = itertools.count()
+VALUES = st.one_of(st.floats(-1e6, 1e6, allow_nan=False, width=32),
+                   st.sampled_from([1e-30, -3.5e25, 7.0]))
+
+
+class RunHistoryMachine(RuleBasedStateMachine):
+    """One run of one rank (and one stream), driven at random; ``model`` is what every
+    reader must show: step -> metrics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory(prefix="metricsvc-model-")
+        self.name = f"model-{os.getpid()}-{next(_services)}"
+        self.cfg = {"name": self.name, "world_size": 1, "max_restarts": 1000,
+                    "sinks": {"console": None, "jsonl": {}, "tensorboard": {}},
+                    "run": {"root": self.tmp.name, "experiment": "m", "trial": "t"}}
+        self.model: dict[int, dict[str, float]] = {}
+        self.next = 0  # the rank's open step
+        self.flushed = False  # flushes whose answers are not read yet
+        self.handle = metricsvc.start_metric_worker(self.cfg)
+        self.client = self._client()
+
+    def _client(self) -> MetricClient:
+        return MetricClient(None, rank=0, world_size=1, name=self.name, start_step=self.next)
+
+    def _settle(self) -> None:
+        """Read every flush's answer: the run's state is what the model says."""
+        if self.flushed:
+            self.client.wait_acks(timeout_s=60)
+            self.flushed = False
+
+    def _resume(self, from_step: int | None) -> None:
+        run = {**self.cfg["run"], "resume": True}
+        if from_step is None:
+            self.handle = metricsvc.start_metric_worker({**self.cfg, "run": run})
+        else:
+            self.handle = metricsvc.start_metric_worker({**self.cfg, "run": run},
+                                                        resume_from_step=from_step)
+            self._rewound(from_step)
+        self.client = self._client()
+
+    def _rewound(self, to_step: int) -> None:
+        self.model = {s: m for s, m in self.model.items() if s <= to_step}
+        self.next = to_step + 1
+
+    @initialize()
+    def start(self) -> None:
+        pass
+
+    @rule(value=VALUES, blocking=st.booleans())
+    def close_step(self, value: float, blocking: bool) -> None:
+        self.client.submit_metric({"x": value})
+        if blocking:
+            self.client.wait_submit(step=self.next, timeout_s=60)
+        else:
+            self.client.flush(step=self.next)
+            self.flushed = True
+        self.model[self.next] = {"x": value}
+        self.next += 1
+
+    @rule(value=VALUES)
+    def discard(self, value: float) -> None:
+        self.client.submit_metric({"x": value})
+        self.client.discard()
+
+    @precondition(lambda self: self.next > 0)
+    @rule(data=st.data())
+    def rewind(self, data: st.DataObject) -> None:
+        self._settle()
+        to_step = data.draw(st.integers(-1, self.next - 1), label="to_step")
+        ray.get(self.handle.rewind.remote(to_step=to_step), timeout=60)
+        self._rewound(to_step)
+        self.client = self._client()
+
+    @rule()
+    def sigkill(self) -> None:
+        self._settle()
+        sigkill(self.handle)
+
+    @rule(data=st.data())
+    def crash_and_resume(self, data: st.DataObject) -> None:
+        self._settle()
+        ray.get(self.handle.flush.remote(), timeout=60)  # what the crash may lose: nothing
+        crash(self.handle)
+        last = self.next - 1
+        from_step = data.draw(st.one_of(st.none(), st.integers(-1, last)), label="from")
+        self._resume(from_step)
+        if from_step is None:
+            self.next = max(self.model, default=-1) + 1
+
+    @rule(value=VALUES)
+    def close_then_resume(self, value: float) -> None:
+        self._settle()
+        ray.get(self.handle.close.remote(), timeout=120)
+        self.client.submit_metric({"x": value})
+        with pytest.raises(ServiceClosed):
+            self.client.wait_submit(step=self.next, timeout_s=60)
+        crash(self.handle)
+        self._resume(None)
+
+    @rule(values=st.lists(VALUES, min_size=1, max_size=4), kill=st.booleans())
+    def stream_window(self, values: list[float], kill: bool) -> None:
+        self._settle()
+        recorder = self.client.stream("s")
+        recorder.stat(r=values)
+        recorder.flush()
+        if kill:
+            sigkill(self.handle)
+        recorder.close()  # resends what a restart lost
+        window = ray.get(self.handle.export_stream.remote("s", self.next, True), timeout=60)
+        mean = sum(values) / len(values)
+        want = {"s/r/mean": mean, "s/r/min": min(values), "s/r/max": max(values)}
+        assert window == pytest.approx(want, rel=1e-9)
+        self.model[self.next] = want
+        self.next += 1
+        self.client = self._client()  # the rank skips the stream's step
+
+    @invariant()
+    def readers_equal_the_model(self) -> None:
+        self._settle()
+        ray.get(self.handle.flush.remote(), timeout=60)
+        served = {s: ray.get(self.handle.wait_final.remote(s, 30), timeout=60)["metrics"]
+                  for s in self.model}
+        _same(served, self.model, 1e-9, "wait_final")
+        run = Path(self.tmp.name) / "m" / "t"
+        if not (run / "metrics.jsonl").exists():
+            assert not self.model
+            return
+        journal, report, board = _views(run)
+        _same(journal, self.model, 1e-9, "journal")
+        _same(report, self.model, 1e-9, "report")
+        _same(board, self.model, 1e-6, "tensorboard")
+
+    def teardown(self) -> None:
+        try:
+            ray.kill(self.handle, no_restart=True)
+        finally:
+            self.tmp.cleanup()
+
+
+def _same(got: dict, want: dict, rel: float, where: str) -> None:
+    assert sorted(got) == sorted(want), (where, sorted(got), sorted(want))
+    for step, metrics in want.items():
+        assert got[step] == pytest.approx(metrics, rel=rel), (where, step)
+
+
+def _views(run: Path):
+    from metricsvc.cli import CliError, load_steps
+    from metricsvc.journal import read_journal
+    from tests import readback
+
+    journal = {r["step"]: r["metrics"] for r in read_journal(run / "metrics.jsonl")}
+    try:
+        report = {r["step"]: r["metrics"] for r in load_steps(str(run))}
+    except CliError:  # "the journal holds no finished step": a run rewound to its start
+        report = {}
+    board = readback.tensorboard_scalars(run / "tensorboard") if (run / "tensorboard").exists() \
+        else {}
+    return journal, report, board
+
+
+def test_every_mix_of_restart_rewind_resume_close_and_streams_keeps_every_reader_whole(
+        ray_cluster):
+    from hypothesis.stateful import run_state_machine_as_test
+
+    examples = int(os.environ.get("METRICSVC_MODEL_EXAMPLES", "3"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cli's "N steps" line, Ray's restarts
+        # No shrinking: each step costs real Ray time; hypothesis prints the failing run
+        run_state_machine_as_test(RunHistoryMachine, settings=settings(
+            max_examples=examples, stateful_step_count=8, deadline=None,
+            phases=[Phase.explicit, Phase.reuse, Phase.generate], report_multiple_bugs=False,
+            suppress_health_check=list(HealthCheck)))
