@@ -26,8 +26,8 @@ from metricsvc.declare import decode_derived
 from metricsvc.derive import Deriver
 from metricsvc.errors import BatchRejected
 from metricsvc.output import StepOutput, StepResult, TagOwners
-from metricsvc.published import Published, Status
-from metricsvc.ranks import LagWatch, WorldSize
+from metricsvc.published import Published, Status, conflict_message
+from metricsvc.ranks import LagWatch, Notices, WorldSize
 from metricsvc.records import Batch
 from metricsvc.reduce import (
     OutputRules,
@@ -77,7 +77,7 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
         # The run's world size: from config, else agreed by a majority of the size ranks
         # claim (no step can finish before), else from the journal after a restart.
         self.world = WorldSize(world_size)
-        self._notices: dict[int, str] = {}  # rank -> why an accepted batch of it was dropped
+        self.notices = Notices()  # what each rank hears with its next ack
         self.limits = limits or Limits()
         self.output = output or OutputRules()
         self.deriver = Deriver(self.limits.max_derived_outputs, self.limits.max_derived_reads)
@@ -119,7 +119,7 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
         except BatchRejected:
             self.counts["rejected"] += 1
             raise
-        notice = self._notices.pop(batch.rank, None)
+        notice = self.notices.take(batch.rank)
         try:
             self.world.check(batch)
             # What tells a resend (a duplicate) from other content under the same identity
@@ -131,7 +131,7 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
             if notice is not None:
                 raise BatchRejected(f"{err}; earlier: {notice}") from None
             raise
-        fresh = self._notices.pop(batch.rank, None)  # what this batch itself made the rank owe
+        fresh = self.notices.take(batch.rank)  # what this batch itself made the rank owe
         if fresh is not None:
             notice = fresh if notice is None else f"{notice}; {fresh}"
         return Outcome(outcome.status, outcome.finished, notice, batch)
@@ -166,23 +166,15 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
             closed.append(self.last_emitted)
         self.newest_closed = max(closed, default=None)
 
-    def _tell(self, rank: int, why: str) -> None:
-        """Give ``rank`` a notice with its next ack (after any it has not heard yet)."""
-        earlier = self._notices.get(rank)
-        self._notices[rank] = why if earlier is None else f"{earlier}; {why}"
-
     def _drop(self, rank: int, why: str) -> None:
         """Drop an accepted batch of ``rank``; the rank hears why at its next call."""
         self.counts["dropped"] += 1
-        self._tell(rank, why)
+        self.notices.tell(rank, why)
         log.warning("rank %d: %s", rank, why)
 
-    def _conflict(self, batch: Batch, what: str) -> BatchRejected:
+    def _conflict(self, batch: Batch, what: str, final: bool = False) -> BatchRejected:
         self.counts["conflict"] += 1
-        return BatchRejected(
-            f"step {batch.step}: conflict: rank {batch.rank} seq {batch.seq} {what} "
-            f"(two clients with rank {batch.rank}? only a byte-identical resend is a duplicate)"
-        )
+        return BatchRejected(conflict_message(batch, what, final))
 
     # -- steps -----------------------------------------------------------------------------
     def _submit(self, batch: Batch, digest: bytes) -> Outcome:
@@ -217,11 +209,11 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
         if fresh.size:
             said = self._tags.notice([batch.keys[i] for i in fresh])
             if said is not None:
-                self._tell(batch.rank, said)
+                self.notices.tell(batch.rank, said)
         if ignored is not None:  # its data merged, its declaration not: it hears why
-            self._tell(batch.rank, ignored)
+            self.notices.tell(batch.rank, ignored)
         for rank in self.declarations.adopt(declared, step, batch.rank):
-            self._tell(rank, f"step {step}: rank {batch.rank} declares a derived metric you "
+            self.notices.tell(rank, f"step {step}: rank {batch.rank} declares a derived metric you "
                              f"declared otherwise; the lower rank's is the run's, yours is "
                              f"ignored and your data merged")
         self.counts["batches"] += 1
@@ -243,7 +235,7 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
         said = self.lag.check(rank, step, None if following is None else following.closed,
                               self.world_size)
         if said is not None:
-            self._tell(rank, said)
+            self.notices.tell(rank, said)
 
     def _after_emitted(self, batch: Batch, digest: bytes) -> Outcome:
         status, what = self.published.judge(batch, digest)
@@ -254,13 +246,7 @@ class Aggregator(StreamMethods, RestartMethods, ReportMethods):
         if status == "duplicate":
             self.counts["duplicate"] += 1
             return Outcome("duplicate")
-        self.counts["conflict"] += 1
-        raise BatchRejected(
-            f"step {batch.step}: conflict: rank {batch.rank} seq {batch.seq} {what}, and "
-            f"the step is already final. Rerunning steps after resuming from a checkpoint? "
-            f"Call rewind(to_step=<the checkpoint's step>) on the MetricWorker first. Two "
-            f"clients with rank {batch.rank}? Only a byte-identical resend is a duplicate; "
-            f"nothing was merged")
+        raise self._conflict(batch, what, final=True)
 
     def _anchor(self) -> int | None:
         """Return the oldest step still open (None before the first batch of a run)."""

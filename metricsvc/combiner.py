@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 class _Gathering:
     opened: float
     batches: list[bytes] = field(default_factory=list)  # as they came: wire bytes
+    waiters: list[asyncio.Future] = field(default_factory=list)  # each batch's answer
     closed: set[int] = field(default_factory=set)
 
 
@@ -43,6 +44,7 @@ class CombinerImpl:
         self.config: ServiceConfig = load_config(config)
         self.label = label
         self.epoch = uuid.uuid4().hex
+        self.node = ray.get_runtime_context().get_node_id()
         self.local_ranks: set[int] = set()
         self._gathering: dict[int, _Gathering] = {}
         self._forwarded_through: int | None = None
@@ -52,6 +54,9 @@ class CombinerImpl:
         self.durable_through: int | None = None
         self.last_final_step: int | None = None
         self.calls = {"submit": 0, "forward": 0, "rejected_upstream": 0}
+        self.forwarded_batches = 0
+        self.last_error: str | None = None
+        self.waiting = 0  # ranks' submits waiting for their batch's answer
         self._ticker: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -61,7 +66,9 @@ class CombinerImpl:
         self.local_ranks.add(int(rank))
 
     async def submit(self, item: Batch | bytes, epoch: str | None = None) -> dict[str, Any]:
-        """Take a local rank's batch; forward the step once every local rank closed it.
+        """Take a local rank's batch; forward the step once every local rank closed it;
+        answer what the MetricWorker answered for this batch: its status and notice, or
+        the very refusal it raised (the flat topology's, word for word).
 
         Like the MetricWorker's: a client that last heard from another incarnation
         (``epoch``) is told ``epoch_changed`` and nothing is taken, so it resends its
@@ -79,17 +86,26 @@ class CombinerImpl:
         self._ensure_ticker()
         self.local_ranks.add(batch.rank)
         step = batch.step
+        waiter = asyncio.get_running_loop().create_future()
         if self._forwarded_through is not None and step <= self._forwarded_through \
                 and step not in self._gathering:
-            await self._forward(step, [blob])  # late or resent: the MetricWorker decides
+            await self._forward(step, [blob], [waiter])  # late or resent: upstream decides
         else:
             g = self._gathering.setdefault(step, _Gathering(time.monotonic()))
             g.batches.append(blob)
+            g.waiters.append(waiter)
             if batch.final:
                 g.closed.add(batch.rank)
             if self.local_ranks <= g.closed:
-                await self._forward(step, self._gathering.pop(step).batches)
-        return self._ack("accepted", step=step, seq=batch.seq)
+                await self._forward_gathered(step)
+        self.waiting += 1
+        try:
+            answer = await waiter
+        finally:
+            self.waiting -= 1
+        if isinstance(answer, BaseException):
+            raise answer  # the MetricWorker's refusal, as the flat topology raises it
+        return self._ack(**answer)
 
     def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
         return {"status": status, "epoch": self.epoch, "durable_through": self.durable_through,
@@ -103,14 +119,32 @@ class CombinerImpl:
         pauses = backoff(120.0)
         while True:
             try:
-                return await self._upstream().submit_many.remote(batches, self._outbox.epoch)
+                return await self._upstream().submit_many.remote(batches, self._outbox.epoch,
+                                                                 self._report())
             except ACTOR_ERRORS:
                 delay = next(pauses, None)
                 if delay is None:
                     raise
                 await asyncio.sleep(delay)
 
-    async def _forward(self, step: int, batches: list[bytes]) -> None:
+    async def _forward_gathered(self, step: int) -> None:
+        gathered = self._gathering.pop(step)
+        await self._forward(step, gathered.batches, gathered.waiters)
+
+    async def _forward(self, step: int, batches: list[bytes],
+                       waiters: list[asyncio.Future]) -> None:
+        try:
+            answers = await self._deliver(step, batches)
+        except Exception as err:  # every rank waiting on this forward hears it
+            self.last_error = f"{type(err).__name__}: {err}"
+            answers = [err] * len(batches)
+        for waiter, answer in zip(waiters, answers):
+            if not waiter.done():
+                waiter.set_result(answer)
+
+    async def _deliver(self, step: int, batches: list[bytes]) -> list[Any]:
+        """Forward ``batches`` (of ``step``) through the restart protocol; return the
+        MetricWorker's answer to each."""
         # Marked before the first await: a batch of this step arriving while the forward is
         # in flight is forwarded too, never gathered again to wait for ranks already sent.
         if self._forwarded_through is None or step > self._forwarded_through:
@@ -131,14 +165,18 @@ class CombinerImpl:
                     ack = done.value
                     break
             self.calls["forward"] += 1
+            self.forwarded_batches += len(batches)
             self.durable_through = ack.get("durable_through")
             self.last_final_step = ack.get("last_final_step")
+        return list(ack.get("answers", ()))
 
     def _note_rejections(self, ack: dict[str, Any]) -> None:
-        for status in ack.get("statuses", ()):
-            if status.startswith("rejected"):
+        for answer in ack.get("answers", ()):
+            if isinstance(answer, BaseException):
                 self.calls["rejected_upstream"] += 1
-                log.error("combiner %s: the MetricWorker %s", self.label, status)
+                self.last_error = f"{type(answer).__name__}: {answer}"
+                log.warning("combiner %s: the MetricWorker refused a batch: %s", self.label,
+                            answer)
 
     # -- time --------------------------------------------------------------------------
     def _ensure_ticker(self) -> None:
@@ -154,18 +192,24 @@ class CombinerImpl:
                 if now - self._gathering[step].opened >= timeout:
                     # A local straggler: forward what is here; the MetricWorker's own
                     # straggler timeout decides whether the step ends partial.
-                    await self._forward(step, self._gathering.pop(step).batches)
+                    await self._forward_gathered(step)
 
     async def flush(self) -> int:
         """Forward every step still gathering; return how many were forwarded."""
         steps = sorted(self._gathering)
         for step in steps:
-            await self._forward(step, self._gathering.pop(step).batches)
+            await self._forward_gathered(step)
         return len(steps)
+
+    def _report(self) -> dict[str, Any]:
+        """What the MetricWorker shows of this combiner (``health()["combiners"]``)."""
+        return {"label": self.label, "node": self.node, "ranks": sorted(self.local_ranks),
+                "batches_forwarded": self.forwarded_batches, "in_flight": len(self._outbox),
+                "waiting": self.waiting, "last_error": self.last_error}
 
     def health(self) -> dict[str, Any]:
         """Return this combiner's state."""
-        return {"label": self.label, "epoch": self.epoch, "local_ranks": sorted(self.local_ranks),
+        return {**self._report(), "epoch": self.epoch, "local_ranks": sorted(self.local_ranks),
                 "gathering": {s: sorted(g.closed) for s, g in sorted(self._gathering.items())},
                 "forwarded_through": self._forwarded_through,
                 "durable_through": self.durable_through, "inflight": len(self._outbox),

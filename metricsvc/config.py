@@ -229,6 +229,14 @@ class ServiceConfig(Strict):
         every rank may wait on the actor at once."""
         return self.limits.max_world_size + 64
 
+    def merge_options(self) -> dict[str, Any]:
+        """Return the ``Aggregator``'s keyword arguments this config sets."""
+        return {"straggler_timeout_s": self.straggler_timeout_s,
+                "max_pending_steps": self.limits.max_pending_steps,
+                "max_steps_ahead": self.limits.max_steps_ahead, "world_size": self.world_size,
+                "limits": self.limits.to_limits(), "reduce_rules": self.parsed_rules(),
+                "renames": self.renames, "output": self.output.rules()}
+
     def parsed_rules(self) -> dict[str, ReduceType]:
         """Return the reduce rules with kinds parsed."""
         return {p: ReduceType.parse(k) for p, k in self.reduce_rules.items()}

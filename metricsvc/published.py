@@ -84,3 +84,16 @@ def digests_of(journaled: Any) -> Digests | None:
         except (TypeError, ValueError):
             continue
     return out
+
+
+def conflict_message(batch: Batch, what: str, final: bool) -> str:
+    """The refusal of a batch whose identity ``(step, rank, seq)`` clashes (``what``) with
+    what the service holds; ``final``: its step is already published."""
+    if not final:
+        return (f"step {batch.step}: conflict: rank {batch.rank} seq {batch.seq} {what} (two "
+                f"clients with rank {batch.rank}? only a byte-identical resend is a duplicate)")
+    return (f"step {batch.step}: conflict: rank {batch.rank} seq {batch.seq} {what}, and the "
+            f"step is already final. Rerunning steps after resuming from a checkpoint? Call "
+            f"rewind(to_step=<the checkpoint's step>) on the MetricWorker first. Two clients "
+            f"with rank {batch.rank}? Only a byte-identical resend is a duplicate; nothing "
+            f"was merged")

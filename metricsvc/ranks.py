@@ -107,3 +107,20 @@ class LagWatch:
 
     def clear(self) -> None:
         self._runs.clear()
+
+
+class Notices:
+    """What each rank must hear with its next ack: an accepted batch of it that was dropped,
+    its declaration that lost, a name collision, its lag."""
+
+    def __init__(self) -> None:
+        self._by_rank: dict[int, str] = {}
+
+    def tell(self, rank: int, why: str) -> None:
+        """Give ``rank`` ``why`` with its next ack (after what it has not heard yet)."""
+        earlier = self._by_rank.get(rank)
+        self._by_rank[rank] = why if earlier is None else f"{earlier}; {why}"
+
+    def take(self, rank: int) -> str | None:
+        """Return (and forget) what ``rank`` has not heard yet."""
+        return self._by_rank.pop(rank, None)

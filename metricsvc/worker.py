@@ -22,7 +22,7 @@ import time
 import uuid
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -36,12 +36,13 @@ from metricsvc.config import (
 )
 from metricsvc.errors import BatchRejected, Refused, ServiceClosed
 from metricsvc.files import write_atomic
-from metricsvc.history import Rewind, RunHistory
+from metricsvc.history import RunHistory
 from metricsvc.journal import Journal
 from metricsvc.records import Batch
 from metricsvc.redaction import Redactor
 from metricsvc.resend import is_stale
 from metricsvc.results import ReaderMethods, Results
+from metricsvc.rewinds import Rewinds
 from metricsvc.run_folder import (
     claim_run_dir,
     hold_run_dir,
@@ -49,6 +50,7 @@ from metricsvc.run_folder import (
 from metricsvc.siirl import SiirlActorMethods
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.stream_calls import StreamCallMethods
+from metricsvc.timer import StragglerTimer
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +77,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
     def __init__(self, config: ConfigSource = None) -> None:
         self.config: ServiceConfig = load_config(config)
         cfg = self.config
-        self.aggregator = Aggregator(
-            straggler_timeout_s=cfg.straggler_timeout_s,
-            max_pending_steps=cfg.limits.max_pending_steps,
-            max_steps_ahead=cfg.limits.max_steps_ahead,
-            world_size=cfg.world_size,
-            limits=cfg.limits.to_limits(),
-            reduce_rules=cfg.parsed_rules(),
-            renames=cfg.renames,
-            output=cfg.output.rules(),
-        )
+        self.aggregator = Aggregator(**cfg.merge_options())
         self.run_dir = cfg.run.run_dir().resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.run_dir, cfg.sinks)  # the service's log, its own
@@ -109,7 +102,6 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
         # the journal (what stays is bounded, whatever its length)
         self.restored_steps, journal = (
             self.journal.restore(self.aggregator, self.results) if continuing else (0, None))
-        self._reloaded_through = self.aggregator.last_emitted if self.restored_steps else None
         # Continuing a run, each sink continues its backend run and is given the journaled
         # steps past its watermark: what users look at survives the restart too.
         writer = {} if self.journal.writer is None else {"jsonl": self.journal.writer}
@@ -118,17 +110,20 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
         self.sinks = SinkDispatcher(build_sinks(cfg.sinks, check=True, built=writer),
                                     self.run_dir, cfg.sinks.delivery, self.redactor,
                                     replay=journal, history=self.history)
+        self.rewinds = Rewinds(self.aggregator, self.journal, self.results, self.sinks,
+                               self.aggregator.last_emitted if self.restored_steps else None)
         self.timer = StragglerTimer(cfg.straggler_timeout_s, self._lock,
                                     self.aggregator.expire, self._publish)
         self._started = time.time()
         self.calls: Counter[str] = Counter()
         self.merge_cpu_s = 0.0  # CPU inside the ranks' calls: the service's own work
         self._closed = False
+        self.combiners: dict[str, dict[str, Any]] = {}  # label -> its last reported health
         # Resuming from a checkpoint: rewound before any batch is taken, once (a Ray restart
         # of this actor finds its own rewind in the journal and leaves the rerun alone)
         if cfg.run.from_step is not None and not self.history.made_by(self.actor):
             with self._lock:
-                self._rewind(cfg.run.from_step, by=self.actor)
+                self.rewinds.rewind(cfg.run.from_step, by=self.actor)
 
     def _durable_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""
@@ -136,7 +131,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
             return self.aggregator.last_emitted
         written = self.sinks.last_step(self.journal.writer)
         # After a restart the journal already holds the reloaded steps.
-        return self._reloaded_through if written is None else written
+        return self.rewinds.reloaded_through if written is None else written
 
     def _stale(self, epoch: str | None) -> bool:
         """Return True (and count it) if a caller last heard from another incarnation."""
@@ -181,35 +176,50 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
         self.calls["submit"] += 1
         self.timer.start()
         newest = self.aggregator.newest_closed
+        answer, finished = self._take(batch)
+        if finished:
+            self._publish(finished)
+        elif self.aggregator.newest_closed != newest:
+            self.results.notify()  # wait_final_res(step=None) watches newest_closed
+        return self._ack(**answer)
+
+    def _take(self, batch: Batch | bytes) -> tuple[dict[str, Any], list[StepResult]]:
+        """Merge one rank's batch; return what that rank hears (``status``, ``step``,
+        ``seq``, ``notice``) and the steps it finished. The one path for a batch, sent
+        directly or through a combiner: the same refusal, notice and journal lines.
+
+        Raises:
+            BatchRejected: the batch was refused; nothing was merged.
+        """
         try:
             outcome = self.aggregator.submit(batch)
-            batch = outcome.batch
         except BatchRejected as err:
             log.warning("rejected batch: %s", err)
             raise
+        batch = outcome.batch
         if outcome.status == "late":
             log.warning("late batch: step %d from rank %d arrived after the step was published",
                         batch.step, batch.rank)
             self.sinks.event({"type": "late_batch", "step": batch.step, "rank": batch.rank,
                               "seq": batch.seq, "keys": len(batch.keys)})
-        if outcome.finished:
-            self._publish(outcome.finished)
-        elif self.aggregator.newest_closed != newest:
-            self.results.notify()  # wait_final_res(step=None) watches newest_closed
-        ack = self._ack(outcome.status, step=batch.step, seq=batch.seq)
+        answer = {"status": outcome.status, "step": batch.step, "seq": batch.seq}
         if outcome.notice is not None:
-            ack["notice"] = outcome.notice
-        return ack
+            answer["notice"] = outcome.notice
+        return answer, outcome.finished
 
-    def submit_many(self, batches: list[Batch | bytes],
-                    epoch: str | None = None) -> dict[str, Any]:
+    def submit_many(self, batches: list[Batch | bytes], epoch: str | None = None,
+                    combiner: dict[str, Any] | None = None) -> dict[str, Any]:
         """Merge batches forwarded by a combiner, each exactly as if sent directly.
 
-        Returns the ack with one status per batch (``rejected: <why>`` for a refused one:
-        a refusal does not stop the others). ``epoch`` as for ``submit``: another
-        incarnation's answers ``epoch_changed`` and merges nothing.
+        Returns the ack with one answer per batch in ``answers``: what ``submit`` would
+        have answered that rank, or the exception it would have raised (a refusal does not
+        stop the others); the combiner relays each to its rank. ``epoch`` as for
+        ``submit``: another incarnation's answers ``epoch_changed`` and merges nothing.
+        ``combiner``: the combiner's own health, shown in ``health()["combiners"]``.
         """
         with _merging(self):
+            if combiner is not None:
+                self.combiners[str(combiner.get("label"))] = combiner
             return self._submit_many(batches, epoch)
 
     def _submit_many(self, batches: list[Batch | bytes], epoch: str | None) -> dict[str, Any]:
@@ -218,21 +228,21 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
             return self._ack("epoch_changed")
         self.calls["submit_many"] += 1
         self.timer.start()
-        statuses, finished = [], []
+        answers: list[dict[str, Any] | BatchRejected] = []
+        finished: list[StepResult] = []
         for batch in batches:
             try:
-                outcome = self.aggregator.submit(batch)
+                answer, done = self._take(batch)
             except BatchRejected as err:
-                statuses.append(f"rejected: {err}")
+                answers.append(err)
                 continue
-            statuses.append(outcome.status if outcome.notice is None
-                            else f"{outcome.status}; earlier: {outcome.notice}")
-            finished.extend(outcome.finished)
+            answers.append(answer)
+            finished.extend(done)
         if finished:
             self._publish(finished)
         else:
             self.results.notify()
-        return self._ack("batch", statuses=statuses)
+        return self._ack("batch", answers=answers)
 
     def job_id(self) -> str:
         """Return the id of the Ray job that started this service (it dies with that job)."""
@@ -266,6 +276,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
             "cpu_s": time.process_time(),  # this process's CPU time, all its threads
             "merge_cpu_s": self.merge_cpu_s,  # of it, inside submit / submit_many
             "closed": self._closed,
+            "combiners": dict(self.combiners),
         }
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -305,26 +316,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
                           f"got {to_step!r}")
         with self._lock:
             self._check_open("rewind")
-            return self._rewind(to_step)
-
-    def _rewind(self, to_step: int, by: str | None = None) -> dict[str, Any]:
-        # First the journal records it: a rewind the journal lacks never happened
-        self.sinks.rewind(Rewind(to_step, by), self.journal.writer)
-        superseded = self.aggregator.rewind(to_step, self._totals_at(to_step))
-        self.results.forget_after(to_step)
-        if self._reloaded_through is not None:
-            self._reloaded_through = min(self._reloaded_through, to_step)
-        log.warning("rewound to step %d: %d published steps superseded", to_step, superseded)
-        self.results.notify()
-        return {"to_step": to_step, "superseded": superseded}
-
-    def _totals_at(self, step: int) -> dict[str, Any] | None:
-        """The running totals as of the last published step at or before ``step``: what
-        this service keeps of it, else the journal's record."""
-        kept = [s for s in self.results.steps() if s <= step]
-        if kept:
-            return self.results.get(max(kept)).meta.get("derived_totals")  # type: ignore
-        return self.journal.totals_at(step)
+            return self.rewinds.rewind(to_step)
 
     def config_dump(self) -> dict[str, Any]:
         """Return the config this service runs (secrets hidden), for ``start_metric_worker``
@@ -355,47 +347,6 @@ def _merging(worker: MetricWorkerImpl) -> Iterator[None]:
             yield
     finally:
         worker.merge_cpu_s += time.thread_time() - start
-
-
-class StragglerTimer:
-    """Finishes, as partial, the steps whose straggler timeout has passed: a daemon thread,
-    started by the first call that may open a step."""
-
-    def __init__(self, timeout_s: float | None, lock: threading.RLock,
-                 expire: Callable[[], list[StepResult]],
-                 publish: Callable[[list[StepResult]], None]) -> None:
-        self.period = None if timeout_s is None else min(1.0, timeout_s / 4)
-        self.lock, self.expire, self.publish = lock, expire, publish
-        self.errors = 0
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start the timer once (no straggler timeout: never)."""
-        if self._thread is None and self.period is not None:
-            self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name="metricsvc-straggler-timer")
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(self.period):
-            try:
-                with self.lock:  # the actor's: a merge never sees a step half expired
-                    if self._stopped.is_set():  # closed meanwhile: nothing is published
-                        return
-                    finished = self.expire()
-                    for r in finished:
-                        if r.meta["partial"]:
-                            log.warning("step %d finished partial: missing ranks %s",
-                                        r.step, r.meta["missing_ranks"])
-                    if finished:
-                        self.publish(finished)
-            except Exception:  # the straggler timer must outlive any one bad step
-                self.errors += 1
-                log.exception("straggler timer: finishing timed-out steps failed")
 
 
 _DEFAULTS = ServiceConfig()

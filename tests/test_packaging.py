@@ -221,7 +221,8 @@ LAYERS = [
     {"metricsvc.sinks*", "metricsvc.config", "metricsvc.journal", "metricsvc.run_folder",
      "metricsvc.results"},
     # 4: the actors
-    {"metricsvc.worker", "metricsvc.combiner", "metricsvc.siirl", "metricsvc.stream_calls"},
+    {"metricsvc.worker", "metricsvc.combiner", "metricsvc.siirl", "metricsvc.stream_calls",
+     "metricsvc.rewinds", "metricsvc.timer"},
     # 5: drivers and the command line
     {"metricsvc.service", "metricsvc.cli", "metricsvc.demo"},
 ]

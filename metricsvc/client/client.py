@@ -201,9 +201,8 @@ class MetricClient(SiirlMethods, Tracker):
 
         While the actor restarts the call waits (up to ``retry_s``). On a timeout
         the batch is kept and calling again resends it; the service merges it
-        once. If the service refuses the batch, the error (a
-        ``metricsvc.errors.Refused``) is raised and the step is closed all the same: its
-        records are dropped (resending cannot help) and the client moves to the next step.
+        once. A refused batch (``metricsvc.errors.Refused``, raised) closes the step all the
+        same: its records are dropped and the client moves to the next step.
         """
         if not self.sender.wait_until(1, timeout_s):  # earlier flushes first: steps in order
             raise ray.exceptions.GetTimeoutError(

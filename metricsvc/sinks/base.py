@@ -163,7 +163,7 @@ def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None, *,
 
 
 # -- the config section every built-in sink's registration makes -------------------------
-_NOT_SINKS = frozenset({"base", "spec", "dispatch", "names", "state", "logfiles"})
+_NOT_SINKS = frozenset({"base", "spec", "dispatch", "delivery", "names", "state", "logfiles"})
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Fan finished steps out to sinks, one worker thread and bounded queue per sink.
+"""Fan finished steps out to sinks, one sink thread and bounded queue per sink (``delivery``).
 
 Nothing here runs on the actor's merge path: ``publish`` only enqueues. Each
 sink sees each step once and in increasing order. A sink that raises is
@@ -16,10 +16,6 @@ holds), and is then given every journaled step past the watermark, before any ne
 
 from __future__ import annotations
 
-import atexit
-import functools
-import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,299 +26,8 @@ from metricsvc.errors import ServiceUnavailable
 from metricsvc.history import Rewind, RunHistory
 from metricsvc.redaction import Redactor
 from metricsvc.sinks.base import DeliveryConfig, Sink
-from metricsvc.sinks.names import public_metrics
-from metricsvc.sinks.state import DeadLetter, SinkState, Watermark
-
-log = logging.getLogger(__name__)
-
-_STOP = object()
-_COMMIT_EVERY = 32  # writes between commits while a queue stays busy (one when it drains)
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-class _SinkWorker:
-    """One sink, its queue, its thread, its delivery record.
-
-    Only the thread touches the sink, ``close`` included, so a sink is never closed
-    while one of its writes runs. A close that gives up (the sink still busy at the
-    deadline) dead-letters every step the sink has not taken, the one in flight too.
-    """
-
-    def __init__(self, sink: Sink, run_dir: Path, delivery: DeliveryConfig, dead: DeadLetter,
-                 redactor: Redactor, history: RunHistory,
-                 replay: Callable[[], Iterator[dict[str, Any]]] | None = None):
-        self.sink = sink
-        self.replay = replay  # None: a new run; else reads the journal of the run to continue
-        self.state = SinkState(run_dir, sink.name)
-        self.redact = redactor.text  # errors may quote a URI with its password
-        self.name = sink.name
-        self.run_dir = run_dir
-        self.delivery = delivery
-        self.dead = dead
-        self.allow_nan = bool(getattr(sink, "supports_nan", False))
-        self.queue: queue.Queue[Any] = queue.Queue(maxsize=delivery.queue_size)
-        self.opened = False
-        self.closed = False
-        self.closing = threading.Event()
-        self._lock = threading.Lock()  # the hand-over between the thread and a closer
-        self._current: tuple | None = None
-        self._backlog: Iterator[tuple] = iter(())  # the replay's steps not yet given
-        self._abandoned = False
-        self._uncommitted = 0
-        self.stats = {"written": 0, "failures": 0, "dead_lettered": 0, "lost": 0,
-                      "in_flight_at_close": 0, "last_step": None, "last_error": None,
-                      "durable_through": None, "replayed": 0, "missing": None}
-        self.mark = Watermark(self.state, self.stats, self.name, self.redact, history)
-        self.thread = threading.Thread(target=self._serve, name=f"metricsvc-sink-{self.name}",
-                                       daemon=True)
-        self.thread.start()
-
-    # -- producer side -----------------------------------------------------------------
-    def put(self, item: tuple) -> None:
-        if item[0] == "rewind":  # never dropped: the thread makes room
-            self.queue.put(item)
-            return
-        try:
-            self.queue.put_nowait(item)
-        except queue.Full:
-            if item[0] == "write":
-                self._dead_letter(item, f"queue full ({self.delivery.queue_size} steps waiting)")
-
-    # -- consumer side -----------------------------------------------------------------
-    def _serve(self) -> None:
-        if self.replay is not None:
-            self._continue_run(self.replay())
-            self.replay = None
-        while True:
-            if self.queue.empty() and self._uncommitted:
-                self._commit()
-            item = self.queue.get()
-            if item is _STOP:
-                break
-            with self._lock:
-                if self._abandoned:
-                    break
-                self._current = item
-            kind = item[0]
-            if kind == "flush":
-                self._commit()  # a flush returns once what was written is durable
-                item[1].set()
-            elif kind == "write":
-                self._deliver_step(item)
-            elif kind == "event" and hasattr(self.sink, "write_event"):
-                self._attempt(functools.partial(self.sink.write_event, item[1]))
-            elif kind == "rewind":
-                self._rewind(*item[1:])
-            with self._lock:
-                self._current = None
-                if self._abandoned:
-                    break
-        if self.opened:
-            if not self._abandoned:
-                self._commit()
-            error = self._attempt(self.sink.close)
-            if error is not None:
-                log.error("sink %s failed to close: %s", self.name, error)
-            elif not self._abandoned:
-                self.mark.advance(self.stats["last_step"])  # closing flushes what was written
-
-    def _continue_run(self, journal: Iterator[dict[str, Any]]) -> None:
-        """Reopen the backend run, then replay the journal past the watermark."""
-        floor = self.mark.load()
-        resume = getattr(self.sink, "resume", None)
-        if resume is not None:
-            error = self._attempt(lambda: resume(floor), retry=True)
-        else:
-            error = self._attempt(lambda: None, retry=True)  # opens the sink
-        if error is not None:
-            log.error("sink %s could not continue the run: %s", self.name, error)
-        held_through = getattr(self.sink, "held_through", None)
-        if held_through is not None and self.opened:  # a sink that can read back its content
-            self.mark.believe_content(held_through())
-        floor = self.mark.floor
-        self._backlog = (("write", r["step"], r["metrics"], r["meta"]) for r in journal
-                         if floor is None or r["step"] > floor)  # one at a time
-        first = None
-        while True:
-            with self._lock:  # a closer that gives up dead-letters the rest of the backlog
-                item = None if self._abandoned else next(self._backlog, None)
-                if item is None:
-                    break
-                self._current = item
-            first = item[1] if first is None else first
-            self._deliver_step(item)
-            self.stats["replayed"] += 1
-            with self._lock:
-                self._current = None
-        if self.stats["replayed"]:
-            log.warning("sink %s: %d journaled steps replayed after a restart, from step %s",
-                        self.name, self.stats["replayed"], first)
-        self._commit()
-
-    def _commit(self) -> None:
-        """Ask the sink to make its writes durable; advance the watermark to what it says."""
-        self._uncommitted = 0
-        last = self.stats["last_step"]
-        if not self.opened or last is None:
-            return
-        commit = getattr(self.sink, "commit", None)
-        said: list[int | None] = [None]
-        if commit is not None:
-            if self._attempt(lambda: said.__setitem__(0, commit())) is not None:
-                return  # the sink could not say: the watermark stays
-        durable = said[0]
-        self.mark.advance(last if durable is None else min(durable, last))
-
-    def _rewind(self, rewind: Rewind, done: Rewound) -> None:
-        """A new segment of the run's history begins: the journal records it, the backend
-        is told (where it can show a rerun), and the watermark goes back, so a restart
-        replays the rerun. ``done`` hears the outcome."""
-        error = None
-        if hasattr(self.sink, "write_event"):  # the journal: the history's own record
-            error = self._attempt(functools.partial(self.sink.write_event, rewind.event()),
-                                  retry=True)
-            if error is not None:  # not recorded: nothing is rewound (the caller hears it)
-                done.heard(self.sink, error)
-                return
-        if self.opened and hasattr(self.sink, "rewind"):
-            error = self._attempt(functools.partial(self.sink.rewind, rewind.to_step))
-        if error is not None:
-            log.error("sink %s could not rewind to step %d: %s", self.name, rewind.to_step,
-                      error)
-        self.mark.back_to(rewind.to_step)
-        done.heard(self.sink, error)
-
-    def _deliver_step(self, item: tuple) -> None:
-        _, step, metrics, meta = item
-        if self.mark.holds(step):
-            return  # each step of a segment once, in increasing order
-        visible = public_metrics(metrics, self.allow_nan)
-        error = self._attempt(lambda: self.sink.write(step, visible, meta), retry=True)
-        with self._lock:
-            if self._abandoned:  # a closer gave up meanwhile and dead-lettered this step
-                return
-            if error is None:
-                self.stats["written"] += 1
-                self.stats["last_step"] = step
-                self._uncommitted += 1
-                self.mark.written(step)
-        if error is not None:
-            self._dead_letter(item, error, visible)
-        elif self._uncommitted >= _COMMIT_EVERY:
-            self._commit()
-
-    def _attempt(self, call: Any, retry: bool = False) -> str | None:
-        """Run ``call`` (opening the sink first if needed); return the last error or None."""
-        tries = 1 + (self.delivery.retries if retry else 0)
-        error = None
-        for attempt in range(tries):
-            try:
-                if not self.opened:
-                    self.sink.open(self.run_dir)
-                    self.opened = True
-                    # Registered after open, so it runs before any exit hook the backend
-                    # registered while opening (atexit is LIFO): wandb's teardown, say.
-                    atexit.register(self.close, 10.0)
-                call()
-                return None
-            except Exception as err:  # a sink must never take the service down
-                error = self.redact(f"{type(err).__name__}: {err}")
-                self.stats["failures"] += 1
-                self.stats["last_error"] = error
-                log.warning("sink %s failed (attempt %d/%d): %s", self.name, attempt + 1,
-                            tries, error)
-                if attempt + 1 < tries and not self.closing.is_set():
-                    pause = min(self.delivery.max_backoff_s, self.delivery.backoff_s * 2**attempt)
-                    self.closing.wait(pause)  # a close cuts the backoff short
-                elif self.closing.is_set():
-                    break
-        return error
-
-    def _dead_letter(self, item: tuple, error: str, visible: dict | None = None) -> None:
-        """Keep the step exactly as the sink would have received it, for a later replay."""
-        _, step, metrics, meta = item
-        if visible is None:
-            visible = public_metrics(metrics, self.allow_nan)
-        try:
-            self.dead.write(self.name, step, {"metrics": visible, "meta": meta}, error)
-            self.stats["dead_lettered"] += 1
-        except OSError as err:
-            self.stats["lost"] += 1
-            log.error("sink %s lost step %s: its dead-letter write failed too: %s",
-                      self.name, step, self.redact(str(err)))
-
-    def close(self, timeout_s: float | None) -> None:
-        """Close within ``timeout_s``: see ``begin_close`` and ``finish_close``."""
-        self.begin_close()
-        self.finish_close(None if timeout_s is None else time.monotonic() + timeout_s)
-
-    def begin_close(self) -> None:
-        """Stop taking steps: the thread finishes what is queued, then closes the sink."""
-        if self.closed:
-            return
-        self.closed = True
-        self.closing.set()  # cuts retry backoffs short: a failing sink dead-letters at once
-        try:
-            self.queue.put_nowait(_STOP)
-        except queue.Full:
-            pass  # finish_close makes room
-
-    def finish_close(self, deadline: float | None) -> None:
-        """Wait until ``deadline``; then dead-letter whatever the sink has not taken."""
-        self.thread.join(_left(deadline))
-        if not self.thread.is_alive():
-            return
-        with self._lock:
-            self._abandoned = True
-            current = self._current
-            waiting = list(self._backlog)  # journaled steps its replay never reached
-            self._backlog = iter(())
-        while True:
-            try:
-                waiting.append(self.queue.get_nowait())
-            except queue.Empty:
-                break
-        why = f"the sink was still busy when close gave up ({self.delivery.close_timeout_s} s)"
-        if current is not None and current[0] == "write":
-            self.stats["in_flight_at_close"] += 1
-            self._dead_letter(current, f"{why}, writing this step: it may also have reached "
-                                       f"the sink")
-        for item in waiting:
-            if item is not _STOP and item[0] == "write":
-                self._dead_letter(item, f"not written: {why}")
-            elif item is not _STOP and item[0] == "flush":
-                item[1].set()
-            elif item is not _STOP and item[0] == "rewind":
-                item[2].heard(self.sink, f"not rewound: {why}")
-        self.queue.put_nowait(_STOP)  # the thread closes the sink once its write returns
-        log.error("sink %s: close gave up after %s s; %d steps dead-lettered", self.name,
-                  self.delivery.close_timeout_s, len(waiting) + (current is not None))
-
-
-class Rewound:
-    """The outcome of a rewind at the sink that must record it (the journal)."""
-
-    def __init__(self, sink: Sink | None) -> None:
-        self.sink = sink
-        self.error: str | None = None
-        self._done = threading.Event()
-        if sink is None:
-            self._done.set()
-
-    def heard(self, sink: Sink, error: str | None) -> None:
-        if sink is self.sink:
-            self.error = error
-            self._done.set()
-
-    def wait(self, timeout_s: float | None) -> None:
-        if not self._done.wait(timeout_s):
-            raise ServiceUnavailable(f"the rewind was not journaled within {timeout_s} s "
-                                     f"(sink {self.sink.name} busy)")  # type: ignore[union-attr]
-        if self.error is not None:
-            raise ServiceUnavailable(f"the rewind could not be journaled: {self.error}")
+from metricsvc.sinks.delivery import Rewound, SinkDelivery
+from metricsvc.sinks.state import DeadLetter
 
 
 class SinkDispatcher:
@@ -343,25 +48,25 @@ class SinkDispatcher:
         self.dead_letter = DeadLetter(run_dir / delivery.dead_letter)
         redactor = redactor or Redactor()
         self.history = history or RunHistory()
-        self._workers = [_SinkWorker(s, run_dir, delivery, self.dead_letter, redactor,
+        self._deliveries = [SinkDelivery(s, run_dir, delivery, self.dead_letter, redactor,
                                      self.history, replay) for s in sinks]
         self._closed = False
 
     @property
     def sinks(self) -> list[Sink]:
-        return [w.sink for w in self._workers]
+        return [w.sink for w in self._deliveries]
 
     def publish(self, step: int, metrics: dict[str, float], meta: dict[str, Any]) -> None:
         """Queue one finished step for every sink; never blocks."""
         if not self._closed:
-            for worker in self._workers:
-                worker.put(("write", step, metrics, meta))
+            for delivery in self._deliveries:
+                delivery.put(("write", step, metrics, meta))
 
     def event(self, event: dict[str, Any]) -> None:
         """Queue a journal event (sinks without ``write_event`` ignore it)."""
         if not self._closed:
-            for worker in self._workers:
-                worker.put(("event", event))
+            for delivery in self._deliveries:
+                delivery.put(("event", event))
 
     def rewind(self, rewind: Rewind, wait_for: Sink | None,
                timeout_s: float | None = 30.0) -> None:
@@ -375,23 +80,23 @@ class SinkDispatcher:
         if self._closed:
             raise ServiceUnavailable("the service is closed: no rewind")
         done = Rewound(wait_for)
-        first = [w for w in self._workers if w.sink is wait_for]
-        for worker in first:  # recorded first: a rewind the journal lacks never happened
-            worker.put(("rewind", rewind, done))
+        first = [w for w in self._deliveries if w.sink is wait_for]
+        for delivery in first:  # recorded first: a rewind the journal lacks never happened
+            delivery.put(("rewind", rewind, done))
         done.wait(timeout_s)
         self.history.rewound(rewind)
-        for worker in self._workers:
-            if worker.sink is not wait_for:
-                worker.put(("rewind", rewind, done))
+        for delivery in self._deliveries:
+            if delivery.sink is not wait_for:
+                delivery.put(("rewind", rewind, done))
 
     def flush(self, timeout_s: float | None = 30.0) -> bool:
         """Wait until every sink has handled everything queued so far; True if all did."""
         if self._closed:
             return True
         events = []
-        for worker in self._workers:
+        for delivery in self._deliveries:
             done = threading.Event()
-            worker.put(("flush", done))
+            delivery.put(("flush", done))
             events.append(done)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         return all(
@@ -408,24 +113,24 @@ class SinkDispatcher:
         self._closed = True
         timeout_s = self.delivery.close_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        for worker in self._workers:
-            worker.begin_close()
-        for worker in self._workers:
-            worker.finish_close(deadline)
+        for delivery in self._deliveries:
+            delivery.begin_close()
+        for delivery in self._deliveries:
+            delivery.finish_close(deadline)
 
     def last_step(self, sink: Sink) -> int | None:
         """Return the last step of the current segment ``sink`` (one of this dispatcher's)
         has written (None if none yet, or not one of them)."""
-        for worker in self._workers:
-            if worker.sink is sink:
-                return worker.stats["last_step"]
+        for delivery in self._deliveries:
+            if delivery.sink is sink:
+                return delivery.stats["last_step"]
         return None
 
     def health(self) -> dict[str, dict[str, Any]]:
         """Return each sink's delivery record: written, failures, dead-lettered, last error."""
         return {
             w.name: {**w.stats, "queued": w.queue.qsize(), "failing": w.stats["failures"] > 0}
-            for w in self._workers
+            for w in self._deliveries
         }
 
     @property
