@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,7 @@ def start_metric_worker(
     except ValueError:  # none runs yet: a new run, whose folder must be its own
         check_run_dir(cfg)
         if cfg.run.trial is not None:
-            probe_run_dir(cfg.run.run_dir().resolve())
+            _probe(cfg)
     else:
         return _same_service(running, cfg)
     if cfg.run.trial is None:
@@ -101,6 +102,19 @@ def start_metric_worker(
     # a driver that ends without close() must not lose what the sinks buffer.
     atexit.register(_close_at_exit, handle)
     return handle
+
+
+def _probe(cfg: ServiceConfig, grace_s: float = 10.0) -> None:
+    """Refuse a folder a live service holds. Resuming after a crash, give a holder that is
+    ending (a killed actor's process on its way out) ``grace_s`` to let go first."""
+    deadline = time.monotonic() + (grace_s if cfg.run.resume else 0.0)
+    while True:
+        try:
+            return probe_run_dir(cfg.run.run_dir().resolve())
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _same_service(handle: Any, cfg: ServiceConfig) -> Any:
