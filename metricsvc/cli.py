@@ -108,12 +108,23 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 def cmd_plot(args: argparse.Namespace) -> None:
     steps = load_steps(args.target)
-    keys = select_keys(steps, args.keys)
+    fig, series, rows, cols = plot_steps(steps, select_keys(steps, args.keys))
+    out = Path(args.output)
+    if not out.parent.exists():
+        raise CliError(f"cannot write {out}: no folder {out.parent}")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out} ({len(series)} plots in a {rows}x{cols} grid, {len(steps)} steps)")
+
+
+def plot_steps(steps: list[dict[str, Any]], keys: list[str]) -> tuple[Any, list, int, int]:
+    """Draw a grid of one plot per key (its min-max band where it has one) over the steps;
+    return ``(figure, series, rows, cols)``. Steps are integers on every x axis."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise CliError("plot needs matplotlib: pip install 'metricsvc[plot]'") from None
     series = _plot_series(keys)
@@ -132,6 +143,7 @@ def cmd_plot(args: argparse.Namespace) -> None:
             ax.fill_between(xs, lo, hi, alpha=0.2, color="tab:blue")
         for step in partial:
             ax.axvline(step, color="tab:red", alpha=0.3, linestyle="--")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 0.5
         ax.set_title(label, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.3)
@@ -148,11 +160,7 @@ def cmd_plot(args: argparse.Namespace) -> None:
                frameon=False)
     fig.supxlabel("step", fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (2.6 * rows + 0.6)))
-    out = Path(args.output)
-    if not out.parent.exists():
-        raise CliError(f"cannot write {out}: no folder {out.parent}")
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out} ({len(series)} plots in a {rows}x{cols} grid, {len(xs)} steps)")
+    return fig, series, rows, cols
 
 
 def _num(value: Any) -> float:

@@ -157,6 +157,19 @@ def test_plot_lays_many_keys_out_in_a_readable_grid(tmp_path):
     assert width < 2000 and height < 4000, (width, height)  # not a 770 x 13156 column
 
 
+def test_plot_shows_steps_as_integers_on_every_x_axis():
+    """Three steps were labelled 0.0, 0.5, 1.0, 1.5 ...: a step is a whole number."""
+    from metricsvc.cli import plot_steps
+
+    steps = [{"step": s, "metrics": {"x": float(s), "y": 1.0}, "meta": {}} for s in range(3)]
+    fig, _, _, _ = plot_steps(steps, ["x", "y"])
+    fig.canvas.draw()
+    for ax in fig.axes:
+        if ax.get_visible():
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
 # -- the first hour: papercuts --------------------------------------------------------------
 def test_version_prints_the_installed_version():
     import metricsvc
