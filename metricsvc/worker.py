@@ -251,33 +251,7 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
     def health(self) -> dict[str, Any]:
         """Return the actor's state: pending steps, counters, sink errors, run folder."""
         with self._lock:
-            return self._health()
-
-    def _health(self) -> dict[str, Any]:
-        sinks = self.sinks.health()
-        journal = self.journal.health()
-        return {
-            "name": self.config.name,
-            "epoch": self.epoch,
-            "pid": os.getpid(),
-            "restored_steps": self.restored_steps,
-            "journal_skipped_lines": journal["skipped_lines"],
-            "journal_duplicate_steps": journal["duplicate_steps"],
-            "journal": journal["path"],
-            **self.aggregator.health(),  # each component reports its own
-            "durable_through": self._durable_through(),
-            "timer_errors": self.timer.errors,
-            "failing_sinks": sorted(name for name, h in sinks.items() if h["failing"]),
-            "calls": dict(self.calls),
-            "sinks": sinks,
-            "sink_errors": self.sinks.errors,
-            "run_dir": str(self.run_dir),
-            "uptime_s": time.time() - self._started,
-            "cpu_s": time.process_time(),  # this process's CPU time, all its threads
-            "merge_cpu_s": self.merge_cpu_s,  # of it, inside submit / submit_many
-            "closed": self._closed,
-            "combiners": dict(self.combiners),
-        }
+            return _health(self)
 
     # -- lifecycle ---------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -336,6 +310,35 @@ class MetricWorkerImpl(ReaderMethods, StreamCallMethods, SiirlActorMethods):
             self.results.put(result)
             self.sinks.publish(result.step, result.metrics, result.meta)
         self.results.notify()
+
+
+def _health(w: MetricWorkerImpl) -> dict[str, Any]:
+    """The MetricWorker's health: each part it holds reports its own."""
+    sinks = w.sinks.health()
+    journal = w.journal.health()
+    return {
+        "name": w.config.name,
+        "epoch": w.epoch,
+        "pid": os.getpid(),
+        "restored_steps": w.restored_steps,
+        "journal_skipped_lines": journal["skipped_lines"],
+        "journal_duplicate_steps": journal["duplicate_steps"],
+        "journal": journal["path"],
+        **w.aggregator.health(),  # each component reports its own
+        "durable_through": w._durable_through(),
+        "timer_errors": w.timer.errors,
+        "failing_sinks": sorted(name for name, h in sinks.items() if h["failing"]),
+        "calls": dict(w.calls),
+        "sinks": sinks,
+        "sink_errors": w.sinks.errors,
+        "run_dir": str(w.run_dir),
+        "uptime_s": time.time() - w._started,
+        "cpu_s": time.process_time(),  # this process's CPU time, all its threads
+        "merge_cpu_s": w.merge_cpu_s,  # of it, inside submit / submit_many
+        "closed": w._closed,
+        "combiners": dict(w.combiners),
+    }
+
 
 
 @contextlib.contextmanager

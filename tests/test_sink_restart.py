@@ -73,7 +73,9 @@ def test_every_sink_holds_every_step_once_after_kills_right_after_final_and_twic
             sigkill(handle)  # twice in a row: the second dies while it replays
     health = ray.get(handle.close.remote(), timeout=120)
     assert not health["sink_errors"], health["sink_errors"]["wandb"]["last_error"]
-    assert health["restored_steps"] == 6
+    # The last incarnation reloaded steps 0-5, or 0-4 where the kill right after step 5 was
+    # final came before the journal wrote it (the ranks then sent step 5 again)
+    assert health["restored_steps"] in (5, 6)
     check_every_backend(Path(health["run_dir"]), steps)
 
 
