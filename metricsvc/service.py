@@ -104,7 +104,7 @@ def start_metric_worker(
     return handle
 
 
-def _probe(cfg: ServiceConfig, grace_s: float = 10.0) -> None:
+def _probe(cfg: ServiceConfig, grace_s: float = 2.0) -> None:
     """Refuse a folder a live service holds. Resuming after a crash, give a holder that is
     ending (a killed actor's process on its way out) ``grace_s`` to let go first."""
     deadline = time.monotonic() + (grace_s if cfg.run.resume else 0.0)
