@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -75,8 +78,6 @@ def random_rank_data(seed: int, ranks: int, width: int = 7) -> list[dict[str, np
 
 def wait_for_new_incarnation(handle: Any, epoch: str, deadline_s: float = 60.0) -> dict:
     """Wait (at most ``deadline_s``) until Ray has restarted the actor; return its health."""
-    import time
-
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         try:
@@ -86,6 +87,28 @@ def wait_for_new_incarnation(handle: Any, epoch: str, deadline_s: float = 60.0) 
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             time.sleep(0.1)
     raise TimeoutError(f"the actor did not come back within {deadline_s} s")
+
+
+def sigkill(handle):
+    """SIGKILL the actor's process; return the next incarnation's health once it serves."""
+    health = ray.get(handle.health.remote(), timeout=60)
+    os.kill(health["pid"], signal.SIGKILL)
+    return wait_for_new_incarnation(handle, health["epoch"])
+
+
+def crash(handle) -> None:
+    """End the actor for good, as a crashed job's service ends; return once its process is
+    gone (the run folder's lock with it)."""
+    pid = ray.get(handle.health.remote(), timeout=60)["pid"]
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the actor's process {pid} outlived ray.kill by 30 s")
 
 
 _POOL: list[Any] = []  # this session's RankActors that tests borrow (never killed)

@@ -4,8 +4,6 @@ user met; ``test_history_model`` drives random mixes of them against a plain mod
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -18,33 +16,9 @@ from metricsvc.declare import Derived
 from metricsvc.errors import ServiceUnavailable, StepNotFinal
 from metricsvc.journal import read_journal
 from tests import readback
-from tests.helpers import wait_for_new_incarnation
+from tests.helpers import crash, sigkill
 
 SINKS = {"console": None, "jsonl": {}, "tensorboard": {}}
-
-
-def sigkill(handle):
-    """SIGKILL the actor's process; return the next incarnation's health once it serves."""
-    health = ray.get(handle.health.remote(), timeout=60)
-    os.kill(health["pid"], signal.SIGKILL)
-    return wait_for_new_incarnation(handle, health["epoch"])
-
-
-def crash(handle) -> None:
-    """End the actor for good, as a crashed job's service ends; return once its process is
-    gone (the run folder's lock with it)."""
-    import time
-
-    pid = ray.get(handle.health.remote(), timeout=60)["pid"]
-    ray.kill(handle, no_restart=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"the actor's process {pid} outlived ray.kill by 30 s")
 
 
 def run_steps(name: str, values: dict[int, float]) -> None:

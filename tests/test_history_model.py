@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import metricsvc
 from metricsvc.client import MetricClient
 from metricsvc.errors import ServiceClosed
-from tests.test_history import crash, sigkill
+from tests.helpers import crash, sigkill
 
 _services = itertools.count()
 VALUES = st.one_of(st.floats(-1e6, 1e6, allow_nan=False, width=32),

@@ -3,8 +3,6 @@ own files hold every finished step exactly once, in one run per backend, equal t
 journal (issue 18). Each backend is read back with its own reader (``tests/readback``)."""
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -16,20 +14,13 @@ from metricsvc.client import MetricClient
 from metricsvc.journal import read_journal
 from metricsvc.keys import safe_tag
 from tests import readback
-from tests.helpers import wait_for_new_incarnation
+from tests.helpers import sigkill
 
 pytestmark = pytest.mark.slow
 
 SINKS = {"console": None, "jsonl": {}, "tensorboard": {},
          "wandb": {"mode": "offline", "flush_interval_s": 0.2},
          "swanlab": {"mode": "offline"}, "mlflow": {}}
-
-
-def sigkill(handle):
-    """SIGKILL the actor's process and wait until Ray has started the next incarnation."""
-    health = ray.get(handle.health.remote(), timeout=60)
-    os.kill(health["pid"], signal.SIGKILL)
-    return wait_for_new_incarnation(handle, health["epoch"])
 
 
 def record(clients, step):
