@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.baselines.siirl_style import reduce_by_substring
-from metricsvc.aggregator import Aggregator
 from metricsvc.client import MetricClient
+from metricsvc.service.aggregator import Aggregator
 
 TOKENS = (3000, 64, 700, 150)  # tokens per rank
 

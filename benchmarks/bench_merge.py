@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from metricsvc.aggregator import Aggregator
-from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM_LO, Batch
+from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM_LO, Batch
+from metricsvc.service.aggregator import Aggregator
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 

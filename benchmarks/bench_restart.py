@@ -23,7 +23,7 @@ RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the chec
 
 _CHILD = r"""
 import json, resource, sys, time
-from metricsvc.worker import MetricWorkerImpl
+from metricsvc.service.worker import MetricWorkerImpl
 cfg = json.loads(sys.argv[1])
 start = time.perf_counter()
 impl = MetricWorkerImpl(cfg)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from metricsvc.client.summarize import accelerator_path_on_cpu, summarize_many, to_host
-from metricsvc.client.synccount import HostTransferCounter
+from tests.synccount import HostTransferCounter
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 

@@ -1,4 +1,4 @@
-"""A PPO-like loop: DAG workers with torch tensors record data, timing and throughput
+"""A PPO-like loop: training ranks with torch tensors record data, timing and throughput
 metrics every step and validation every N steps; rollout workers stream episode stats
 with no step barrier; the driver exports the stream into each step.
 

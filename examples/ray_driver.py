@@ -1,6 +1,6 @@
-"""The README quickstart, runnable: a Ray driver, the MetricWorker, DAG workers submitting.
+"""The README quickstart, runnable: a Ray driver, the MetricWorker, training ranks submitting.
 
-    python examples/ray_driver.py [--config default] [--workers 4] [--steps 10]
+    python examples/ray_driver.py [--config default] [--ranks 4] [--steps 10]
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import ray
 
 import metricsvc
+from metricsvc.cli.demo import progress
 from metricsvc.client import MetricClient
-from metricsvc.demo import progress
 
 try:
     import torch
@@ -24,7 +24,7 @@ except ImportError:  # the demo also runs on numpy alone
 
 
 @ray.remote(num_cpus=0)
-class DAGWorker:
+class TrainingRank:
     """A stand-in for a training worker: makes a fake PPO batch and records its metrics."""
 
     def __init__(self, rank: int, world_size: int, worker_name: str) -> None:
@@ -59,14 +59,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="default",
                         help="a preset name (default, siirl, areal, all, ...) or a YAML file")
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--ranks", "--workers", dest="ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
 
     ray.init(include_dashboard=False)  # joins a running cluster if there is one
     worker = metricsvc.start_metric_worker(args.config)
     cfg = metricsvc.load_config(args.config)
-    ranks = [DAGWorker.remote(r, args.workers, cfg.name) for r in range(args.workers)]
+    ranks = [TrainingRank.remote(r, args.ranks, cfg.name) for r in range(args.ranks)]
 
     for step in range(args.steps):
         ray.get([rank.train_step.remote() for rank in ranks])

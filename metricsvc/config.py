@@ -20,9 +20,11 @@ from pydantic import (
     model_validator,
 )
 
-from metricsvc.keys import DEFAULT_NAME, default_namespace, is_plain_part
-from metricsvc.model import Strict
-from metricsvc.reduce import OutputRules, ReduceType, framework_conflict
+from metricsvc.config_base import Strict
+from metricsvc.core.keys import DEFAULT_NAME, default_namespace, is_plain_part
+from metricsvc.core.limits import LIMITS, MAX_PENDING_STEPS, MAX_STEPS_AHEAD, Limits
+from metricsvc.core.reduce import OutputRules, ReduceType, framework_conflict
+from metricsvc.core.sketch import MIN_ALPHA, SketchSpec
 from metricsvc.sinks.base import CustomSinkConfig, DeliveryConfig, sinks_model
 from metricsvc.sinks.console import ConsoleSinkConfig
 from metricsvc.sinks.jsonl import JsonlSinkConfig
@@ -30,8 +32,6 @@ from metricsvc.sinks.mlflow import MlflowSinkConfig
 from metricsvc.sinks.swanlab import SwanlabSinkConfig
 from metricsvc.sinks.tensorboard import TensorboardSinkConfig
 from metricsvc.sinks.wandb import WandbSinkConfig
-from metricsvc.sketch import MIN_ALPHA, SketchSpec
-from metricsvc.validation import Limits
 
 # The sinks section: a field per built-in sink, as its registration says (sinks/<name>.py).
 SinksConfig = sinks_model()
@@ -81,15 +81,17 @@ def new_trial() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(6).hex()}"  # 48 random bits
 
 
-_LIMITS = Limits()  # the defaults: one source, validation.Limits
+_LIMITS = LIMITS  # the defaults: one source, metricsvc.core.limits
+_OUTPUT = OutputRules()  # the output defaults: one source, metricsvc.core.reduce
 
 
 class LimitsConfig(Strict):
     """Bounds that keep the actor's memory finite; past them a batch is rejected."""
 
-    max_pending_steps: int = Field(64, ge=1)
+    max_pending_steps: int = Field(MAX_PENDING_STEPS, ge=1)
     max_steps_ahead: int = Field(
-        32, ge=0, description="a batch this many steps past the oldest open step is refused"
+        MAX_STEPS_AHEAD, ge=0,
+        description="a batch this many steps past the oldest open step is refused"
     )
     max_keys_per_batch: int = Field(_LIMITS.max_keys_per_batch, ge=1)
     max_key_length: int = Field(_LIMITS.max_key_length, ge=8)
@@ -125,17 +127,19 @@ class LimitsConfig(Strict):
 class OutputConfig(Strict):
     """How merged records become exported keys and numbers."""
 
-    mean_suffix: str = Field("mean", description="'mean' (siiRL/verl) or 'avg' (AReaL)")
-    quantiles: tuple[float, ...] = Field((0.5, 0.9, 0.99), description="QUANTILES outputs")
+    mean_suffix: str = Field(_OUTPUT.mean_suffix,
+                             description="'mean' (siiRL/verl) or 'avg' (AReaL)")
+    quantiles: tuple[float, ...] = Field(_OUTPUT.quantiles, description="QUANTILES outputs")
     nonfinite: Literal["exclude", "propagate"] = Field(
-        "exclude", description="exclude NaN/inf (counted in meta) or export NaN for that key"
+        _OUTPUT.nonfinite,
+        description="exclude NaN/inf (counted in meta) or export NaN for that key"
     )
     sketch_alpha: float = Field(
-        0.01, ge=MIN_ALPHA, lt=1,
+        _OUTPUT.sketch.alpha, ge=MIN_ALPHA, lt=1,
         description="quantile relative accuracy (at least 0.001: a device holds 1418 / alpha "
                     "bucket counts a QUANTILES key)")
     histogram_bins: int = Field(
-        64, ge=0, le=512,
+        _OUTPUT.histogram_bins, ge=0, le=512,
         description="bins of the merged histogram of each QUANTILES key, sent to the sinks "
                     "that draw histograms and kept in the journal (0: none)")
 
@@ -245,7 +249,16 @@ class ServiceConfig(Strict):
 ConfigSource = ServiceConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 
 
-PRESETS = Path(__file__).resolve().parent / "presets"  # package data: found from any directory
+def _presets_folder() -> Path:
+    """The presets: the repository's top-level ``configs/`` (one copy of each), which a
+    wheel carries as ``metricsvc/configs`` (pyproject's ``package-dir``). Found from any
+    directory, installed or from the checkout."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+PRESETS = _presets_folder()
 
 
 def presets() -> list[str]:

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from metricsvc import records
-from metricsvc.aggregator import Aggregator
-from metricsvc.records import Batch
-from metricsvc.reduce import AUTO, OutputRules, ReduceType
-from metricsvc.validation import BatchRejected, Limits
+from metricsvc.core import records
+from metricsvc.core.records import Batch
+from metricsvc.core.reduce import AUTO, OutputRules, ReduceType
+from metricsvc.core.validation import BatchRejected, Limits
+from metricsvc.service.aggregator import Aggregator
 
 
 def batch(step, rank, world_size=2, seq=None, final=True, kind=AUTO, expected=0, **values):
@@ -152,7 +152,7 @@ def test_malformed_batches_are_rejected_with_a_clear_message(mutate, message):
     agg = Aggregator()
     with pytest.raises(BatchRejected, match=message):
         agg.submit(bad)
-    assert agg.counts["rejected"] == 1 and agg.pending_summary() == {}
+    assert agg.counts["rejected"] == 1 and agg.pending.summary() == {}
 
 
 def test_limits_reject_big_batches_and_too_many_keys():
@@ -163,7 +163,7 @@ def test_limits_reject_big_batches_and_too_many_keys():
     big = {f"k{i}": 1.0 for i in range(60)}
     with pytest.raises(BatchRejected, match="bytes; the limit is 2048"):
         agg.submit(batch(0, 0, **big))
-    assert agg.counts["rejected"] == 2 and agg.pending_summary() == {}
+    assert agg.counts["rejected"] == 2 and agg.pending.summary() == {}
 
 
 def test_limits_reject_long_keys_and_too_many_pending_steps():

@@ -448,7 +448,7 @@ def test_each_name_is_described_once_whatever_arrives_later_and_after_a_restart(
     """A name's description goes to the sinks with the first step that exports it, once:
     descriptions that arrive later (another family recorded from a later step on) or are
     read back after a restart never send it again."""
-    from metricsvc.descriptions import Descriptions
+    from metricsvc.service.descriptions import Descriptions
 
     live = Descriptions()
     assert live.learn({"timing_s/<stage>": ("seconds", "s")}, 0)

@@ -13,14 +13,14 @@ ENV = dict(os.environ)
 
 
 def cli(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "metricsvc.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "metricsvc.cli.main", *map(str, args)],
                           capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def journal(tmp_path_factory):
     """A small journal with a partial step, written as the service writes it."""
-    from metricsvc.journal import JsonlSink
+    from metricsvc.storage.journal import JsonlSink
 
     run = tmp_path_factory.mktemp("run")
     sink = JsonlSink()
@@ -124,7 +124,7 @@ def test_validate_config_errors_are_one_line_with_exit_2(tmp_path):
 def test_report_reads_the_newest_journal_by_time_and_says_which(tmp_path):
     import os
 
-    from metricsvc.journal import JsonlSink
+    from metricsvc.storage.journal import JsonlSink
 
     for trial, value, age in (("b-older", 1.0, 100), ("a-newer", 2.0, 0)):
         (tmp_path / trial).mkdir()
@@ -140,7 +140,7 @@ def test_report_reads_the_newest_journal_by_time_and_says_which(tmp_path):
 
 
 def test_plot_lays_many_keys_out_in_a_readable_grid(tmp_path):
-    from metricsvc.journal import JsonlSink
+    from metricsvc.storage.journal import JsonlSink
 
     sink = JsonlSink()
     sink.open(tmp_path)
@@ -159,7 +159,7 @@ def test_plot_lays_many_keys_out_in_a_readable_grid(tmp_path):
 
 def test_plot_shows_steps_as_integers_on_every_x_axis():
     """Three steps were labelled 0.0, 0.5, 1.0, 1.5 ...: a step is a whole number."""
-    from metricsvc.cli import plot_steps
+    from metricsvc.cli.main import plot_steps
 
     steps = [{"step": s, "metrics": {"x": float(s), "y": 1.0}, "meta": {}} for s in range(3)]
     fig, _, _, _ = plot_steps(steps, ["x", "y"])
@@ -187,7 +187,7 @@ def test_report_last_takes_a_positive_count_in_one_line(journal, last):
 
 def test_report_into_a_pipe_that_closes_early_ends_quietly(tmp_path):
     """`metricsvc report RUN | head`: more output than a pipe holds, a reader that leaves."""
-    from metricsvc.journal import JsonlSink
+    from metricsvc.storage.journal import JsonlSink
 
     sink = JsonlSink()
     sink.open(tmp_path)
@@ -196,7 +196,7 @@ def test_report_into_a_pipe_that_closes_early_ends_quietly(tmp_path):
     sink.close()
     out = subprocess.run(
         ["bash", "-o", "pipefail", "-c",
-         f"{sys.executable} -m metricsvc.cli report {tmp_path} | head -n 2"],
+         f"{sys.executable} -m metricsvc.cli.main report {tmp_path} | head -n 2"],
         capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.splitlines()) == 2
@@ -222,7 +222,7 @@ def test_validate_config_names_a_folder_a_folder_and_takes_preset_names(tmp_path
 
 
 def test_every_option_of_every_command_has_help_text():
-    from metricsvc.cli import build_parser
+    from metricsvc.cli.main import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
@@ -245,17 +245,17 @@ def test_health_reaches_the_service_from_another_shell_under_default_auth(make_w
     ray.get(handle.health.remote())
     shell = {k: v for k, v in os.environ.items()
              if not k.startswith(("RAY_", "METRICSVC_"))}
-    out = subprocess.run([sys.executable, "-m", "metricsvc.cli", "health", "--name", cfg.name,
+    out = subprocess.run([sys.executable, "-m", "metricsvc.cli.main", "health", "--name", cfg.name,
                           "--address", ray_cluster.address],
                          capture_output=True, text=True, cwd=ROOT, env=shell, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"MetricWorker {cfg.name!r} pid" in out.stdout and "last final step None" in out.stdout
     assert "Authentication" not in out.stderr and "{" not in out.stdout
-    out = subprocess.run([sys.executable, "-m", "metricsvc.cli", "health", "--name", cfg.name,
+    out = subprocess.run([sys.executable, "-m", "metricsvc.cli.main", "health", "--name", cfg.name,
                           "--address", ray_cluster.address, "--json"],
                          capture_output=True, text=True, cwd=ROOT, env=shell, timeout=120)
     assert out.returncode == 0 and json.loads(out.stdout)["name"] == cfg.name, out.stderr
-    out = subprocess.run([sys.executable, "-m", "metricsvc.cli", "health", "--name", cfg.name,
+    out = subprocess.run([sys.executable, "-m", "metricsvc.cli.main", "health", "--name", cfg.name,
                           "--namespace", "elsewhere", "--address", ray_cluster.address],
                          capture_output=True, text=True, cwd=ROOT, env=shell, timeout=120)
     assert out.returncode == 2
@@ -268,7 +268,7 @@ def test_report_finds_a_journal_under_its_configured_file_name(tmp_path):
     import yaml
 
     from metricsvc.config import JsonlSinkConfig
-    from metricsvc.journal import JsonlSink
+    from metricsvc.storage.journal import JsonlSink
 
     run = tmp_path / "exp" / "trial"
     run.mkdir(parents=True)

@@ -5,7 +5,7 @@ import pytest
 
 import metricsvc.config
 from metricsvc import ServiceConfig, load_config
-from metricsvc.reduce import ReduceType
+from metricsvc.core.reduce import ReduceType
 
 CONFIGS = sorted(metricsvc.config.PRESETS.glob("*.yaml"))
 
@@ -63,7 +63,7 @@ def test_the_limits_config_and_the_validation_limits_share_their_defaults():
     from dataclasses import fields
 
     from metricsvc.config import LimitsConfig
-    from metricsvc.validation import Limits
+    from metricsvc.core.validation import Limits
 
     assert LimitsConfig().to_limits() == Limits()
     assert {f.name for f in fields(Limits)} <= set(LimitsConfig.model_fields)

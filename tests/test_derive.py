@@ -6,11 +6,12 @@ import re
 import numpy as np
 import pytest
 
-from metricsvc import records
-from metricsvc.declare import Derived, decode_derived, encode_derived, is_internal
-from metricsvc.derive import Deriver
-from metricsvc.formula import parse
-from metricsvc.reduce import OutputRules, ReduceType
+from metricsvc.core import records
+from metricsvc.core.declare import Derived, decode_derived, encode_derived, is_internal
+from metricsvc.core.formula import parse
+from metricsvc.core.reduce import OutputRules, ReduceType
+from metricsvc.service import continuing
+from metricsvc.service.derive import Deriver
 
 RULES = OutputRules()
 
@@ -156,8 +157,8 @@ def _batch(rank, derived, **values):
 
 
 def test_the_service_evaluates_what_ranks_declare_and_refuses_a_bad_declaration():
-    from metricsvc.aggregator import Aggregator
-    from metricsvc.validation import BatchRejected
+    from metricsvc.core.validation import BatchRejected
+    from metricsvc.service.aggregator import Aggregator
 
     agg = Aggregator(world_size=2)
     share = Derived("a/share", "sum(a) / (sum(a) + sum(b))", {"a": "a/__n", "b": "a/__m"})
@@ -192,7 +193,7 @@ def test_a_declaration_means_the_same_whoever_arrives_first_and_the_loser_is_tol
     timeout. Now, in both orders, both ranks' data is merged at once under rank 0's
     formula, and rank 1 is told (a notice naming both formulas), in later steps and after
     a restart too."""
-    from metricsvc.aggregator import Aggregator
+    from metricsvc.service.aggregator import Aggregator
 
     agg = Aggregator(world_size=2)
     told = (r"derived metric 'a/share': rank 1 declares 'sum\(b\) / sum\(a\)'.* but the "
@@ -211,7 +212,7 @@ def test_a_declaration_means_the_same_whoever_arrives_first_and_the_loser_is_tol
         assert re.search(told, later.notice)
     assert done.metrics == {"a/share": 0.75}  # rank 0's formula over both ranks' data
     restarted = Aggregator(world_size=2)
-    restarted.restore([{"step": 0, "metrics": done.metrics, "meta": done.meta}])
+    continuing.restore(restarted, [{"step": 0, "metrics": done.metrics, "meta": done.meta}])
     notice = _step(restarted, 1, 1, OTHER, 1.0, 1.0).notice
     assert re.search(r"'a/share': rank 1 declares .* yours is ignored and your data merged",
                      notice)

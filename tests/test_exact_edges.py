@@ -15,13 +15,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metricsvc import records
 from metricsvc.client import MetricClient
 from metricsvc.client.summarize import accelerator_path_on_cpu, sketch, summarize
-from metricsvc.declare import Derived
-from metricsvc.journal import read_journal
-from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, SUM, SUM_LO
-from metricsvc.sketch import SketchSpec, histogram, merge_sparse, quantiles, sparse_counts
+from metricsvc.core import records
+from metricsvc.core.declare import Derived
+from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, SUM, SUM_LO
+from metricsvc.core.sketch import SketchSpec, histogram, merge_sparse, quantiles, sparse_counts
+from metricsvc.storage.journal import read_journal
 
 SPEC = SketchSpec()
 

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from metricsvc.client import MetricClient
-from metricsvc.validation import BatchRejected
+from metricsvc.core.validation import BatchRejected
 from tests.helpers import wait_for_new_incarnation
 
 

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import metricsvc
-from metricsvc import records
 from metricsvc.client import MetricClient
-from metricsvc.declare import is_internal
-from metricsvc.records import COUNT, SUM
-from metricsvc.reduce import finalize, kind_for_key
+from metricsvc.core import records
+from metricsvc.core.declare import is_internal
+from metricsvc.core.records import COUNT, SUM
+from metricsvc.core.reduce import finalize, kind_for_key
 
 EXAMPLES = int(os.environ.get("METRICSVC_FUZZ_EXAMPLES", "2000"))
 

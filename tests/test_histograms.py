@@ -10,8 +10,8 @@ import ray
 import torch
 
 from metricsvc.client import MetricClient
-from metricsvc.journal import read_journal
-from metricsvc.sketch import SketchSpec, histogram, sparse_counts
+from metricsvc.core.sketch import SketchSpec, histogram, sparse_counts
+from metricsvc.storage.journal import read_journal
 from tests import readback
 
 

@@ -10,11 +10,11 @@ import pytest
 import ray
 
 import metricsvc
-from metricsvc.cli import load_steps
+from metricsvc.cli.main import load_steps
 from metricsvc.client import MetricClient
-from metricsvc.declare import Derived
+from metricsvc.core.declare import Derived
 from metricsvc.errors import ServiceUnavailable, StepNotFinal
-from metricsvc.journal import read_journal
+from metricsvc.storage.journal import read_journal
 from tests import readback
 from tests.helpers import crash, sigkill
 

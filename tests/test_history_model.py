@@ -175,8 +175,8 @@ def _same(got: dict, want: dict, rel: float, where: str) -> None:
 
 
 def _views(run: Path):
-    from metricsvc.cli import CliError, load_steps
-    from metricsvc.journal import read_journal
+    from metricsvc.cli.main import CliError, load_steps
+    from metricsvc.storage.journal import read_journal
     from tests import readback
 
     journal = {r["step"]: r["metrics"] for r in read_journal(run / "metrics.jsonl")}

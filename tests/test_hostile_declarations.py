@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from metricsvc.declare import Derived, KeyIndex, key_pattern
+from metricsvc.core.declare import Derived, KeyIndex, key_pattern
 
 
 @pytest.mark.parametrize(("pattern", "key", "binding"), [
@@ -48,8 +48,8 @@ def test_a_segment_with_two_names_or_a_name_and_a_star_is_refused_naming_it():
 def _plain(step, rank, **values):
     import numpy as np
 
-    from metricsvc import records
-    from metricsvc.reduce import ReduceType
+    from metricsvc.core import records
+    from metricsvc.core.reduce import ReduceType
 
     keys = list(values)
     data = np.stack([records.scalar_row(v) for v in values.values()])
@@ -62,7 +62,7 @@ def test_keys_sharing_a_sink_tag_show_the_same_one_whatever_the_arrival_order():
     """'acc rate' and 'acc_rate' from two ranks shared one TensorBoard tag, which showed 1.0
     at step 0 and 2.0 at step 1 for identical data (whichever arrived first). Now the name
     written as its tag is shown every step, and the rank that sent the other is told."""
-    from metricsvc.aggregator import Aggregator
+    from metricsvc.service.aggregator import Aggregator
     from metricsvc.sinks.names import tagged
 
     agg = Aggregator(world_size=2)
@@ -85,9 +85,9 @@ def test_keys_sharing_a_sink_tag_show_the_same_one_whatever_the_arrival_order():
 def _blob(step, rank, keys, derived=b"", world_size=2):
     import numpy as np
 
-    from metricsvc import records
-    from metricsvc.reduce import ReduceType
-    from metricsvc.wire import encode
+    from metricsvc.core import records
+    from metricsvc.core.reduce import ReduceType
+    from metricsvc.core.wire import encode
 
     data = np.stack([records.scalar_row(1.0) for _ in keys]) if keys else records.identity(0)
     return encode(records.Batch.build(
@@ -114,7 +114,7 @@ def test_hostile_declarations_are_refused_or_cheap_and_honest_steps_stay_exact(m
     import ray
 
     from metricsvc.client import MetricClient
-    from metricsvc.declare import encode_derived
+    from metricsvc.core.declare import encode_derived
 
     handle, cfg = make_worker(world_size=2, limits={"max_keys_per_batch": 5000})
     honest = MetricClient(None, rank=0, world_size=2, name=cfg.name)
@@ -157,9 +157,9 @@ def test_a_malformed_description_is_refused_naming_the_key_and_the_rule(about, r
     aggregator, naming the key and the rule, and merges nothing."""
     import json
 
-    from metricsvc.aggregator import Aggregator
+    from metricsvc.core.records import Batch, scalar_row
     from metricsvc.errors import BatchRejected
-    from metricsvc.records import Batch, scalar_row
+    from metricsvc.service.aggregator import Aggregator
 
     blob = json.dumps({"derived": [], "about": about}).encode()
     batch = Batch.build(step=0, rank=0, world_size=1, seq=0, final=True, keys=("x",),
@@ -168,4 +168,4 @@ def test_a_malformed_description_is_refused_naming_the_key_and_the_rule(about, r
     with pytest.raises(BatchRejected, match="step 0 rank 0") as err:
         agg.submit(batch)
     assert rule in str(err.value) and next(iter(about)) in str(err.value)
-    assert agg.last_emitted is None and agg.health()["rejected_batches"] == 1
+    assert agg.last_emitted is None and agg.counts["rejected"] == 1

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import ray
 
-from metricsvc import records
-from metricsvc.aggregator import Aggregator
 from metricsvc.client import MetricClient
-from metricsvc.records import Batch
-from metricsvc.reduce import AUTO, ReduceType
-from metricsvc.sketch import SketchSpec, sparse_counts
-from metricsvc.validation import BatchRejected, Limits
-from metricsvc.wire import decode, encode
+from metricsvc.core import records
+from metricsvc.core.records import Batch
+from metricsvc.core.reduce import AUTO, ReduceType
+from metricsvc.core.sketch import SketchSpec, sparse_counts
+from metricsvc.core.validation import BatchRejected, Limits
+from metricsvc.core.wire import decode, encode
+from metricsvc.service.aggregator import Aggregator
 
 
 def batch(step, rank, world_size=2, seq=None, final=True, kind=AUTO, **values):
@@ -60,11 +60,11 @@ def test_without_config_a_majority_of_ranks_fixes_the_world_size_and_the_odd_one
     assert agg.submit(batch(0, 1, world_size=2, x=100.0)).finished == []
     agg.submit(batch(0, 0, world_size=4, x=1.0))
     agg.submit(batch(0, 2, world_size=4, x=2.0))
-    assert agg.world_size is None and agg.pending_summary()[0]["closed"] == [0, 1, 2]
+    assert agg.world_size is None and agg.pending.summary()[0]["closed"] == [0, 1, 2]
     out = agg.submit(batch(0, 3, world_size=4, x=3.0))  # 3 of 4 agree: a majority
     assert out.status == "merged" and out.finished == []
-    assert agg.world_size == 4 and agg.world_source == "agreed by ranks [0, 2, 3]"
-    assert agg.pending_summary()[0]["closed"] == [0, 2, 3]  # rank 1's claim is gone
+    assert agg.world_size == 4 and agg.world.source == "agreed by ranks [0, 2, 3]"
+    assert agg.pending.summary()[0]["closed"] == [0, 2, 3]  # rank 1's claim is gone
     # The confused rank hears at its next call why its batch was dropped, and is refused.
     with pytest.raises(BatchRejected, match="world size is 4.*earlier: your batch for step 0 "
                                             "was dropped: rank 1 claimed world_size 2"):
@@ -84,7 +84,7 @@ def test_without_a_majority_a_timed_out_step_takes_the_size_most_ranks_claim():
     agg.submit(batch(0, 3, world_size=4, x=100.0))
     assert agg.expire(now=0.5) == []
     (done,) = agg.expire(now=2.0)
-    assert agg.world_source == "claimed by ranks [1, 2] at the straggler timeout"
+    assert agg.world.source == "claimed by ranks [1, 2] at the straggler timeout"
     assert done.metrics == {"x": 2.0} and done.meta["missing_ranks"] == [0, 3, 4, 5, 6, 7]
 
 
@@ -92,7 +92,7 @@ def test_a_lone_rank_claiming_world_size_one_cannot_finish_a_configured_run():
     agg = Aggregator(world_size=2)
     with pytest.raises(BatchRejected, match="world_size 1"):
         agg.submit(batch(0, 0, world_size=1, x=100.0))
-    assert agg.last_emitted is None and agg.pending_summary() == {}
+    assert agg.last_emitted is None and agg.pending.summary() == {}
 
 
 # -- conflicts: two clients with one rank --------------------------------------------------
@@ -136,7 +136,7 @@ def test_a_runaway_that_arrives_first_is_dropped_when_the_real_first_step_opens(
                      clock=lambda: clock[0])
     agg.submit(batch(1000, 1, x=9.0))  # nothing else known yet: taken for now
     agg.submit(batch(0, 0, x=1.0))  # the run's real first step: 1000 is a runaway
-    assert list(agg.pending_summary()) == [0] and agg.newest_closed == 0
+    assert list(agg.pending.summary()) == [0] and agg.newest_closed == 0
     with pytest.raises(BatchRejected, match="earlier: your batch for step 1000 was dropped"):
         agg.submit(batch(1001, 1, x=9.0))
     clock[0] = 5.0
@@ -180,7 +180,7 @@ def test_records_that_could_not_be_merged_or_finalised_are_refused(fields, rule)
     with pytest.raises(BatchRejected, match=f"key 'x': corrupt record .*{rule}"):
         agg.submit(with_row(batch(0, 0, world_size=1, kind=ReduceType.SUM, x=[1.0, 2.0]),
                             **fields))
-    assert agg.pending_summary() == {} and agg.counts["rejected"] == 1
+    assert agg.pending.summary() == {} and agg.counts["rejected"] == 1
 
 
 def test_weighted_means_keep_fractional_counts():
@@ -303,7 +303,7 @@ def test_a_hostile_batch_is_refused_and_the_straggler_timer_keeps_firing(make_wo
 
 
 # -- wire-level fuzz -----------------------------------------------------------------------
-HEADER_FIELDS = [  # offset, struct format of each header field of metricsvc.wire
+HEADER_FIELDS = [  # offset, struct format of each header field of metricsvc.core.wire
     (0, "<q"), (8, "<i"), (12, "<i"), (16, "<q"), (24, "<B"), (25, "<d"), (33, "<I"),
     (37, "<I"), (41, "<I"), (45, "<I"),
 ]

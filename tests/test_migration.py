@@ -13,7 +13,7 @@ import torch
 import metricsvc
 from metricsvc.client import MetricClient
 from metricsvc.config import load_config, presets
-from metricsvc.reduce import AUTO, FRAMEWORK_KINDS, KindResolver, ReduceType
+from metricsvc.core.reduce import AUTO, FRAMEWORK_KINDS, KindResolver, ReduceType
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORK_KEYS = {  # plain-dict keys as siiRL and verl write them, and what they mean

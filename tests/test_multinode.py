@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import ray
 
-from metricsvc.journal import read_journal
 from metricsvc.protocol import combiner_name
+from metricsvc.storage.journal import read_journal
 from tests.chaos.test_chaos import calls_for, expected_for
 from tests.helpers import RankActor
 

@@ -12,25 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# What ``import metricsvc.client`` may load of this package: the client, and the service
-# modules the protocol is made of. Never the aggregator, the actor, sinks or config (nor
-# pydantic): a training rank imports the client, not the service.
-CLIENT_IMPORTS = {
-    "metricsvc", "metricsvc.client", "metricsvc.client.buffer", "metricsvc.client.client",
-    "metricsvc.client.metrics", "metricsvc.client.metrics.batch",
-    "metricsvc.client.metrics.catalogue",
-    "metricsvc.client.metrics.data", "metricsvc.client.metrics.diagnostics",
-    "metricsvc.client.metrics.moe", "metricsvc.client.metrics.timing",
-    "metricsvc.client.metrics.validation", "metricsvc.client.rpc", "metricsvc.client.siirl",
-    "metricsvc.client.device", "metricsvc.client.host", "metricsvc.client.tensors",
-    "metricsvc.client.sender", "metricsvc.client.cursor", "metricsvc.client.declarations",
-    "metricsvc.client.stream",
-    "metricsvc.client.summarize", "metricsvc.client.tracker", "metricsvc.declare",
-    "metricsvc.errors",
-    "metricsvc.formula", "metricsvc.keys", "metricsvc.protocol", "metricsvc.records",
-    "metricsvc.reduce", "metricsvc.resend", "metricsvc.retry", "metricsvc.sketch",
-    "metricsvc.validation", "metricsvc.wire",
-}
+# What ``import metricsvc.client`` may load of this package: the client, the core and the
+# protocol module. Never the service, sinks, storage or config (nor pydantic): a training
+# rank imports the client, not the service.
+CLIENT_TIERS = ("metricsvc.client", "metricsvc.core")
 
 
 def _loaded_by(statement: str) -> dict[str, list[str]]:
@@ -46,13 +31,16 @@ def _loaded_by(statement: str) -> dict[str, list[str]]:
 
 def test_importing_the_client_loads_no_service_module_and_no_pydantic():
     loaded = _loaded_by("import metricsvc.client")
-    assert {m for m in loaded if m.startswith("metricsvc")} == CLIENT_IMPORTS
+    ours = {m for m in loaded if m.startswith("metricsvc")}
+    assert {"metricsvc.client.client", "metricsvc.core.records", "metricsvc.protocol"} <= ours
+    assert {m for m in ours if not (m in ("metricsvc", "metricsvc.protocol")
+                                    or m.startswith(CLIENT_TIERS))} == set()
     assert not any(m.startswith(("pydantic", "torch")) for m in loaded)
 
 
 def test_the_service_package_never_imports_torch_or_the_client():
     loaded = _loaded_by("import metricsvc; metricsvc.start_metric_worker, metricsvc.load_config")
-    assert "metricsvc.worker" in loaded and "metricsvc.sinks" in loaded
+    assert "metricsvc.service.worker" in loaded and "metricsvc.sinks" in loaded
     assert not any(m.startswith(("torch", "metricsvc.client", "clients")) for m in loaded)
 
 
@@ -60,7 +48,7 @@ def test_one_top_level_package_and_the_old_clients_name_is_gone():
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["metricsvc*"]
+    assert {p.split(".")[0] for p in project["tool"]["setuptools"]["packages"]} == {"metricsvc"}
     assert not (ROOT / "clients").exists()
     out = subprocess.run([sys.executable, "-c", "import clients"], capture_output=True,
                          text=True, cwd=ROOT / "tests")
@@ -121,10 +109,11 @@ def test_no_import_loop_anywhere_in_the_package():
 
 def test_the_key_rules_live_in_one_leaf_module_both_sides_use():
     graph = import_graph()
-    assert graph["metricsvc.keys"] == set()
-    assert "metricsvc.keys" in graph["metricsvc.protocol"]
-    assert "metricsvc.keys" in graph["metricsvc.sinks.names"]
-    assert "metricsvc.keys" in graph["metricsvc.validation"]
+    assert graph["metricsvc.core.keys"] == {"metricsvc.core.limits"}
+    assert graph["metricsvc.core.limits"] == set()
+    assert "metricsvc.core.keys" in graph["metricsvc.protocol"]
+    assert "metricsvc.core.keys" in graph["metricsvc.sinks.names"]
+    assert "metricsvc.core.keys" in graph["metricsvc.core.validation"]
 
 
 def test_every_module_imports_on_its_own():
@@ -200,32 +189,20 @@ def test_example_driver_runs_and_writes_the_journal(tmp_path):
     assert "DeprecationWarning" not in both  # Ray's own, from a property it deprecated
 
 
-# The package's layers, lowest first: a module imports from its own layer or lower ones,
-# never from a higher one (the top-level ``metricsvc`` loads names lazily and is outside).
+# The package's tiers, lowest first (each tier's ``__init__`` says what it may import): a
+# module imports from its own tier or lower ones, never from a higher one (the top-level
+# ``metricsvc`` loads names lazily and is outside). The client stands beside the storage,
+# sinks and service: it may import the core only, through ``metricsvc.protocol``.
 LAYERS = [
-    # 0: leaves: rules and file helpers every side uses
-    {"metricsvc.keys", "metricsvc.errors", "metricsvc.files", "metricsvc.redaction",
-     "metricsvc.records", "metricsvc.sketch", "metricsvc.resend", "metricsvc.retry",
-     "metricsvc.history"},
-    # 1: the record's meaning and its wire form: what client and service share
-    {"metricsvc.reduce", "metricsvc.formula", "metricsvc.declare", "metricsvc.derive",
-     "metricsvc.run_declarations", "metricsvc.validation", "metricsvc.wire",
-     "metricsvc.protocol", "metricsvc.model"},
-    # 2: the client, and the service's merge (no Ray in the merge)
-    {"metricsvc.client*", "metricsvc.step", "metricsvc.ranks",
-     "metricsvc.published", "metricsvc.output", "metricsvc.admission", "metricsvc.streams",
-     "metricsvc.descriptions",
-     "metricsvc.restart", "metricsvc.report", "metricsvc.aggregator"},
-    # 3: what the actor writes to (each sink's registration makes its config section),
-    # the config, the run's folder and results
-    {"metricsvc.sinks*", "metricsvc.config", "metricsvc.journal", "metricsvc.run_folder",
-     "metricsvc.results"},
-    # 4: the actors
-    {"metricsvc.worker", "metricsvc.combiner", "metricsvc.siirl", "metricsvc.stream_calls",
-     "metricsvc.rewinds", "metricsvc.timer"},
-    # 5: drivers and the command line
-    {"metricsvc.service", "metricsvc.cli", "metricsvc.demo"},
+    {"metricsvc.core*"},                                  # pure: numbers and rules
+    {"metricsvc.protocol", "metricsvc.errors", "metricsvc.config_base"},
+    {"metricsvc.client*", "metricsvc.storage*"},
+    {"metricsvc.sinks*"},
+    {"metricsvc.config"},
+    {"metricsvc.service*"},
+    {"metricsvc.cli*"},
 ]
+TIERS = ["core", "storage", "sinks", "service", "client", "cli"]
 
 
 def _layer(module: str) -> int:
@@ -245,8 +222,8 @@ def test_no_module_imports_from_a_higher_layer_and_the_client_never_from_the_ser
         for imported in imports - {"metricsvc"}:
             if _layer(imported) > _layer(module):
                 upward.append(f"{module} -> {imported}")
-            if (module.startswith("metricsvc.client") and _layer(imported) >= 2
-                    and not imported.startswith("metricsvc.client")):
+            if (module.startswith("metricsvc.client")
+                    and not imported.startswith(("metricsvc.client", "metricsvc.protocol"))):
                 client_to_service.append(f"{module} -> {imported}")
     assert not upward, upward
     assert not client_to_service, client_to_service
@@ -269,8 +246,58 @@ def test_no_module_over_400_lines_and_no_class_over_250():
 
 def test_the_merge_loads_neither_ray_nor_pydantic():
     """The aggregator's docstring says so: the step state machine runs without either."""
-    code = ("import sys, metricsvc.aggregator; "
+    code = ("import sys, metricsvc.service.aggregator; "
             "print([m for m in ('ray', 'pydantic') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT / "tests")
     assert out.stdout.strip() == "[]"
+
+
+def test_the_package_is_in_tiers_with_a_handful_of_modules_at_its_top():
+    """The folder list shows the tiers; each tier's docstring says what it may import;
+    the top keeps ``__init__`` and a handful of modules; every module is in a tier."""
+    import ast
+
+    package = ROOT / "metricsvc"
+    folders = sorted(p.name for p in package.iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(TIERS)
+    for tier in TIERS:
+        doc = ast.get_docstring(ast.parse((package / tier / "__init__.py").read_text()))
+        assert doc and "import" in doc, tier
+    top = sorted(p.name for p in package.glob("*.py"))
+    assert len(top) <= 6, top
+    for module in import_graph():
+        if module != "metricsvc":
+            _layer(module)
+
+
+def test_the_wheel_lists_every_package_folder_and_carries_the_top_level_configs():
+    """pyproject lists the packages by hand (the presets folder maps in from the top):
+    the list is the package's folders exactly, and the presets exist once, at the top."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "metricsvc").rglob("__init__.py")}
+    assert set(setup["packages"]) == folders | {"metricsvc.configs"}
+    assert setup["package-dir"] == {"metricsvc.configs": "configs"}
+    assert sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")) == __import__(
+        "metricsvc").presets()
+    assert not list((ROOT / "metricsvc").rglob("*.yaml"))  # one copy of each
+
+
+def test_no_class_is_assembled_from_mixins():
+    """Parts of a class's job are components it holds, never ``*Methods`` base classes."""
+    import ast
+
+    mixed = []
+    for path in sorted((ROOT / "metricsvc").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                if node.name.endswith(("Methods", "Mixin")):
+                    mixed.append(f"{path.relative_to(ROOT)}: class {node.name}")
+                for base in node.bases:
+                    name = ast.unparse(base)
+                    if name.endswith(("Methods", "Mixin")):
+                        mixed.append(f"{path.relative_to(ROOT)}: {node.name}({name})")
+    assert not mixed, mixed

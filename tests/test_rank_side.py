@@ -11,8 +11,8 @@ import torch
 
 from metricsvc.client import MetricClient, StepAlreadyFinal, StepMismatch
 from metricsvc.client.summarize import summarize_many
-from metricsvc.journal import read_journal
-from metricsvc.records import summarize_array
+from metricsvc.core.records import summarize_array
+from metricsvc.storage.journal import read_journal
 
 
 def client(cfg, rank=0, world_size=1, **kwargs):

@@ -11,8 +11,9 @@ import pytest
 import ray
 
 import metricsvc
+import metricsvc.errors
 from metricsvc.client import MetricClient
-from metricsvc.declare import Derived
+from metricsvc.core.declare import Derived
 from metricsvc.errors import (
     BatchRejected,
     LateBatch,
@@ -31,7 +32,7 @@ def assert_readable(err: BaseException, *words: str) -> None:
     assert isinstance(err, MetricsvcError), type(err)
     assert "\n" not in text and "ray::" not in text and "\x1b" not in text, text
     assert "metricsvc/" not in text and ".py" not in text, text
-    assert type(err).__module__ == "metricsvc.errors", type(err)
+    assert type(err) is getattr(metricsvc.errors, type(err).__name__), type(err)  # our own
     for word in words:
         assert word in text, (word, text)
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metricsvc import records
-from metricsvc.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, Batch
+from metricsvc.core import records
+from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, Batch
 
 
 def _whole(x):

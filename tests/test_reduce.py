@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from metricsvc import records
-from metricsvc.reduce import (
+from metricsvc.core import records
+from metricsvc.core.reduce import (
     KindResolver,
     OutputRules,
     ReduceType,
@@ -97,9 +97,9 @@ def test_a_kinds_table_entry_is_the_one_place_a_kind_is_defined(monkeypatch):
     an entry changes every one of them (here STD exporting ``/sd`` as a variance)."""
     import numpy as np
 
-    from metricsvc import reduce
     from metricsvc.client import buffer
-    from metricsvc.records import summarize_array
+    from metricsvc.core import reduce
+    from metricsvc.core.records import summarize_array
 
     def clear():
         reduce.output_names.cache_clear()
@@ -121,6 +121,6 @@ def test_a_kinds_table_entry_is_the_one_place_a_kind_is_defined(monkeypatch):
 
 
 def test_every_reduce_kind_has_its_table_entry():
-    from metricsvc.reduce import KINDS, ReduceType
+    from metricsvc.core.reduce import KINDS, ReduceType
 
     assert set(KINDS) == set(ReduceType)

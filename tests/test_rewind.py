@@ -11,7 +11,7 @@ import ray
 
 import metricsvc
 from metricsvc.client import MetricClient
-from metricsvc.journal import read_journal
+from metricsvc.storage.journal import read_journal
 from tests import readback
 
 

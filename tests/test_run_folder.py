@@ -15,9 +15,9 @@ import pytest
 import ray
 
 import metricsvc
-from metricsvc.cli import main as cli_main
+from metricsvc.cli.main import main as cli_main
 from metricsvc.client import MetricClient, ServiceUnavailable
-from metricsvc.journal import JsonlSink, read_journal
+from metricsvc.storage.journal import JsonlSink, read_journal
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +93,7 @@ def test_unreadable_journal_lines_are_skipped_with_one_warning_each_and_counted(
              '{"step": 1, "metrics": [], "meta": {}}', "[1, 2]", '{"event": {"type": "x"}}',
              json.dumps({**good, "step": 1}), '{"step": 2, "metr']
     (folder / "metrics.jsonl").write_text("\n".join(lines))
-    with caplog.at_level(logging.WARNING, logger="metricsvc.sinks.jsonl"):
+    with caplog.at_level(logging.WARNING, logger="metricsvc.storage.journal"):
         steps = read_journal(folder / "metrics.jsonl")
     assert [r["step"] for r in steps] == [0, 1]
     assert steps[0]["metrics"]["y"] == math.inf  # non-finite values come back as floats
@@ -123,7 +123,7 @@ def test_readers_keep_one_record_per_step_and_say_so(tmp_path, caplog, capsys):
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "metrics": {"x": float(s)}, "meta": {}} for s in (0, 1, 1, 2, 2, 2)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with caplog.at_level(logging.WARNING, logger="metricsvc.sinks.jsonl"):
+    with caplog.at_level(logging.WARNING, logger="metricsvc.storage.journal"):
         steps = read_journal(path)
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert any("3 duplicate" in r.getMessage() for r in caplog.records)
@@ -141,7 +141,7 @@ def test_a_transient_write_failure_never_duplicates_a_line_or_tears_the_dead_let
         from pathlib import Path
         from metricsvc.config import DeliveryConfig
         from metricsvc.sinks.dispatch import SinkDispatcher
-        from metricsvc.journal import JsonlSink
+        from metricsvc.storage.journal import JsonlSink
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail (EFBIG)
         run = Path({str(tmp_path)!r})
         d = SinkDispatcher([JsonlSink()], run, DeliveryConfig(retries=2, backoff_s=0.05))
@@ -266,7 +266,7 @@ def test_one_redaction_rule_hides_every_planted_secret_and_no_number(tmp_path):
     session = next(line.split(" ", 1)[1] for line in out.stdout.splitlines()
                    if line.startswith("SESSION "))
     cfg_file = next(Path(tmp_path).rglob("config.yaml"))
-    validate = subprocess.run([sys.executable, "-m", "metricsvc.cli", "validate-config",
+    validate = subprocess.run([sys.executable, "-m", "metricsvc.cli.main", "validate-config",
                                str(cfg_file)], capture_output=True, text=True, cwd=ROOT,
                               timeout=60)
     files = [p for p in Path(tmp_path).rglob("*") if p.is_file()]
@@ -372,7 +372,7 @@ def test_a_restart_streams_the_journal_and_keeps_a_bounded_part(tmp_path):
     import tracemalloc
 
     from benchmarks.bench_restart import write_journal
-    from metricsvc.worker import MetricWorkerImpl
+    from metricsvc.service.worker import MetricWorkerImpl
 
     folder = tmp_path / "e" / "fixed"
     folder.mkdir(parents=True)
@@ -395,8 +395,8 @@ def test_a_resend_of_an_old_step_is_told_by_its_content_read_back_from_the_journ
     """Past the 64 steps whose digests the service keeps in memory, the journal's digests
     (meta.digests) still tell a byte-identical resend (a duplicate) from a rerun (refused):
     by content, not by a window."""
-    from metricsvc.records import Batch, scalar_row
-    from metricsvc.wire import encode
+    from metricsvc.core.records import Batch, scalar_row
+    from metricsvc.core.wire import encode
 
     handle = metricsvc.start_metric_worker(config(tmp_path, "old-resend"))
     blobs = [encode(Batch.build(step=s, rank=0, world_size=1, seq=s + 1, final=True,

@@ -14,9 +14,9 @@ import ray
 
 from metricsvc.client import Derived, MetricClient
 from metricsvc.config import load_config
-from metricsvc.journal import read_journal
-from metricsvc.keys import safe_tag
+from metricsvc.core.keys import safe_tag
 from metricsvc.sinks import SinkDispatcher, build_sinks, default_registry
+from metricsvc.storage.journal import read_journal
 from tests import readback
 from tests.sink_fixtures import RecordingSink
 

@@ -11,8 +11,8 @@ import pytest
 import ray
 
 from metricsvc.client import MetricClient
-from metricsvc.journal import read_journal
-from metricsvc.keys import safe_tag
+from metricsvc.core.keys import safe_tag
+from metricsvc.storage.journal import read_journal
 from tests import readback
 from tests.helpers import sigkill
 

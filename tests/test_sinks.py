@@ -7,9 +7,9 @@ import math
 import pytest
 
 from metricsvc.config import ConsoleSinkConfig, DeliveryConfig, JsonlSinkConfig, SinksConfig
-from metricsvc.journal import JsonlSink, read_journal
 from metricsvc.sinks import Sink, SinkDispatcher, SinkRegistry, build_sinks, default_registry
 from metricsvc.sinks.console import ConsoleSink
+from metricsvc.storage.journal import JsonlSink, read_journal
 
 
 def test_builtin_sinks_satisfy_the_protocol_and_build_from_config():
@@ -91,7 +91,7 @@ def test_a_failing_sink_is_retried_then_dead_lettered_and_others_go_on(tmp_path)
 
 
 def test_keys_become_safe_tags_that_cannot_climb_out_of_a_folder():
-    from metricsvc.keys import is_internal, safe_tag
+    from metricsvc.core.keys import is_internal, safe_tag
 
     assert safe_tag("eval/acc (top-1)/mean") == "eval/acc__top-1_/mean"
     assert safe_tag("../../etc/passwd") == "_/_/etc/passwd"
@@ -125,7 +125,9 @@ def test_each_built_in_sinks_registration_makes_its_config_section():
     assert list(specs) == ["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]
     assert list(SinksConfig.model_fields) == [*specs, "custom", "delivery"]
     for name, spec in specs.items():
-        assert spec.config.__module__ == f"metricsvc.sinks.{name}", name
+        # (the journal's config lives with the journal, in storage: the worker owns it)
+        home = "metricsvc.storage.journal" if name == "jsonl" else f"metricsvc.sinks.{name}"
+        assert spec.config.__module__ == home, name
         assert SinksConfig.model_fields[name].default == spec.default
         assert name in default_registry(with_entry_points=False)
     assert [s.extra for s in specs.values() if s.library] == [

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from metricsvc.client.summarize import accelerator_path_on_cpu, sketch
-from metricsvc.sketch import (
+from metricsvc.core.sketch import (
     SketchSpec,
     dense_counts,
     merge_sparse,

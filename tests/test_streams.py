@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import ray
 
-from metricsvc import records
-from metricsvc.aggregator import Aggregator
 from metricsvc.client import MetricClient
-from metricsvc.records import Batch
-from metricsvc.validation import BatchRejected
+from metricsvc.core import records
+from metricsvc.core.records import Batch
+from metricsvc.core.validation import BatchRejected
+from metricsvc.service.aggregator import Aggregator
 
 
 def quiet(client, name="rollout"):
@@ -108,9 +108,9 @@ def test_stream_batches_are_idempotent_per_client_and_seq():
     row = records.scalar_row(3.0)[None]
     b = Batch.build(step=0, rank=0, world_size=1, seq=1, final=False, keys=("r",), data=row,
                     kinds=[2], expected=[0])
-    assert agg.stream_submit("s", "client-a", b) == "merged"
-    assert agg.stream_submit("s", "client-a", b) == "duplicate"
-    assert agg.stream_submit("s", "client-b", b) == "merged"
+    assert agg.streams.submit("s", "client-a", b) == "merged"
+    assert agg.streams.submit("s", "client-a", b) == "duplicate"
+    assert agg.streams.submit("s", "client-b", b) == "merged"
     metrics, finished = agg.export_stream("s", 0, close=True)
     assert metrics == {"r": 3.0} and [r.step for r in finished] == [0]
     assert finished[0].meta["partial"] is False and finished[0].meta["world_size"] == 0

@@ -15,8 +15,7 @@ from metricsvc.client.summarize import (
     summarize_many,
     to_host,
 )
-from metricsvc.client.synccount import HostTransferCounter
-from metricsvc.records import (
+from metricsvc.core.records import (
     COUNT,
     M2_ROOT,
     MAX,
@@ -27,6 +26,7 @@ from metricsvc.records import (
     SUM_LO,
     summarize_array,
 )
+from tests.synccount import HostTransferCounter
 
 
 def _host(row):

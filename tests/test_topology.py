@@ -4,8 +4,8 @@ import pytest
 import ray
 
 import metricsvc
-from metricsvc.journal import read_journal
 from metricsvc.protocol import combiner_name
+from metricsvc.storage.journal import read_journal
 from tests.chaos.test_chaos import calls_for
 from tests.helpers import RankActor, wait_for_new_incarnation
 

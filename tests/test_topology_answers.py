@@ -13,7 +13,7 @@ import ray
 
 import metricsvc
 from metricsvc.client import MetricClient
-from metricsvc.declare import Derived
+from metricsvc.core.declare import Derived
 from metricsvc.protocol import combiner_name
 
 
@@ -26,7 +26,7 @@ def _heard(label: str, call, out: list) -> None:
         except Exception as err:  # what the rank meets
             out.append((label, type(err).__name__, str(err)))
     out += [(label, w.category.__name__, str(w.message)) for w in caught
-            if w.category.__module__ == "metricsvc.errors"]
+            if w.category.__module__ == "metricsvc.core.errors"]
 
 
 def scenario(name: str, handle, via: str | None) -> list:

@@ -12,7 +12,7 @@ import torch
 from metricsvc import ReduceType as ServiceReduceType
 from metricsvc.client import MetricClient, ReduceType
 from metricsvc.client.summarize import accelerator_path_on_cpu
-from metricsvc.client.synccount import HostTransferCounter
+from tests.synccount import HostTransferCounter
 
 
 def final(handle, step=0):
@@ -217,7 +217,7 @@ def test_quantiles_through_the_service_with_a_configured_list(make_worker):
 
 
 def test_quantile_sketch_alpha_mismatch_is_rejected_naming_the_key(make_worker):
-    from metricsvc.sketch import SketchSpec
+    from metricsvc.core.sketch import SketchSpec
 
     handle, cfg = make_worker()
     c = MetricClient(None, rank=0, world_size=1, name=cfg.name, sketch_spec=SketchSpec(0.05))

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from metricsvc.records import NFIELDS, Batch
-from metricsvc.sketch import SketchSpec, sparse_counts
-from metricsvc.validation import BatchRejected
-from metricsvc.wire import decode, encode
+from metricsvc.core.records import NFIELDS, Batch
+from metricsvc.core.sketch import SketchSpec, sparse_counts
+from metricsvc.core.validation import BatchRejected
+from metricsvc.core.wire import decode, encode
 
 
 def test_round_trip_keeps_every_field_bit_for_bit():

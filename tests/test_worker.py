@@ -13,9 +13,9 @@ import torch
 import metricsvc
 from metricsvc.client import MetricClient, ReduceType
 from metricsvc.client.summarize import accelerator_path_on_cpu
-from metricsvc.client.synccount import HostTransferCounter
-from metricsvc.records import Batch, scalar_row
+from metricsvc.core.records import Batch, scalar_row
 from tests.helpers import pooled_ranks, random_rank_data
+from tests.synccount import HostTransferCounter
 
 
 def clients_for(cfg, world_size, **kwargs):

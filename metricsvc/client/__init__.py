@@ -1,4 +1,7 @@
-"""Worker-side API: summarise on the device, merge micro-batches, one RPC per step."""
+"""The rank side: what every training rank imports (``MetricClient``, ``Tracker``,
+``StreamRecorder``, the built-in metric families). It summarises on the rank's device,
+merges micro-batches and sends one batch per step. It imports ``metricsvc.protocol`` and
+nothing else of metricsvc (never the service, the sinks or pydantic)."""
 
 from metricsvc.client.client import MetricClient
 from metricsvc.client.stream import StreamRecorder

@@ -11,15 +11,14 @@ import ray
 
 from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.cursor import StepCursor
-from metricsvc.client.rpc import call, find_metric_worker, find_service, issue
+from metricsvc.client.rpc import ServiceHandle
 from metricsvc.client.sender import Sender
-from metricsvc.client.siirl import SiirlMethods
+from metricsvc.client.siirl import SiirlCalls
 from metricsvc.client.stream import StreamRecorder
 from metricsvc.client.tracker import Tracker
 from metricsvc.protocol import (
     DEFAULT_NAME,
-    Batch,
-    LateBatch,
+    RETRY_S,
     Refused,
     ServiceNotice,
     ServiceUnavailable,
@@ -32,7 +31,7 @@ from metricsvc.protocol import (
 log = logging.getLogger(__name__)
 
 
-class MetricClient(SiirlMethods, Tracker):
+class MetricClient(Tracker):
     """A rank's handle on the MetricWorker: record metrics for the open step, then flush.
 
     Recording never syncs a device: tensors are summarised on their device and
@@ -44,6 +43,10 @@ class MetricClient(SiirlMethods, Tracker):
     Batches stay in memory until the service's journal holds their step: if the
     actor restarts (and loses the steps it had not journaled), the client resends
     them, and the service merges each ``(step, rank, seq)`` once.
+
+    Its parts: the step it records for and closes (``cursor``), the thread that delivers
+    closed steps (``sender``), the service it calls (``service``) and siiRL's calls
+    (``siirl``).
     """
 
     def __init__(
@@ -57,7 +60,7 @@ class MetricClient(SiirlMethods, Tracker):
         namespace: str | None = None,
         sketch_spec: SketchSpec | None = None,
         compile: bool | None = None,
-        retry_s: float = 120.0,
+        retry_s: float = RETRY_S,
         max_inflight: int = 256,
         max_unacked: int = 4,
         via: str | None = None,
@@ -68,24 +71,18 @@ class MetricClient(SiirlMethods, Tracker):
                 "to each call, this one is one rank's (MetricClient(metric_worker, "
                 "rank=rank, world_size=world_size))")
         self.rank, self.world_size = check_rank(rank, world_size)
-        self._worker = worker
-        self._given = worker  # the MetricWorker's handle when the caller gave it
-        self._via = via
-        self._name = name or DEFAULT_NAME
-        self._namespace = namespace or default_namespace()
+        self.service = ServiceHandle(worker, name or DEFAULT_NAME,
+                                     namespace or default_namespace(), via, self.rank, retry_s)
         super().__init__(RecordBuffer(sketch_spec, compile))  # the client is its own tracker
-        self.cursor = StepCursor(self.rank, start_step, self.buffer)
+        self.cursor = StepCursor(self.rank, self.world_size, start_step, self.buffer)
+        self.siirl = SiirlCalls(self, self.world_size)
         self.retry_s = retry_s
         if max_unacked < 1:
             raise ValueError(f"max_unacked must be >= 1, got {max_unacked}")
         self.max_unacked = max_unacked
-        self._seq = 0
-        self._flushes = 0
-        self._unacked: Batch | None = None  # closed, not yet acked (kept across a timeout)
-        self.sender = Sender(lambda payload, epoch, timeout_s: self._call(
+        self.sender = Sender(lambda payload, epoch, timeout_s: self.service.call(
             "submit", payload, epoch, timeout_s=timeout_s), f"rank {self.rank}", max_inflight,
-            start=self._start_submit)
-        self.rpc_count = 0  # actor calls to the service
+            start=lambda payload, epoch: self.service.issue("submit", payload, epoch))
         if via is not None and worker is None:
             self.connect()  # register with the combiner before step 0
 
@@ -93,9 +90,12 @@ class MetricClient(SiirlMethods, Tracker):
     def worker(self) -> Any:
         """Where batches go: the combiner ``via`` names, this node's combiner (topology
         per_node) or the MetricWorker itself, looked up by name on first use."""
-        if self._worker is None:
-            self._worker = find_service(self._name, self._namespace, self._via, self.rank)
-        return self._worker
+        return self.service.target
+
+    @property
+    def rpc_count(self) -> int:
+        """Actor calls this client made to the service."""
+        return self.service.calls
 
     def connect(self) -> MetricClient:
         """Find the service now instead of at the first flush; under ``topology: per_node``
@@ -107,11 +107,9 @@ class MetricClient(SiirlMethods, Tracker):
     def stream(self, name: str, **kwargs: Any) -> StreamRecorder:
         """Return a recorder for stream ``name``: no step barrier; see ``StreamRecorder``.
         It sends to the MetricWorker itself, never through a node's combiner."""
-        def metric_worker() -> Any:  # the handle given, else found by name on first use
-            self._given = self._given or find_metric_worker(self._name, self._namespace)
-            return self._given
-        return StreamRecorder(metric_worker, name, sketch_spec=self.buffer.sketch_spec,
-                              compile=self.buffer.compile, retry_s=self.retry_s, **kwargs)
+        buffer = self.buffer
+        return StreamRecorder(self.service.metric_worker, name, sketch_spec=buffer.sketch_spec,
+                              compile=buffer.compile, retry_s=self.retry_s, **kwargs)
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None, *,
             commit: bool = True) -> None:
@@ -122,33 +120,10 @@ class MetricClient(SiirlMethods, Tracker):
         does not wait for the service."""
         if step is not None:
             with self.buffer.lock:
-                self._name_step(step, "log")  # before recording: the dict is ``step``'s
+                self.cursor.name_step(step, "log")  # before recording: the dict is ``step``'s
         self.submit_metric(metrics)
         if commit:
             self.flush()
-
-    def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """One actor call, retried with backoff while the actor is down (up to ``retry_s``)."""
-        self.rpc_count += 1
-        return call(lambda: self.worker, method, *args, retry_s=self.retry_s,
-                    timeout_s=timeout_s, label=f"MetricWorker {self._name!r}")
-
-    def _start_submit(self, payload: bytes, epoch: str | None) -> Any:  # flush's first try
-        self.rpc_count += 1
-        return issue(self.worker, "submit", payload, epoch)
-
-    def _close_step(self, step: int | None) -> Batch:
-        """Take the open step's records as one final batch (the same one again after a
-        timed-out ``wait_submit``)."""
-        with self.buffer.lock:
-            if step is not None:
-                self._name_step(step)
-            if self._unacked is None:
-                self._seq += 1
-                self._unacked = self.buffer.take_batch(
-                    step=self.step, rank=self.rank, world_size=self.world_size,
-                    seq=self._seq, final=True)
-            return self._unacked
 
     def flush(self, *, step: int | None = None) -> None:
         """Close this rank's step without waiting for the service: one host copy, one
@@ -167,16 +142,11 @@ class MetricClient(SiirlMethods, Tracker):
         if not self.sender.wait_until(self.max_unacked, self.retry_s + 60):
             raise ServiceUnavailable(f"rank {self.rank}: {self.in_flight} flushes "
                                      f"unanswered for {self.retry_s + 60} s")
-        batch = self._close_step(step)
+        batch = self.cursor.close(step)
         self.sender.hand_over(batch, encode(batch))
-        self._closed(batch)
-        self._read_answers(handed_over=batch.step)  # earlier answers: errors reach the caller
-
-    def _read_answers(self, handed_over: int | None = None) -> list[dict[str, Any]]:
-        """Take the sender's answers, oldest first; raise the first error among them (the
-        rest wait for the next call). ``handed_over``: the step the calling ``flush`` /
-        ``wait_submit`` closed before, which the error's note names."""
-        return self.sender.read_answers(self._after_ack, handed_over)
+        self.cursor.handed_over(batch)
+        # earlier answers: their errors reach the caller now
+        self.sender.read_answers(self.cursor.after_ack, batch.step)
 
     def wait_acks(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Wait until every ``flush`` is answered; return the acks not read yet, oldest
@@ -185,7 +155,7 @@ class MetricClient(SiirlMethods, Tracker):
         if not self.sender.wait_until(1, timeout_s):
             raise ray.exceptions.GetTimeoutError(
                 f"rank {self.rank}: {self.in_flight} flushes unanswered after {timeout_s} s")
-        return self._read_answers()
+        return self.sender.read_answers(self.cursor.after_ack, None)
 
     def wait_submit(self, timeout_s: float | None = None, *,
                     step: int | None = None) -> dict[str, Any]:
@@ -201,32 +171,24 @@ class MetricClient(SiirlMethods, Tracker):
 
         While the actor restarts the call waits (up to ``retry_s``). On a timeout
         the batch is kept and calling again resends it; the service merges it
-        once. A refused batch (``metricsvc.errors.Refused``, raised) closes the step all the
+        once. A refused batch (``metricsvc.core.errors.Refused``, raised) closes the step all the
         same: its records are dropped and the client moves to the next step.
         """
         if not self.sender.wait_until(1, timeout_s):  # earlier flushes first: steps in order
             raise ray.exceptions.GetTimeoutError(
                 f"rank {self.rank}: {self.in_flight} flushes unanswered after {timeout_s} s; "
                 f"this step was not closed")
-        batch = self._close_step(step)
+        batch = self.cursor.close(step)
         blob = encode(batch)
-        try:  # undelivered stays in _unacked: the next call sends it again
+        try:  # undelivered stays unacked: the next call sends it again
             ack = self.sender.send(batch, blob, timeout_s, keep_undelivered=False)
         except Refused:  # rejected by the service: retrying cannot help
-            self._closed(batch)  # the step is closed all the same: the rank goes on
+            self.cursor.handed_over(batch)  # the step is closed all the same: the rank goes on
             raise
-        self._closed(batch)
-        self._read_answers(handed_over=batch.step)  # earlier flushes' errors, after this
-        self._after_ack(ack, batch)
+        self.cursor.handed_over(batch)
+        self.sender.read_answers(self.cursor.after_ack, batch.step)  # earlier flushes' errors
+        self.cursor.after_ack(ack, batch)
         return ack
-
-    def _closed(self, batch: Batch) -> None:
-        self._unacked = None
-        self.cursor.closed(batch.step)
-
-    def _name_step(self, step: int, caller: str = "wait_submit") -> None:
-        pending = self._unacked is not None or len(self.buffer) > 0
-        self.cursor.name(step, caller, pending)
 
     @property
     def step(self) -> int:
@@ -246,13 +208,10 @@ class MetricClient(SiirlMethods, Tracker):
         out, the service may have merged it. It is then delivered again (a resend merges
         once), so its step holds this rank's records either way; a ``ServiceNotice`` says so.
         """
-        with self.buffer.lock:
-            dropped = self.buffer.discard()
-            sent, self._unacked = self._unacked, None
-            self.cursor.known = False  # what comes next is for the step the caller names
+        dropped, sent = self.cursor.discard()
         if sent is not None:
             self.sender.hand_over(sent, encode(sent))
-            self._closed(sent)
+            self.cursor.handed_over(sent)
             self.cursor.known = False
             warnings.warn(ServiceNotice(
                 f"rank {self.rank}: discard() cannot withdraw step {sent.step}'s batch "
@@ -260,18 +219,6 @@ class MetricClient(SiirlMethods, Tracker):
                 f"have been merged. It is delivered again (merged once); step {sent.step} "
                 f"holds this rank's records"), stacklevel=2)
         return dropped
-
-    def _after_ack(self, ack: dict[str, Any], batch: Batch) -> None:
-        self._flushes += 1
-        joined_late = self.cursor.joined_late(ack, batch.step, self._flushes)
-        if ack["status"] == "late" and not joined_late:
-            warnings.warn(LateBatch(
-                f"rank {self.rank}: step {batch.step} was published without it (straggler "
-                f"timeout); this batch is journaled as late and not merged"), stacklevel=3)
-        if ack.get("notice"):
-            warnings.warn(ServiceNotice(f"rank {self.rank}: {ack['notice']}"), stacklevel=3)
-        if joined_late:
-            self.cursor.catch_up(ack, batch.step)
 
     @property
     def resent(self) -> int:
@@ -282,3 +229,53 @@ class MetricClient(SiirlMethods, Tracker):
     def in_flight(self) -> int:
         """Flushes not answered yet (queued for the sender or being delivered)."""
         return self.sender.in_flight
+
+    # -- siiRL's calls (``metricsvc.client.siirl``: the same names and arguments) ---------
+    def submit_metric(self, metrics: Mapping[str, Any], world_size: int | None = None) -> None:
+        """Record a plain dict, siiRL style: the reduction comes from each key's last segment.
+        ``world_size``: the number of ranks expected to send these keys (siiRL passes 1 for
+        keys only rank 0 computes); default: all ranks."""
+        self.siirl.submit_metric(metrics, world_size)
+
+    def compute_local_data_metric(self, batch: Mapping[str, Any],
+                                  world_size: int | None = None) -> None:
+        """Record the data metrics of a batch (``critic/*``, ``response/*``, ``prompt/*``)."""
+        self.siirl.data(batch, world_size)
+
+    def compute_local_timing_metrics(self, batch: Mapping[str, Any],
+                                     timing_raw: Mapping[str, float],
+                                     world_size: int | None = None) -> None:
+        """Record ``timing_s/*`` and ``timing_per_token_ms/*``."""
+        self.siirl.timing(batch, timing_raw, world_size)
+
+    def compute_local_throughout_metrics(self, batch: Mapping[str, Any],
+                                         timing_raw: Mapping[str, float], n_gpus: int,
+                                         world_size: int | None = None) -> None:
+        """Record ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput``."""
+        self.siirl.throughput(batch, timing_raw, n_gpus, world_size)
+
+    compute_local_throughput_metrics = compute_local_throughout_metrics  # the right spelling
+
+    def compute_log_prob_diff_metrics(self, data: Mapping[str, Any],
+                                      world_size: int | None = None) -> None:
+        """Record siiRL's ``actor/rollout_probs_diff_*`` (see ``SiirlCalls.log_prob_diff``)."""
+        self.siirl.log_prob_diff(data, world_size)
+
+    def process_local_validation_metrics(self, data_sources: Any, sample_inputs: Any,
+                                         infos_dict: Mapping[str, Any], sample_turns: Any,
+                                         world_size: int | None = None) -> None:
+        """Record ``val-core/*``, ``val-aux/*`` and ``val/test_score/*``."""
+        self.siirl.validation(data_sources, sample_inputs, infos_dict, sample_turns,
+                              world_size)
+
+    def stop(self) -> None:
+        """siiRL's ``MetricClient.stop()``: wait until the service has taken every batch this
+        rank handed over (the driver ends the service: ``metricsvc.stop_metric_worker``)."""
+        self.wait_acks()
+
+    def wait_final_res(self, step: int | None = None, timeout_s: float | None = None, *,
+                       timeout: float | None = None) -> dict:
+        """Return the merged metrics of ``step`` (default: the last step this rank closed).
+        Raises ``StepNotFinal`` (a TimeoutError) after ``timeout_s`` seconds (``timeout=``,
+        siiRL's spelling, is accepted too)."""
+        return self.siirl.wait_final_res(step, timeout_s, timeout)

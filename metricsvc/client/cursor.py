@@ -1,30 +1,88 @@
-"""Which step a rank's records belong to.
+"""Which step a rank's records belong to, and how a step is closed.
 
-Records belong to the client's open step. Closing a step opens the next one; a caller may
-name the step it means (its trainer's global step), and the client moves there only when
-nothing recorded is pending: records of a step that was never closed are never merged into
-another. After ``discard()`` the records go to the step the caller names next.
+Records belong to the client's open step. Closing a step takes its records as one final
+batch and opens the next step; a caller may name the step it means (its trainer's global
+step), and the client moves there only when nothing recorded is pending: records of a
+step that was never closed are never merged into another. After ``discard()`` the records
+go to the step the caller names next.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-from metricsvc.protocol import StepAlreadyFinal, StepMismatch
+from metricsvc.protocol import (
+    Batch,
+    LateBatch,
+    ServiceNotice,
+    StepAlreadyFinal,
+    StepMismatch,
+    is_int,
+)
 
 
 class StepCursor:
-    """A rank's open step, the last step it closed, and the rules for moving between."""
+    """A rank's open step, the last step it closed, the batch closed and not yet acked,
+    and the rules for moving between steps."""
 
-    def __init__(self, rank: int, start_step: int, buffer: Any) -> None:
+    def __init__(self, rank: int, world_size: int, start_step: int, buffer: Any) -> None:
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         self.buffer = buffer  # its label names the open step in errors
         self.step = int(start_step)
         self.last_closed: int | None = None
         self.known = True  # False after discard(): records go to the step named next
+        self.seq = 0  # the number of this rank's last batch
+        self.flushes = 0  # steps acked
+        self.unacked: Batch | None = None  # closed, not yet acked (kept across a timeout)
         buffer.label = f"step {start_step}"
+
+    def close(self, step: int | None, caller: str = "wait_submit") -> Batch:
+        """Take the open step's records (after moving to ``step``, if named) as one final
+        batch: the same one again after a timed-out ``wait_submit``."""
+        with self.buffer.lock:
+            if step is not None:
+                self.name_step(step, caller)
+            if self.unacked is None:
+                self.seq += 1
+                self.unacked = self.buffer.take_batch(
+                    step=self.step, rank=self.rank, world_size=self.world_size,
+                    seq=self.seq, final=True)
+            return self.unacked
+
+    def handed_over(self, batch: Batch) -> None:
+        """``batch`` is the sender's now (or was refused): its step is closed."""
+        self.unacked = None
+        self.closed(batch.step)
+
+    def name_step(self, step: int, caller: str = "wait_submit") -> None:
+        """Move to ``step`` as ``name`` does, with what is pending for the open one."""
+        self.name(step, caller, self.unacked is not None or len(self.buffer) > 0)
+
+    def discard(self) -> tuple[int, Batch | None]:
+        """Drop what was recorded for the open step; return how many keys were withdrawn
+        and the batch a timed-out ``wait_submit`` sent already (it cannot be withdrawn)."""
+        with self.buffer.lock:
+            dropped = self.buffer.discard()
+            sent, self.unacked = self.unacked, None
+            self.known = False  # what comes next is for the step the caller names
+        return dropped, sent
+
+    def after_ack(self, ack: dict[str, Any], batch: Batch) -> None:
+        """Say what the service's answer to ``batch`` means for this rank: a late step, a
+        notice, or (a first flush for a step already final) a late join."""
+        self.flushes += 1
+        joined_late = self.joined_late(ack, batch.step, self.flushes)
+        if ack["status"] == "late" and not joined_late:
+            warnings.warn(LateBatch(
+                f"rank {self.rank}: step {batch.step} was published without it (straggler "
+                f"timeout); this batch is journaled as late and not merged"), stacklevel=3)
+        if ack.get("notice"):
+            warnings.warn(ServiceNotice(f"rank {self.rank}: {ack['notice']}"), stacklevel=3)
+        if joined_late:
+            self.catch_up(ack, batch.step)
 
     def open(self, step: int) -> None:
         self.step = step
@@ -39,7 +97,7 @@ class StepCursor:
     def name(self, step: int, caller: str, pending: bool) -> None:
         """Move to the step the caller names, if nothing recorded is ``pending`` for the
         open one (and never backwards); else raise ``StepMismatch``: nothing is sent."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if not is_int(step) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
         if step == self.step:
             return

@@ -14,26 +14,11 @@ from metricsvc.protocol import (
     ServiceUnavailable,
     backoff,
     combiner_name,
+    next_pause,
     ray_get,
 )
 
 log = logging.getLogger(__name__)
-
-
-def gone_for_good(handle: Any) -> str | None:
-    """Return why the actor behind ``handle`` cannot come back, or None if it may."""
-    try:
-        from ray._private.state import actors  # what Ray's own runtime context asks
-
-        info = actors(actor_id=handle._actor_id.hex())
-    except Exception:  # no answer from the control store: assume it may come back
-        return None
-    if not info or info.get("State") != "DEAD":
-        return None
-    cause = info.get("DeathCause") or {}
-    detail = next((v.get("errorMessage") for v in cause.values() if isinstance(v, dict)
-                   and v.get("errorMessage")), None) if isinstance(cause, dict) else None
-    return f"it is dead for good ({(detail or 'no restarts left').splitlines()[0]})"
 
 
 def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
@@ -56,13 +41,7 @@ def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
         try:
             return ray_get(getattr(handle, method).remote(*args), timeout=left)
         except ACTOR_ERRORS as err:
-            why = gone_for_good(handle)
-            if why is not None:
-                raise ServiceUnavailable(f"{label} ({method}): {why}") from err
-            delay = next(pauses, None)
-            if delay is None:
-                raise ServiceUnavailable(
-                    f"{label} unreachable for {retry_s} s ({method}): {err}") from err
+            delay = next_pause(handle, method, err, pauses, retry_s, label)
             if deadline is not None and time.monotonic() + delay >= deadline:
                 raise ray.exceptions.GetTimeoutError(
                     f"{label} ({method}): no answer within {timeout_s} s") from err
@@ -100,3 +79,40 @@ def find_metric_worker(name: str, namespace: str) -> Any:
             f"no MetricWorker named {name!r} in namespace {namespace!r}: "
             f"start it with metricsvc.start_metric_worker (or it was stopped)"
         ) from None
+
+
+class ServiceHandle:
+    """Where one rank's batches go (found by name on first use) and how each call is
+    made: retried while the actor restarts, counted in ``calls``."""
+
+    def __init__(self, worker: Any, name: str, namespace: str, via: str | None, rank: int,
+                 retry_s: float) -> None:
+        self._target = worker
+        self._given = worker  # the MetricWorker's handle when the caller gave it
+        self.name, self.namespace, self.via, self.rank = name, namespace, via, rank
+        self.retry_s = retry_s
+        self.calls = 0  # actor calls made
+
+    @property
+    def target(self) -> Any:
+        """The combiner ``via`` names, this node's combiner (topology per_node) or the
+        MetricWorker itself."""
+        if self._target is None:
+            self._target = find_service(self.name, self.namespace, self.via, self.rank)
+        return self._target
+
+    def metric_worker(self) -> Any:
+        """The MetricWorker itself (never a combiner): given, else found by name."""
+        self._given = self._given or find_metric_worker(self.name, self.namespace)
+        return self._given
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """One call of the target, waited for (``call``)."""
+        self.calls += 1
+        return call(lambda: self.target, method, *args, retry_s=self.retry_s,
+                    timeout_s=timeout_s, label=f"MetricWorker {self.name!r}")
+
+    def issue(self, method: str, *args: Any) -> Callable[[], Any]:
+        """One call of the target, made now; returns the wait for its answer."""
+        self.calls += 1
+        return issue(self.target, method, *args)

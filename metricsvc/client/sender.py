@@ -1,5 +1,5 @@
 """Delivering a rank's closed steps to the service: one at a time, in step order, through
-the restart protocol (``metricsvc.resend``).
+the restart protocol (``metricsvc.core.resend``).
 
 A blocking ``send`` runs on the caller's thread (``wait_submit``); ``hand_over`` queues a
 batch for the sender thread (``flush``), whose answers the caller reads later. When nothing

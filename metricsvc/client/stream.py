@@ -1,6 +1,6 @@
 """Streams: records with no step barrier, from any number of clients that come and go.
 
-AReaL's rollout paradigm: each rollout worker records whenever an episode ends;
+AReaL's rollout paradigm: each rollout process records whenever an episode ends;
 the driver calls ``worker.export_stream.remote(name, step)``, which publishes
 everything flushed to stream ``name`` since the last export with that step
 (merged count-weighted, like any step) and starts a new window. Records still
@@ -24,7 +24,7 @@ from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.rpc import call
 from metricsvc.client.sender import Sender
 from metricsvc.client.tracker import Tracker
-from metricsvc.protocol import Batch, Refused, SketchSpec, check_key, encode
+from metricsvc.protocol import RETRY_S, Batch, Refused, SketchSpec, check_key, encode
 
 
 class StreamRecorder(Tracker):
@@ -42,7 +42,7 @@ class StreamRecorder(Tracker):
         *,
         sketch_spec: SketchSpec | None = None,
         compile: bool | None = None,
-        retry_s: float = 120.0,
+        retry_s: float = RETRY_S,
         flush_every: int = 256,
         flush_interval_s: float = 1.0,
         max_inflight: int = 1024,

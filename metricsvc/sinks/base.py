@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import Field, create_model, field_validator
 
-from metricsvc.model import Strict, plain
+from metricsvc.config_base import Strict, plain
 from metricsvc.sinks.spec import Builtin
 
 ENTRY_POINT_GROUP = "metricsvc.sinks"
@@ -163,9 +163,6 @@ def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None, *,
 
 
 # -- the config section every built-in sink's registration makes -------------------------
-_NOT_SINKS = frozenset({"base", "spec", "dispatch", "delivery", "names", "state", "logfiles"})
-
-
 @functools.cache
 def builtins() -> dict[str, Builtin]:
     """Every built-in sink, by name, in its order: each module of ``metricsvc.sinks`` that
@@ -173,9 +170,9 @@ def builtins() -> dict[str, Builtin]:
     import metricsvc.sinks as package
 
     found = []
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name not in _NOT_SINKS:
-            spec = importlib.import_module(f"metricsvc.sinks.{info.name}").BUILTIN
+    for info in pkgutil.iter_modules(package.__path__):  # a sink is a module with BUILTIN
+        spec = getattr(importlib.import_module(f"metricsvc.sinks.{info.name}"), "BUILTIN", None)
+        if spec is not None:
             found.append(spec)
     return {spec.name: spec for spec in sorted(found, key=lambda s: s.order)}
 

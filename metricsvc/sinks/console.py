@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from pydantic import Field
 
-from metricsvc.model import Strict
+from metricsvc.config_base import Strict
 from metricsvc.sinks.spec import Builtin
 
 

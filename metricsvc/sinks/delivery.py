@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from metricsvc.errors import ServiceUnavailable
-from metricsvc.history import Rewind, RunHistory
-from metricsvc.redaction import Redactor
+from metricsvc.core.errors import ServiceUnavailable
+from metricsvc.core.redaction import Redactor
 from metricsvc.sinks.base import DeliveryConfig, Sink
 from metricsvc.sinks.names import public_metrics
-from metricsvc.sinks.state import DeadLetter, SinkState, Watermark
+from metricsvc.storage.history import Rewind, RunHistory
+from metricsvc.storage.sink_state import DeadLetter, SinkState, Watermark
 
 log = logging.getLogger(__name__)
 

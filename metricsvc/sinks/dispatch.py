@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from metricsvc.errors import ServiceUnavailable
-from metricsvc.history import Rewind, RunHistory
-from metricsvc.redaction import Redactor
+from metricsvc.core.errors import ServiceUnavailable
+from metricsvc.core.redaction import Redactor
 from metricsvc.sinks.base import DeliveryConfig, Sink
 from metricsvc.sinks.delivery import Rewound, SinkDelivery
-from metricsvc.sinks.state import DeadLetter
+from metricsvc.storage.history import Rewind, RunHistory
+from metricsvc.storage.sink_state import DeadLetter
 
 
 class SinkDispatcher:

@@ -15,10 +15,10 @@ from typing import Any
 
 from pydantic import Field
 
-from metricsvc.model import Strict
+from metricsvc.config_base import Strict
 from metricsvc.sinks.names import descriptions, tagged
 from metricsvc.sinks.spec import Builtin
-from metricsvc.sinks.state import SinkState
+from metricsvc.storage.sink_state import SinkState
 
 
 class MlflowSinkConfig(Strict):

@@ -1,4 +1,4 @@
-"""What sinks may show: no internal keys, one value per tag (rules: ``metricsvc.keys``)."""
+"""What sinks may show: no internal keys, one value per tag (rules: ``metricsvc.core.keys``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from metricsvc.keys import is_internal, safe_tag, tag_order
+from metricsvc.core.keys import is_internal, safe_tag, tag_order
+from metricsvc.core.limits import MAX_TAG_LENGTH
 
 
 def public_metrics(metrics: Mapping[str, float], allow_nan: bool) -> dict[str, float]:
@@ -18,7 +19,7 @@ def public_metrics(metrics: Mapping[str, float], allow_nan: bool) -> dict[str, f
     }
 
 
-def tagged(metrics: Mapping[str, float], max_length: int = 255) -> dict[str, float]:
+def tagged(metrics: Mapping[str, float], max_length: int = MAX_TAG_LENGTH) -> dict[str, float]:
     """Return ``{safe_tag: value}``; of names sharing a tag the first in ``tag_order``
     keeps it (the service lists such names in the step's ``meta["collisions"]``), never
     a silent overwrite."""
@@ -32,7 +33,7 @@ def tagged(metrics: Mapping[str, float], max_length: int = 255) -> dict[str, flo
     return out
 
 
-def descriptions(meta: Mapping[str, Any], max_length: int = 255) -> dict[str, str]:
+def descriptions(meta: Mapping[str, Any], max_length: int = MAX_TAG_LENGTH) -> dict[str, str]:
     """Return ``{safe_tag: "help [unit]"}`` for the names this step is the first to export
     with a description (``meta["descriptions"]``, from the declarations' help and unit)."""
     out = {}

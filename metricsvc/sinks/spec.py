@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from metricsvc.model import Strict
+from metricsvc.config_base import Strict
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from metricsvc.keys import safe_tag
-from metricsvc.model import Strict
+from metricsvc.config_base import Strict
+from metricsvc.core.keys import safe_tag
 from metricsvc.sinks.logfiles import LevelDBLogTail
 from metricsvc.sinks.names import tagged
 from metricsvc.sinks.spec import Builtin
-from metricsvc.sinks.state import SinkState
+from metricsvc.storage.sink_state import SinkState
 
 
 class SwanlabSinkConfig(Strict):

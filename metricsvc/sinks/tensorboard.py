@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from metricsvc.keys import safe_tag
-from metricsvc.model import Strict, plain
+from metricsvc.config_base import Strict, plain
+from metricsvc.core.keys import safe_tag
 from metricsvc.sinks.logfiles import tfrecords
 from metricsvc.sinks.names import descriptions, tagged
 from metricsvc.sinks.spec import Builtin

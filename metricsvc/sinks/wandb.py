@@ -23,11 +23,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from metricsvc.model import Strict
+from metricsvc.config_base import Strict
 from metricsvc.sinks.logfiles import LevelDBLogTail
 from metricsvc.sinks.names import descriptions
 from metricsvc.sinks.spec import Builtin
-from metricsvc.sinks.state import SinkState
+from metricsvc.storage.sink_state import SinkState
 
 
 class WandbSinkConfig(Strict):

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from metricsvc.client import MetricClient
-from metricsvc.journal import read_journal
+from metricsvc.storage.journal import read_journal
 from tests import readback
 from tests.helpers import RankActor
 
@@ -114,9 +114,9 @@ def test_resent_and_reordered_batches_merge_once_and_publish_in_order(make_worke
         for step in range(steps):
             c.stat(x=rank_data(4, step, rank))
             with c.buffer.lock:
-                c._seq += 1
+                c.cursor.seq += 1
                 batches[(step, rank)] = c.buffer.take_batch(step=step, rank=rank,
-                                                            world_size=world, seq=c._seq,
+                                                            world_size=world, seq=c.cursor.seq,
                                                             final=True)
     rng = np.random.default_rng(0)
     order = [(s, r) for r in range(world) for s in range(steps)]  # rank by rank: out of order
@@ -152,4 +152,4 @@ def test_a_client_whose_actor_is_gone_for_good_raises_at_once_and_keeps_its_batc
         c.wait_submit()
     assert time.monotonic() - start < 10
     assert c.pending_keys() == []  # the batch is kept for a retry, not lost
-    assert c._unacked is not None and c._unacked.keys == ("x",)
+    assert c.cursor.unacked is not None and c.cursor.unacked.keys == ("x",)

@@ -37,7 +37,7 @@ def record_logp_diagnostics(
 
     Tokens where either log-prob is NaN/inf are left out of every statistic and
     counted in ``nonfinite_logp_fraction`` (their share of the masked tokens).
-    Only compact records leave the worker; no per-token tensor is kept.
+    Only compact records leave the rank; no per-token tensor is kept.
     """
     torch = __import__("torch")
     t = trainer_logp.double()

@@ -8,7 +8,7 @@ from typing import Any
 
 from metricsvc.client.metrics.batch import get, plain_if_host, response_info
 from metricsvc.client.metrics.catalogue import Catalogue
-from metricsvc.protocol import Derived, Metric, ReduceType
+from metricsvc.protocol import Derived, Metric, ReduceType, is_int
 
 THROUGHPUT = Derived(
     "perf/throughput", "value(tokens) / (value(seconds) * value(gpus))",
@@ -115,7 +115,7 @@ def record_throughput_metrics(
     are the batch's ``global_token_num`` (a list, a tensor or a NonTensorData of per-sample
     counts, as siiRL and verl fill it), else its attention mask's.
     """
-    if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
+    if not is_int(n_gpus) or n_gpus < 1:
         raise ValueError(f"n_gpus must be an int >= 1 (the GPUs this rank used), got {n_gpus!r}")
     tokens = _token_count(batch)
     seconds = float(timing_raw["step"])

@@ -1,0 +1,400 @@
+"""Summary records and their merge algebra (pure numpy: no Ray, no I/O, no torch).
+
+A record is one float64 row of sufficient statistics per key:
+``(sum, count, min, max, m2_root, nonfinite, sum_lo)``.
+
+- ``sum + sum_lo`` is the sum of the values as a double-double (``sum`` rounded,
+  ``sum_lo`` the rest, ``|sum_lo| <= ulp(sum) / 2``): means stay exact to the last bit
+  even when the values sit far from 0 (1e12 + N(0, 1), timestamps, byte counts).
+- ``m2_root`` is ``sqrt(M2)``, the root of the sum of squared deviations from the
+  record's own mean. It is built around a pivot near the mean (no ``sumsq/n - mean**2``
+  cancellation) and merged with Chan et al.'s pairwise formula through ``hypot``, so the
+  squares of values near 1e300 never overflow and those near 1e-300 never underflow.
+- ``nonfinite`` counts the NaN/inf values seen in valid positions and excluded.
+
+Merging adds counts and non-finite counts, adds sums exactly (``two_sum``), takes the
+min of mins and the max of maxes, and combines ``M2``s with the offset of the two
+means. The identity record (count 0, min +inf, max -inf) merges as a no-op, so an empty
+population is a documented value, never a fabricated 0.
+
+The algebra is written in plain arithmetic plus ``where/isfinite/sqrt/hypot`` of an
+array namespace ``xp`` (numpy, or torch on a client's device, or ``SCALARS`` for plain
+floats): one formula serves every place a record is built or merged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from metricsvc.core.limits import SKETCH_ALPHA
+
+SUM, COUNT, MIN, MAX, M2_ROOT, NONFINITE, SUM_LO = range(7)
+FIELDS = ("sum", "count", "min", "max", "m2_root", "nonfinite", "sum_lo")
+NFIELDS = len(FIELDS)
+IDENTITY = (0.0, 0.0, math.inf, -math.inf, 0.0, 0.0, 0.0)  # in FIELDS order
+
+_IDENTITY_ROW = np.array(IDENTITY, dtype=np.float64)
+_SPLITTER = 134217729.0  # 2**27 + 1: Dekker's split of a float64 into two 26-bit halves
+
+
+class _Scalars:
+    """The array functions the algebra uses, for plain Python floats."""
+
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> Any:
+        return a if cond else b
+
+    isfinite = staticmethod(math.isfinite)
+    sqrt = staticmethod(math.sqrt)
+    hypot = staticmethod(math.hypot)
+
+
+SCALARS = _Scalars()
+
+
+def identity(n: int = 1) -> np.ndarray:
+    """Return ``n`` identity records as an ``[n, NFIELDS]`` float64 matrix."""
+    return np.tile(_IDENTITY_ROW, (n, 1))
+
+
+# -- exact float arithmetic (error-free transformations) ------------------------------------
+def two_sum(a: Any, b: Any) -> tuple[Any, Any]:
+    """Return ``(s, e)`` with ``s = fl(a + b)`` and ``a + b = s + e`` exactly (Knuth)."""
+    s = a + b
+    t = s - a
+    return s, (a - (s - t)) + (b - t)
+
+
+def two_prod(a: Any, b: Any) -> tuple[Any, Any]:
+    """Return ``(p, e)`` with ``p = fl(a * b)`` and ``a * b = p + e`` exactly (Dekker).
+
+    Beyond about 1e300 the split overflows and ``e`` is not finite: callers drop it
+    (a sum that large has no room for a low part anyway).
+    """
+    p = a * b
+    t = _SPLITTER * a
+    ah = t - (t - a)
+    t = _SPLITTER * b
+    bh = t - (t - b)
+    al, bl = a - ah, b - bh
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def _finite(x: Any, xp: Any) -> Any:
+    return xp.where(xp.isfinite(x), x, 0.0)
+
+
+def _normalised(hi: Any, lo: Any, xp: Any) -> tuple[Any, Any]:
+    hi, lo = two_sum(hi, _finite(lo, xp))
+    return hi, _finite(lo, xp)
+
+
+def mean_parts(total: Any, total_lo: Any, n: Any, xp: Any = np) -> tuple[Any, Any]:
+    """Return the mean of a double-double sum as ``(m, r)``: ``m + r`` exact to ~1e-32."""
+    m = total / n
+    p, e = two_prod(m, n)
+    return m, ((total - p) - _finite(e, xp) + total_lo) / n
+
+
+def mean(row: np.ndarray) -> float:
+    """Return a populated record's mean, from its double-double sum."""
+    m, r = mean_parts(float(row[SUM]), float(row[SUM_LO]), float(row[COUNT]), SCALARS)
+    return m + r if math.isfinite(r) else m
+
+
+def _half_plus(x: Any) -> Any:
+    return x * 0.5 + abs(x) * 0.5  # max(x, 0) in arithmetic only, for any namespace
+
+
+def centred_exactly(low: Any, high: Any, c: Any) -> Any:
+    """Whether every value in ``[low, high]`` is within a factor 2 of ``c`` (same sign):
+    then each ``x - c`` is exact (Sterbenz), and so is the sum around the pivot ``c``."""
+    return (((low > 0) & (low * 2 >= c) & (high <= c * 2))
+            | ((high < 0) & (high * 2 <= c) & (low >= c * 2)))
+
+
+def from_pivot(n: Any, c: Any, d1: Any, q: Any, xp: Any = np, total: Any = None,
+               exact: Any = True) -> tuple[Any, Any, Any]:
+    """Return ``(sum, sum_lo, m2_root)`` of ``n`` values from sums around a pivot ``c``.
+
+    ``d1 = sum(x - c)`` and ``q = sqrt(sum((x - c)**2))``. With ``c`` near the mean,
+    ``M2 = q**2 - d1**2 / n`` loses nothing to cancellation; it is taken as
+    ``(q - r)(q + r)`` with ``r = |d1| / sqrt(n)``, so nothing is squared on the way.
+    The sum is ``n * c + d1``, carried exactly as a double-double where the deviations
+    were exact (``exact``: ``centred_exactly``); elsewhere the values span more than the
+    pivot, each ``x - c`` rounds, and the plain float64 ``total`` is the better sum. ``n``
+    may be 0 (then ``c``, ``d1`` and ``q`` are 0, and so is everything returned).
+    """
+    p, e = two_prod(n, c)
+    hi, lo = two_sum(p, d1)
+    hi, lo = _normalised(hi, lo + _finite(e, xp), xp)
+    if total is not None:
+        hi, lo = xp.where(exact, hi, total), xp.where(exact, lo, 0.0)
+    r = abs(d1) / xp.sqrt(n + (n == 0))
+    near = (q > 1e-150) * (q < 1e150)  # (q - r)(q + r) stays in range: one rounding less
+    root = xp.where(near, xp.sqrt(_half_plus((q - r) * (q + r))),
+                    xp.sqrt(_half_plus(q - r)) * xp.sqrt(q + r))
+    return hi, lo, root
+
+
+def merge_pair(a: Any, b: Any, xp: Any = np) -> Any:
+    """Return the merge of two record arrays of one shape (``[..., NFIELDS]``); neither is
+    changed. Works for numpy and for torch (``xp=torch``) alike."""
+    na, nb = a[..., COUNT], b[..., COUNT]
+    n = na + nb
+    hi, lo = two_sum(a[..., SUM], b[..., SUM])
+    hi, lo = _normalised(hi, lo + a[..., SUM_LO] + b[..., SUM_LO], xp)
+    ma, ra = mean_parts(a[..., SUM], a[..., SUM_LO], na + (na == 0), xp)
+    mb, rb = mean_parts(b[..., SUM], b[..., SUM_LO], nb + (nb == 0), xp)
+    both = na * nb
+    cross = abs((ma - mb) + (ra - rb)) * xp.sqrt(both / (n + (n == 0)))
+    cross = xp.where(both > 0, cross, 0.0)
+    root = xp.hypot(xp.hypot(a[..., M2_ROOT], b[..., M2_ROOT]), cross)
+    low = xp.where(a[..., MIN] < b[..., MIN], a[..., MIN], b[..., MIN])
+    high = xp.where(a[..., MAX] > b[..., MAX], a[..., MAX], b[..., MAX])
+    cols = (hi, n, low, high, root, a[..., NONFINITE] + b[..., NONFINITE], lo)
+    return xp.stack(cols, -1)
+
+
+def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Return the merge of two record matrices of equal shape; neither is changed."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        return merge_pair(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+
+
+def merge_into(acc: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> None:
+    """Merge ``rows`` into ``acc[idx]`` in place; ``idx`` must hold unique row numbers."""
+    acc[idx] = merge(acc[idx], rows)
+
+
+def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
+    """Return ``n`` records, record ``k`` the merge of every ``rows[i]`` with ``idx[i] == k``.
+
+    One vectorised pass for any number of contributions: each key's values are
+    re-centred on a common pivot (the plain mean of its sums), every contribution adds
+    its mean's offset from the pivot, and ``from_pivot`` rebuilds the record. The offsets
+    are taken in plain float64 first; for a key whose mean is large next to its spread
+    (``mean**2 > 100 var``), where that would lose digits, they are taken again from the
+    double-double sums.
+    """
+    out = identity(n)
+    if not len(rows):
+        return out
+    rows = np.asarray(rows, dtype=np.float64)
+    out[:, NONFINITE] = np.bincount(idx, rows[:, NONFINITE], n)
+    np.minimum.at(out[:, MIN], idx, rows[:, MIN])
+    np.maximum.at(out[:, MAX], idx, rows[:, MAX])
+    has = rows[:, COUNT] > 0
+    if not has.all():
+        rows, idx = rows[has], idx[has]
+    count = rows[:, COUNT]
+    total = np.bincount(idx, count, n)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        pivot = np.bincount(idx, rows[:, SUM], n) / np.where(total > 0, total, 1.0)
+        offset = (rows[:, SUM] / count - pivot[idx]) + rows[:, SUM_LO] / count
+        d1, q = _spread(rows, idx, offset, n)
+        root = from_pivot(total, pivot, d1, q)[2]
+        far = np.abs(pivot) * np.sqrt(total) > 10.0 * root  # |mean| > 10 std: cancellation
+        if far.any():  # offsets from double-double means where plain ones lose digits
+            sel = far[idx]
+            m, r = mean_parts(rows[sel, SUM], rows[sel, SUM_LO], count[sel])
+            offset[sel] = (m - pivot[idx[sel]]) + r
+            d1, q = _spread(rows, idx, offset, n)
+        out[:, SUM], out[:, SUM_LO], out[:, M2_ROOT] = from_pivot(total, pivot, d1, q)
+        if not far.all():  # near 0 the sums of the contributions' sums are the better sum
+            plain = _normalised(np.bincount(idx, rows[:, SUM], n),
+                                np.bincount(idx, rows[:, SUM_LO], n), np)
+            out[~far, SUM], out[~far, SUM_LO] = plain[0][~far], plain[1][~far]
+    out[:, COUNT] = total
+    return out
+
+
+def _spread(rows: np.ndarray, idx: np.ndarray, offset: np.ndarray,
+            n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per key, ``d1 = sum(x - pivot)`` and ``q = sqrt(sum((x - pivot)**2))`` over the
+    values of every contribution, from each one's M2 and mean offset ``offset``."""
+    count = rows[:, COUNT]
+    d1 = np.bincount(idx, offset * count, n)
+    shift = np.abs(offset) * np.sqrt(count)  # the contribution's mean offset, as a norm
+    root = rows[:, M2_ROOT]
+    squares = np.bincount(idx, root * root + shift * shift, n)
+    # Squares past 1e154 overflow, below 1e-154 vanish: those keys are summed scaled.
+    held = np.bincount(idx, (root > 0) | (shift > 0), n) > 0
+    odd = ~((squares > 1e-280) & (squares < 1e280)) & held
+    if odd.any():
+        scale = np.zeros(n)
+        np.maximum.at(scale, idx, np.maximum(root, shift))
+        scale = np.where(scale > 0, scale, 1.0)
+        s = scale[idx]
+        scaled = scale * np.sqrt(np.bincount(idx, (root / s) ** 2 + (shift / s) ** 2, n))
+        return d1, np.where(odd, scaled, np.sqrt(squares))
+    return d1, np.sqrt(squares)
+
+
+def rss(values: np.ndarray) -> float:
+    """Return ``sqrt(sum(values**2))`` without overflow or underflow of the squares."""
+    if not values.size:
+        return 0.0
+    top = float(np.max(np.abs(values)))
+    if not 1e-140 < top < 1e140:  # the squares would leave float64's range: scale first
+        if top == 0 or not math.isfinite(top):
+            return top
+        exp = math.frexp(top)[1]
+        scaled = np.ldexp(values, -exp)  # by a power of 2: exact (subnormals too)
+        with np.errstate(over="ignore"):  # a norm past float64's range is inf
+            return float(np.ldexp(math.sqrt(float(np.dot(scaled, scaled))), exp))
+    return math.sqrt(float(np.dot(values, values)))
+
+
+def summarize_array(values: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Summarise a numpy array (optionally masked) into one record row.
+
+    NaN and +-inf in valid positions are counted in ``nonfinite`` and excluded
+    from every other field; masked-out positions never matter.
+    """
+    v = np.asarray(values, dtype=np.float64).ravel()
+    valid = np.ones(v.shape, dtype=bool) if mask is None else np.asarray(mask).ravel()
+    finite = np.isfinite(v)
+    use = valid & finite
+    row = _IDENTITY_ROW.copy()
+    row[NONFINITE] = np.count_nonzero(valid & ~finite)
+    x = v[use]
+    if x.size:
+        row[COUNT] = x.size
+        row[MIN] = x.min()
+        row[MAX] = x.max()
+        row[[SUM, SUM_LO, M2_ROOT]] = pivoted_row_fields(x)
+    return row
+
+
+def pivoted_row_fields(x: np.ndarray) -> tuple[float, float, float]:
+    """Return ``(sum, sum_lo, m2_root)`` of finite float64 values (not empty)."""
+    # Finite values may still sum past float64's range: that is flagged, not an error.
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = float(x.sum())
+        c = total / x.size
+        if not math.isfinite(c):  # the sum overflowed; the mean need not
+            c = float((x / x.size).sum())
+        dev = x - c
+        exact = bool(centred_exactly(float(x.min()), float(x.max()), c))
+        return from_pivot(float(x.size), c, float(dev.sum()), rss(dev), SCALARS, total, exact)
+
+
+def scalar_row(value: float, weight: float = 1.0) -> np.ndarray:
+    """Return the record of one plain number counted ``weight`` times."""
+    value, weight = float(value), float(weight)  # Python floats: an overflow is inf, silently
+    if not math.isfinite(value):
+        row = _IDENTITY_ROW.copy()
+        row[NONFINITE] = 1.0
+        return row
+    if weight == 0:  # counted zero times: nothing recorded, not a min or max either
+        return _IDENTITY_ROW.copy()
+    total, total_lo, _ = from_pivot(weight, value, 0.0, 0.0, SCALARS)
+    return np.array([total, weight, value, value, 0.0, 0.0, total_lo])
+
+
+def scalar_rows(values: np.ndarray) -> np.ndarray:
+    """Return one record per plain number (count 1 each; NaN/inf counted as nonfinite)."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    rows = np.zeros((v.size, NFIELDS), dtype=np.float64)
+    finite = np.isfinite(v)
+    z = np.where(finite, v, 0.0)
+    rows[:, SUM] = z
+    rows[:, COUNT] = finite
+    rows[:, MIN] = np.where(finite, v, np.inf)
+    rows[:, MAX] = np.where(finite, v, -np.inf)
+    rows[:, NONFINITE] = ~finite
+    return rows
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One rank's contribution to one step, columnar: no per-key objects cross the wire.
+
+    ``kinds`` holds a reduce-kind code per key (``reduce.AUTO`` lets the service
+    choose from the key name); ``expected`` the number of ranks expected to send
+    each key (0 means the step's world size). Quantile sketches travel as CSR:
+    key row ``sketch_rows[j]`` owns ``sketch_codes/counts[offsets[j]:offsets[j+1]]``.
+    """
+
+    step: int
+    rank: int
+    world_size: int
+    seq: int
+    final: bool
+    keys: tuple[str, ...]
+    data: np.ndarray  # [K, NFIELDS] float64
+    kinds: np.ndarray  # [K] int8
+    expected: np.ndarray  # [K] int32
+    sketch_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    sketch_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    sketch_codes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    sketch_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
+    sketch_alpha: float = SKETCH_ALPHA
+    derived: bytes = b""  # the sender's derived-metric declarations (``declare``), encoded
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        step: int,
+        rank: int,
+        world_size: int,
+        seq: int,
+        final: bool,
+        keys: Sequence[str],
+        data: np.ndarray,
+        kinds: Sequence[int],
+        expected: Sequence[int],
+        sketches: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None,
+        sketch_alpha: float = SKETCH_ALPHA,
+        derived: bytes = b"",
+    ) -> Batch:
+        """Build a batch, coercing the columns to their wire dtypes.
+
+        ``sketches`` maps a key's row to its sparse ``(codes, counts)`` buckets.
+        """
+        k = len(keys)
+        rows = sorted(sketches or {})
+        parts = [sketches[r] for r in rows] if sketches else []
+        sizes = [len(p[0]) for p in parts]
+        return cls(
+            step=int(step),
+            rank=int(rank),
+            world_size=int(world_size),
+            seq=int(seq),
+            final=bool(final),
+            keys=tuple(keys),
+            data=np.ascontiguousarray(data, dtype=np.float64).reshape(k, NFIELDS),
+            kinds=np.asarray(kinds, dtype=np.int8).reshape(k),
+            expected=np.asarray(expected, dtype=np.int32).reshape(k),
+            sketch_rows=np.asarray(rows, dtype=np.int32),
+            sketch_offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+            sketch_codes=np.concatenate([np.zeros(0), *[p[0] for p in parts]]).astype(np.int32),
+            sketch_counts=np.concatenate([np.zeros(0), *[p[1] for p in parts]]).astype(
+                np.float64
+            ),
+            sketch_alpha=float(sketch_alpha),
+            derived=bytes(derived),
+        )
+
+    def sketch(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Return the ``j``-th sketch of the batch as ``(codes, counts)``."""
+        lo, hi = int(self.sketch_offsets[j]), int(self.sketch_offsets[j + 1])
+        return self.sketch_codes[lo:hi], self.sketch_counts[lo:hi]
+
+    @property
+    def nbytes_without_keys(self) -> int:
+        """Return the wire size of the numeric columns in bytes."""
+        return int(self.data.nbytes + self.kinds.nbytes + self.expected.nbytes
+                   + self.sketch_codes.nbytes + self.sketch_counts.nbytes + len(self.derived))
+
+    @property
+    def nbytes(self) -> int:
+        """Return the approximate wire size of the batch in bytes."""
+        return self.nbytes_without_keys + sum(len(key) for key in self.keys)

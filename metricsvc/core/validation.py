@@ -1,0 +1,206 @@
+"""Boundary checks shared by the client (before sending) and the actor (on receipt).
+
+Every message names the key (or field) and says what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metricsvc.core.errors import BatchRejected
+from metricsvc.core.keys import check_key, check_rank
+from metricsvc.core.limits import LIMITS, Limits
+from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM, SUM_LO, Batch
+from metricsvc.core.reduce import KINDS, VALID_CODES
+from metricsvc.core.sketch import MIN_ALPHA, SketchSpec
+
+# Counts up to 2**53 are exact in float64; merged over any world size they stay finite,
+# so turning them into ints when a step finishes cannot overflow.
+MAX_COUNT = float(2**53)
+
+
+class KeyCache:
+    """Key tuples already checked, with their size in bytes: ranks send the same keys each
+    step, and checking 1000 names per batch would otherwise dominate the merge."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._known: dict[tuple[str, ...], int] = {}
+
+    def get(self, keys: tuple[str, ...]) -> int | None:
+        return self._known.get(keys)
+
+    def add(self, keys: tuple[str, ...], nbytes: int) -> None:
+        if len(self._known) >= self.capacity:
+            self._known.pop(next(iter(self._known)))
+        self._known[keys] = nbytes
+
+
+def check_batch(batch: object, limits: Limits = LIMITS, cache: KeyCache | None = None) -> Batch:
+    """Return ``batch`` if it is a well-formed wire batch, else raise ``BatchRejected``."""
+    if not isinstance(batch, Batch):
+        raise BatchRejected(f"expected a metricsvc Batch, got {type(batch).__name__}")
+    try:
+        check_rank(batch.rank, batch.world_size)
+    except (TypeError, ValueError) as err:
+        raise BatchRejected(f"step {batch.step}: {err}") from None
+    if batch.world_size > limits.max_world_size:
+        raise BatchRejected(
+            f"world_size {batch.world_size} exceeds the limit {limits.max_world_size}"
+        )
+    if not 0 <= batch.step <= MAX_COUNT:
+        raise BatchRejected(f"step must be in [0, 2**53], got {batch.step}")
+    if batch.seq < 0:
+        raise BatchRejected(f"step {batch.step}: seq must be >= 0, got {batch.seq}")
+    k = len(batch.keys)
+    if k > limits.max_keys_per_batch:
+        raise BatchRejected(
+            f"batch of rank {batch.rank} step {batch.step} has {k} keys; "
+            f"the limit is {limits.max_keys_per_batch}"
+        )
+    if not isinstance(batch.keys, tuple):
+        raise BatchRejected(f"batch keys must be a tuple, got {type(batch.keys).__name__}")
+    key_bytes = cache.get(batch.keys) if cache is not None else None
+    if key_bytes is None:
+        _check_keys(batch.keys, limits)
+        key_bytes = sum(len(key) for key in batch.keys)
+        if cache is not None:
+            cache.add(batch.keys, key_bytes)
+    nbytes = key_bytes + batch.nbytes_without_keys
+    if nbytes > limits.max_batch_bytes:
+        raise BatchRejected(
+            f"batch of rank {batch.rank} step {batch.step} is {nbytes} bytes; "
+            f"the limit is {limits.max_batch_bytes}"
+        )
+    _check_columns(batch, k)
+    _check_values(batch)
+    _check_sketches(batch)
+    return batch
+
+
+def _check_keys(keys: tuple, limits: Limits) -> None:
+    for key in keys:
+        try:
+            check_key(key, limits.max_key_length)
+        except (TypeError, ValueError) as err:
+            raise BatchRejected(str(err)) from None
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        dup = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        raise BatchRejected(f"key {dup!r} appears twice in one batch")
+
+
+def _check_columns(batch: Batch, k: int) -> None:
+    shapes = {
+        "data": (batch.data, (k, NFIELDS), np.float64),
+        "kinds": (batch.kinds, (k,), np.int8),
+        "expected": (batch.expected, (k,), np.int32),
+    }
+    for name, (arr, shape, dtype) in shapes.items():
+        if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != dtype:
+            got = (
+                f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+            )
+            raise BatchRejected(
+                f"batch column {name!r}: expected {np.dtype(dtype)}{shape}, got {got}"
+            )
+
+
+_VALID_CODE = np.zeros(256, dtype=bool)  # indexed by a kind code's byte
+_VALID_CODE[[code & 0xFF for code in VALID_CODES]] = True
+_WEIGHTED_CODE = np.zeros(256, dtype=bool)  # kinds whose counts may be fractional weights
+_WEIGHTED_CODE[[int(k) for k, spec in KINDS.items() if spec.weighted]] = True
+_SKETCH_CODE = np.zeros(256, dtype=bool)  # kinds that merge quantile sketches
+_SKETCH_CODE[[int(k) for k, spec in KINDS.items() if spec.sketch]] = True
+
+
+def _check_values(batch: Batch) -> None:
+    bad_kind = ~_VALID_CODE[batch.kinds.view(np.uint8)]
+    if bad_kind.any():
+        i = int(np.flatnonzero(bad_kind)[0])
+        raise BatchRejected(f"key {batch.keys[i]!r}: unknown reduce code {int(batch.kinds[i])}")
+    bad_expected = (batch.expected < 0) | (batch.expected > batch.world_size)
+    if bad_expected.any():
+        i = int(np.flatnonzero(bad_expected)[0])
+        raise BatchRejected(
+            f"key {batch.keys[i]!r}: expected contributors must be in [0, {batch.world_size}], "
+            f"got {int(batch.expected[i])}"
+        )
+    _check_records(batch)
+
+
+def _check_records(batch: Batch) -> None:
+    """Refuse any row that could not be merged and finalised without raising.
+
+    Sums may overflow (finite values past 1e308 add up to inf, or to NaN through
+    inf - inf): that is float64 arithmetic, not corruption, and is flagged at the
+    merge. Counts, extrema and squares cannot: a count is finite, >= 0 and at most
+    2**53 (integral except for AVG, whose counts are ``weighted_mean`` weights), the
+    non-finite count is such an integer too, a populated row has finite ``min <= max``,
+    and an empty row is the identity record.
+    """
+    cols = np.ascontiguousarray(batch.data.T)
+    total, count, low, high = cols[SUM], cols[COUNT], cols[MIN], cols[MAX]
+    root, nonfinite, low_part = cols[M2_ROOT], cols[NONFINITE], cols[SUM_LO]
+    with np.errstate(invalid="ignore"):
+        rules = (
+            ("count must be finite, in [0, 2**53]", (count >= 0) & (count <= MAX_COUNT)),
+            ("count must be a whole number",
+             (np.floor(count) == count) | _WEIGHTED_CODE[batch.kinds.view(np.uint8)]),
+            ("nonfinite must be a whole number in [0, 2**53]",
+             (nonfinite >= 0) & (nonfinite <= MAX_COUNT) & (np.floor(nonfinite) == nonfinite)),
+            ("m2_root must be >= 0", ~(root < 0)),  # NaN only where the sum overflowed
+            ("sum_lo must be the low part of sum: |sum_lo| <= ulp(sum), 0 if sum is not "
+             "finite", np.True_ if not low_part.any() else  # most rows carry no low part
+             np.abs(low_part) <= np.spacing(np.abs(np.where(np.isfinite(total), total, 0.0)))),
+            ("a populated record needs finite min <= max; an empty record (count 0) must be "
+             "the identity (sum 0, min +inf, max -inf)",
+             np.where(count > 0, np.isfinite(low) & np.isfinite(high) & (low <= high),
+                      (total == 0) & (root == 0) & (low == np.inf) & (high == -np.inf))),
+        )
+    for rule, good in rules:
+        if not good.all():
+            i = int(np.flatnonzero(~good)[0])
+            raise BatchRejected(
+                f"key {batch.keys[i]!r}: corrupt record {batch.data[i].tolist()} ({rule})"
+            )
+
+
+def _check_sketches(batch: Batch) -> None:
+    rows, offsets = batch.sketch_rows, batch.sketch_offsets
+    n = len(batch.sketch_codes)
+    ok = (
+        isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
+        and isinstance(offsets, np.ndarray) and offsets.shape == (len(rows) + 1,)
+        and offsets[0] == 0 and offsets[-1] == n
+        and (rows.size == 0 or bool(np.all(np.diff(offsets) >= 0)))  # one offset: sorted
+        and batch.sketch_counts.shape == (n,) and batch.sketch_codes.dtype == np.int32
+    )
+    if not ok:
+        raise BatchRejected("batch sketch columns are inconsistent (rows/offsets/codes/counts)")
+    if rows.size == 0:
+        return
+    if rows.min() < 0 or rows.max() >= len(batch.keys) or len(np.unique(rows)) != len(rows):
+        raise BatchRejected("batch sketch rows must name distinct keys of the batch")
+    not_q = ~_SKETCH_CODE[batch.kinds[rows].view(np.uint8)]
+    if not_q.any():
+        key = batch.keys[int(rows[np.flatnonzero(not_q)[0]])]
+        raise BatchRejected(f"key {key!r}: a quantile sketch was sent for a non-QUANTILES key")
+    top = SketchSpec(batch.sketch_alpha).top if MIN_ALPHA <= batch.sketch_alpha < 1 else 0
+    if batch.sketch_codes.size and np.abs(batch.sketch_codes.astype(np.int64)).max() > top:
+        raise BatchRejected(f"batch sketch codes must lie in [-{top}, {top}] (alpha "
+                            f"{batch.sketch_alpha})")
+    counts = batch.sketch_counts
+    if not np.all((counts >= 0) & (counts <= MAX_COUNT) & (np.floor(counts) == counts)):
+        raise BatchRejected("batch sketch counts must be whole numbers in [0, 2**53]")
+    totals = np.zeros(len(rows))
+    filled = np.diff(offsets) > 0  # reduceat needs the empty ranges left out
+    if filled.any():
+        totals[filled] = np.add.reduceat(counts, offsets[:-1][filled])
+    off = totals != batch.data[rows, COUNT]
+    if off.any():
+        j = int(np.flatnonzero(off)[0])
+        raise BatchRejected(
+            f"key {batch.keys[int(rows[j])]!r}: its quantile sketch holds {totals[j]:g} values "
+            f"but its record counts {batch.data[int(rows[j]), COUNT]:g}"
+        )

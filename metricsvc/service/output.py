@@ -1,0 +1,238 @@
+"""How a finished step becomes what readers and sinks see.
+
+Kinds resolved (declared, else the frameworks' meaning of the key, the config's rules, the
+key's last segment), records finalised and renamed, derived metrics evaluated over the
+merged records, histograms of the sketched keys, and the meta that flags what a user should
+not trust blindly (non-finite values, overflow, missing contributors, approximations, name
+collisions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from metricsvc.core.declare import is_internal
+from metricsvc.core.keys import safe_tag, tag_order
+from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM
+from metricsvc.core.reduce import (
+    AUTO,
+    KINDS,
+    KindResolver,
+    OutputRules,
+    ReduceType,
+    Renamer,
+    finalize,
+    is_approximate_plain_key,
+)
+from metricsvc.core.sketch import histogram
+from metricsvc.core.step_result import StepResult
+from metricsvc.service.derive import Deriver
+from metricsvc.service.descriptions import Descriptions
+from metricsvc.service.run_declarations import RunDeclarations
+from metricsvc.service.step import PendingStep
+
+
+class StepOutput:
+    """Finalise steps for the run: its output rules, renames, kinds and derivations."""
+
+    def __init__(self, output: OutputRules, reduce_rules: Mapping[str, Any] | None,
+                 renames: Mapping[str, str] | None, deriver: Deriver,
+                 declarations: RunDeclarations, clock: Callable[[], float]) -> None:
+        self.output = output
+        self.resolver = KindResolver(reduce_rules)
+        self.rename = Renamer(renames)
+        self.deriver = deriver
+        self.declarations = declarations
+        self.descriptions = Descriptions()
+        self.clock = clock
+
+    def kinds(self, keys: Sequence[str], codes: Sequence[int]) -> list[ReduceType]:
+        """Return the kind of each key sent with its wire code."""
+        return [self.resolver.resolve(k, int(c)) for k, c in zip(keys, codes)]
+
+    def preview(self, window: Any) -> dict[str, float]:
+        """Return what a stream window holds, as metrics (no derivation): what
+        ``export_stream`` answers its caller."""
+        keys = list(window.keys)
+        return self.metrics(window.merged(), keys, self.kinds(keys, window.codes),
+                            internal_rows(keys), {}, derive=False)
+
+    def metrics(self, merged: tuple, keys: list[str], kinds: list[ReduceType],
+                 internal: list[int], declared: Mapping[str, Any], derive: bool = True,
+                 collisions: dict[str, list[str]] | None = None) -> dict[str, float]:
+        """Finalise the public keys; evaluate the ``declared`` derived metrics over every
+        record (the ``internal`` ones are their inputs only).
+
+        A name exported twice (two keys, a rename, a derived metric, or two names one sink
+        tag) keeps its first source and is listed in ``collisions``.
+        """
+        data, _, sketches = merged
+        public = np.setdiff1d(np.arange(len(keys)), internal)
+        collisions = {} if collisions is None else collisions
+        metrics = finalize(
+            [keys[i] for i in public],
+            [kinds[i] for i in public],
+            data[public],
+            sketches={j: sketches[i] for j, i in enumerate(public) if i in sketches},
+            rules=self.output,
+            rename=self.rename,
+            collisions=collisions,
+        )
+        if derive:
+            derived = self.deriver.derive(declared, keys, kinds, data, self.output)
+            for key, value in derived.items():
+                name = self.rename(key)
+                if name in metrics:
+                    collisions.setdefault(name, [name]).append(f"derived {key}")
+                else:
+                    metrics[name] = value
+        by_tag: dict[str, list[str]] = {}
+        for name in metrics:  # what sinks that sanitise names would merge
+            by_tag.setdefault(safe_tag(name), []).append(name)
+        for tag, names in by_tag.items():
+            if len(names) > 1:  # the first is the one sinks show (``tag_order``)
+                collisions[tag] = sorted(names, key=lambda n, t=tag: tag_order(n, t))
+        return metrics
+
+    def finish(self, p: PendingStep, lagging: list[int]) -> StepResult:
+        kinds = [self.resolver.resolve(k, int(c)) for k, c in zip(p.keys, p.codes)]
+        merged = p.merged()
+        internal = internal_rows(p.keys)
+        collisions: dict[str, list[str]] = {}
+        declared = self.declarations.of(p.declared)
+        metrics = self.metrics(merged, p.keys, kinds, internal, declared,
+                                collisions=collisions)
+        partial = not p.complete
+        meta: dict[str, Any] = {
+            "partial": partial,
+            "world_size": p.world_size or 0,
+            "ranks": sorted(p.closed),
+            "missing_ranks": p.missing(),
+            "batches": p.batches,
+            "keys": len(p.keys),
+            "age_s": round(self.clock() - p.opened_at, 6),  # first batch -> final
+        }
+        if p.streams:
+            meta["streams"] = list(p.streams)
+            # Read back after a restart: which stream batches the journal holds
+            meta["stream_seqs"] = {name: dict(seqs) for name, seqs in p.stream_seqs.items()}
+        totals = self.deriver.state()
+        if totals:
+            meta["derived_totals"] = totals
+        meta.update(_anomalies(p, kinds, merged))
+        histograms = self.histograms(p.keys, kinds, merged)
+        if histograms:
+            meta["histograms"] = histograms
+        if collisions:  # never overwritten: the first source kept, every source named
+            meta["collisions"] = collisions
+        # What tells a resend from a rerun after a restart: the batches' digests, journaled.
+        meta["digests"] = {f"{r}:{s}": d[:8].hex() for (r, s), d in sorted(p.digests.items())}
+        if lagging:  # steps counted without step=, one behind the others
+            meta["lagging_ranks"] = lagging
+        if self.deriver.limited:  # the step's derivation budget ran out: the rest left out
+            meta["derived_limit"] = dict(self.deriver.limited)
+        if self.deriver.undefined:  # inputs present, but no finite real value: omitted
+            meta["derived_undefined"] = dict(self.deriver.undefined)
+        first = self.declarations.fix(declared, p.step)
+        if first:  # journaled once: a restart keeps the run's definitions
+            meta["declarations"] = first
+        about = self.descriptions.learn(p.about, p.step)
+        if about:  # journaled once, too
+            meta["about"] = about
+        shown = self.descriptions.of(metrics, p.step)
+        if shown:  # what the sinks show, with the first step that exports each name
+            meta["descriptions"] = shown
+        ignored = self.deriver.unread(declared, [p.keys[i] for i in internal])
+        if ignored:
+            meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
+        return StepResult(p.step, metrics, meta)
+
+    def histograms(self, keys: list[str], kinds: list[ReduceType],
+                    merged: tuple) -> dict[str, dict[str, Any]]:
+        """Return the merged histogram of every public QUANTILES key of a step, by its
+        (renamed) key: bin edges and counts, with the exact count, sum, sum of squares,
+        min and max (what TensorBoard's histogram holds)."""
+        data, _, sketches = merged
+        bins = self.output.histogram_bins
+        out: dict[str, dict[str, Any]] = {}
+        if not bins:
+            return out
+        for i, sk in sketches.items():
+            if not KINDS[kinds[i]].sketch or is_internal(keys[i]) or data[i, COUNT] <= 0:
+                continue
+            row = data[i]
+            hist = histogram(*sk, self.output.sketch, float(row[MIN]), float(row[MAX]), bins)
+            if hist is not None:
+                out[self.rename(keys[i])] = {
+                    "edges": hist[0].tolist(), "counts": hist[1].tolist(),
+                    "count": float(row[COUNT]), "sum": float(row[SUM]),
+                    "sum_squares": _sum_squares(row), "min": float(row[MIN]),
+                    "max": float(row[MAX])}
+        return out
+
+
+class TagOwners:
+    """The keys of the run by sink tag, to tell a rank whose new key shares a tag with
+    another key (``"acc rate"`` and ``"acc_rate"``) which of them sinks will show."""
+
+    LIMIT = 100_000  # keys remembered; past it, new keys are not checked
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._owner: dict[str, str] = {}
+
+    def notice(self, keys: Sequence[str]) -> str | None:
+        """Register ``keys``; return what their sender must hear, or None."""
+        said = []
+        for key in keys:
+            if key in self._seen or len(self._seen) >= self.LIMIT:
+                continue
+            self._seen.add(key)
+            tag = safe_tag(key)
+            held = self._owner.setdefault(tag, key)
+            if held != key:
+                shown = min(held, key, key=lambda n: tag_order(n, tag))
+                self._owner[tag] = shown
+                said.append(f"key {key!r} shares the sink tag {tag!r} with key {held!r}: "
+                            f"sinks show {shown!r} under it (the name written as its tag, "
+                            f"else the first alphabetically); rename one")
+        return "; ".join(said[:8]) or None
+
+
+def _sum_squares(row: np.ndarray) -> float:
+    """The sum of squares TensorBoard's histogram shows (a display figure, not an input)."""
+    n = row[COUNT]
+    with np.errstate(over="ignore"):  # past float64's range it is inf, as the value is
+        return float(row[M2_ROOT] ** 2 + row[SUM] ** 2 / n) if n else 0.0
+
+
+def internal_rows(keys: list[str]) -> list[int]:
+    """Return the rows of internal keys (a ``__`` path segment): derivation inputs only."""
+    return [i for i, key in enumerate(keys) if is_internal(key)]
+
+
+def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[str, Any]:
+    """Return the meta entries that flag values a user should not trust blindly."""
+    data, contributors, _ = merged
+    out: dict[str, Any] = {}
+    nonfinite = np.flatnonzero(data[:, NONFINITE] > 0)
+    if nonfinite.size:
+        out["nonfinite"] = {p.keys[i]: int(data[i, NONFINITE]) for i in nonfinite}
+    overflow = np.flatnonzero((data[:, COUNT] > 0) & ~np.isfinite(data[:, [SUM, M2_ROOT]]).all(1))
+    if overflow.size:  # finite values whose sum (or spread) left float64's range
+        out["overflow"] = [p.keys[i] for i in overflow]
+    want = np.where(p.expected > 0, p.expected, p.world_size or 0)
+    off = np.flatnonzero((contributors != want) & ~p.from_stream)
+    if off.size:
+        out["contributors"] = {p.keys[i]: [int(contributors[i]), int(want[i])] for i in off}
+    for i, kind in enumerate(kinds):  # what a kind's own check marks (KINDS[kind].flag)
+        flag = KINDS[kind].flag
+        if flag is not None and data[i, COUNT] > 0 and flag[1](data[i]):
+            out.setdefault(flag[0], []).append(p.keys[i])
+    approx = [k for k, c in zip(p.keys, p.codes) if c == AUTO and is_approximate_plain_key(k)]
+    if approx:
+        out["approximate"] = approx
+    return out

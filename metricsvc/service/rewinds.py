@@ -1,0 +1,52 @@
+"""Rewinding a live run: resuming from the checkpoint of a step (the service's part).
+
+A rewind is one operation over every part of the service, in this order: the journal
+records it (synced; a rewind it lacks never happened), then the merge forgets what it
+supersedes and continues the running totals from the last step at or before it, the
+readers forget the superseded results, and every sink is given it in order with the steps
+around it (``SinkDispatcher.rewind``; the run's history, ``metricsvc.storage.history``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from metricsvc.service import continuing
+from metricsvc.service.aggregator import Aggregator
+from metricsvc.service.results import Results
+from metricsvc.sinks import SinkDispatcher
+from metricsvc.storage.history import Rewind
+from metricsvc.storage.journal import Journal
+
+log = logging.getLogger(__name__)
+
+
+class Rewinds:
+    """The service's rewinds, over the parts it holds (call under the actor's lock)."""
+
+    def __init__(self, aggregator: Aggregator, journal: Journal, results: Results,
+                 sinks: SinkDispatcher, reloaded_through: int | None) -> None:
+        self.aggregator, self.journal, self.results, self.sinks = (aggregator, journal,
+                                                                   results, sinks)
+        # The last step the journal held when this incarnation reloaded it (None: a new run)
+        self.reloaded_through = reloaded_through
+
+    def rewind(self, to_step: int, by: str | None = None) -> dict[str, Any]:
+        """Rewind to ``to_step``; return ``{"to_step", "superseded"}``."""
+        self.sinks.rewind(Rewind(to_step, by), self.journal.writer)  # the journal first
+        superseded = continuing.rewind(self.aggregator, to_step, self.totals_at(to_step))
+        self.results.forget_after(to_step)
+        if self.reloaded_through is not None:
+            self.reloaded_through = min(self.reloaded_through, to_step)
+        log.warning("rewound to step %d: %d published steps superseded", to_step, superseded)
+        self.results.notify()
+        return {"to_step": to_step, "superseded": superseded}
+
+    def totals_at(self, step: int) -> dict[str, Any] | None:
+        """The running totals as of the last published step at or before ``step``: what
+        the readers keep of it, else the journal's record."""
+        kept = [s for s in self.results.steps() if s <= step]
+        if kept:
+            return self.results.get(max(kept)).meta.get("derived_totals")  # type: ignore
+        return self.journal.totals_at(step)

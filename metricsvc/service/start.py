@@ -1,0 +1,198 @@
+"""Starting, finding and stopping the service, from a Ray driver.
+
+``start_metric_worker`` creates the named ``MetricWorker`` singleton (in the namespace
+``metricsvc`` unless configured) and waits until it serves; a second call with the same
+config returns it, another config or another job's live service is refused naming why.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config, new_trial
+from metricsvc.core.keys import default_namespace
+from metricsvc.core.redaction import Redactor
+from metricsvc.protocol import ray_get
+from metricsvc.service.worker import actor_class
+from metricsvc.sinks.base import check_libraries
+from metricsvc.storage.journal import journal_file
+from metricsvc.storage.run_folder import check_run_dir, probe_run_dir
+
+log = logging.getLogger(__name__)
+
+
+def config_differences(asked: Mapping[str, Any], running: Mapping[str, Any],
+                       prefix: str = "") -> list[str]:
+    """Return the dotted names of the fields where two config dumps differ."""
+    out = []
+    for key in sorted(set(asked) | set(running)):
+        a, b = asked.get(key), running.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def start_metric_worker(
+    config: ConfigSource = None,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    world_size: int | None = None,
+    runtime_env: dict[str, Any] | None = None,
+    resume_from_step: int | None = None,
+) -> Any:
+    """Create (or return the existing) named MetricWorker singleton and wait until it serves.
+
+    ``config`` is a YAML path, a dict, a ServiceConfig or None; ``name``, ``namespace``
+    and ``world_size`` (the run's number of ranks: set it, and no confused rank can
+    claim another) override the config's; ``runtime_env`` is passed to Ray. Never put
+    API keys in ``runtime_env``: Ray writes runtime environments to its logs. Export
+    them where the driver (or ``ray start``) runs instead. Calling it twice returns
+    the same actor.
+
+    ``resume_from_step=k``: continue the run in the configured folder (after a crash)
+    from the checkpoint of step ``k``, in one operation: the service reloads the run,
+    rewinds to ``k`` (journaled) before it takes any batch, and every step after ``k``
+    is recorded afresh (``run: {resume: true, from_step: k}`` in the config says the
+    same).
+    """
+    cfg = load_config(config, name=name, namespace=namespace, world_size=world_size)
+    if resume_from_step is not None:
+        cfg = load_config({**cfg.model_dump(), "run": {
+            **cfg.run.model_dump(), "resume": True, "from_step": resume_from_step}})
+    check_libraries(cfg.sinks)  # here, in one line, not as retries in the actor
+    if not Path(cfg.run.root).is_absolute():  # the driver's folder, not the cluster's cwd
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(
+            update={"root": str(Path(cfg.run.root).resolve())})})
+    try:
+        running = ray.get_actor(cfg.name, namespace=cfg.namespace)
+    except ValueError:  # none runs yet: a new run, whose folder must be its own
+        if cfg.run.trial is not None:
+            if not cfg.run.resume:
+                run_dir = cfg.run.run_dir().resolve()
+                check_run_dir(run_dir, journal_file(run_dir, cfg.sinks))
+            _probe(cfg)
+    else:
+        return _same_service(running, cfg)
+    if cfg.run.trial is None:
+        # Fixed here, not in the actor: a restarted actor must find the same run folder.
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"trial": new_trial()})})
+    handle = actor_class(cfg.max_readers).options(
+        name=cfg.name,
+        namespace=cfg.namespace,
+        get_if_exists=True,
+        max_restarts=cfg.max_restarts,
+        num_cpus=cfg.num_cpus,
+        runtime_env=runtime_env,
+    ).remote(cfg.model_dump())
+    ray.get(handle.health.remote())  # surfaces a failing __init__ here, not later
+    if cfg.topology == "per_node":
+        from metricsvc.service.combiner import start_combiner
+
+        for node in ray.nodes():
+            if node.get("Alive"):
+                start_combiner(cfg, node["NodeID"], node_id=node["NodeID"])
+    # Registered after ray.init's own exit hook, so it runs first, while Ray still answers:
+    # a driver that ends without close() must not lose what the sinks buffer.
+    atexit.register(_close_at_exit, handle)
+    return handle
+
+
+def _probe(cfg: ServiceConfig, grace_s: float = 2.0) -> None:
+    """Refuse a folder a live service holds. Resuming after a crash, give a holder that is
+    ending (a killed actor's process on its way out) ``grace_s`` to let go first."""
+    deadline = time.monotonic() + (grace_s if cfg.run.resume else 0.0)
+    while True:
+        try:
+            return probe_run_dir(cfg.run.run_dir().resolve())
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _same_service(handle: Any, cfg: ServiceConfig) -> Any:
+    """Return the running service if it runs ``cfg`` (an unset trial matches any), else
+    raise naming the fields that differ."""
+    running = ray.get(handle.config_dump.remote())
+    job = ray.get(handle.job_id.remote())
+    if job != ray.get_runtime_context().get_job_id():
+        raise ValueError(
+            f"a MetricWorker named {cfg.name!r} already runs in namespace {cfg.namespace!r} "
+            f"for another job ({job}): two runs would merge into one service; give this run "
+            f"its own name (start_metric_worker(name=) and MetricClient(name=)) or namespace")
+    asked = cfg.model_dump(mode="json")
+    asked = Redactor(asked).value(asked)
+    if cfg.run.trial is None:
+        asked["run"]["trial"] = running["run"]["trial"]
+    differ = config_differences(asked, running)
+    if differ:
+        raise ValueError(
+            f"a MetricWorker named {cfg.name!r} already runs in namespace {cfg.namespace!r} "
+            f"with another config: {', '.join(differ[:12])} differ; stop it first "
+            f"(metricsvc.stop_metric_worker) or start this one under another name")
+    return handle
+
+
+def stop_metric_worker(handle: Any = None, *, name: str | None = None,
+                       namespace: str | None = None,
+                       timeout_s: float = 120.0) -> dict[str, Any]:
+    """Close every sink (wandb finishes its run), then end the actor; return its last health.
+
+    The sinks get ``sinks.delivery.close_timeout_s``; a step a sink has not taken by then
+    is dead-lettered, and the returned health says so per sink (``dead_lettered``,
+    ``in_flight_at_close``, ``lost``). ``timeout_s`` only guards an actor that does not
+    answer: keep it above ``close_timeout_s``. Call this (or ``worker.close.remote()``) before
+    ``ray.shutdown()``: Ray ends an actor's child processes first, and wandb's writer is
+    one of them.
+    """
+    handle = handle or get_metric_worker(name, namespace)
+    health = ray_get(handle.close.remote(), timeout=timeout_s)
+    ray.kill(handle, no_restart=True)
+    return health
+
+
+# -- the driver's calls, raising metricsvc's own exceptions (never Ray's wrapper) ---------
+def final_result(worker: Any, step: int | None = None, timeout_s: float | None = None, *,
+                 meta: bool = False) -> dict[str, Any]:
+    """Return the merged metrics of ``step`` once it is final (``step=None``: the newest
+    step a rank closed); ``meta=True``: ``{"step", "metrics", "meta"}``. What
+    ``ray.get(worker.wait_final_res.remote(step, timeout_s))`` returns, with errors raised
+    as they are meant: ``StepNotFinal`` after ``timeout_s``, ``StepUnavailable``,
+    ``ServiceClosed``, each one line."""
+    method = worker.wait_final if meta else worker.wait_final_res
+    return ray_get(method.remote(step, timeout_s))
+
+
+def rewind(worker: Any, to_step: int) -> dict[str, Any]:
+    """Resume the live service from the checkpoint of ``to_step``: every later step is
+    recorded afresh (``MetricWorker.rewind``); returns ``{"to_step", "superseded"}``."""
+    return ray_get(worker.rewind.remote(to_step=to_step))
+
+
+def service_health(worker: Any, timeout_s: float | None = 60.0) -> dict[str, Any]:
+    """Return the service's ``health()``."""
+    return ray_get(worker.health.remote(), timeout=timeout_s)
+
+
+def _close_at_exit(handle: Any) -> None:
+    if not ray.is_initialized():
+        return
+    try:
+        ray.get(handle.close.remote(), timeout=60)
+    except Exception as err:  # already closed, killed or never started: nothing to save
+        log.debug("closing the MetricWorker at exit: %s", err)
+
+
+def get_metric_worker(name: str | None = None, namespace: str | None = None) -> Any:
+    """Return the handle of a running MetricWorker by name (default: the config default)."""
+    return ray.get_actor(name or DEFAULT_NAME, namespace=namespace or default_namespace())

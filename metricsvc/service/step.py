@@ -1,0 +1,256 @@
+"""What the service holds for one pending step or one stream window (pure numpy, no Ray).
+
+Contributions are kept as they arrive ("parts") and merged only when the step
+finishes, in a fixed order (ranks by number, then stream windows), so the
+float sums — and hence the published values — are identical whatever order
+the batches arrived in, across retries and actor restarts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from metricsvc.core import records
+from metricsvc.core.declare import Derived, decode_declarations
+from metricsvc.core.errors import BatchRejected
+from metricsvc.core.records import Batch
+from metricsvc.core.reduce import kind_name
+from metricsvc.core.sketch import Sketch, merge_sparse
+
+
+@dataclass
+class Part:
+    """One contribution: rows of a batch (or of a stream window) and where they go."""
+
+    order: tuple
+    rank: int | None
+    idx: np.ndarray
+    rows: np.ndarray
+    sketches: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
+
+
+class Collection:
+    """Keys with their reduce codes, and the parts that will merge into them."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.keys: list[str] = []
+        self._codes = np.zeros(16, dtype=np.int8)
+        self._expected = np.zeros(16, dtype=np.int32)
+        self._from_stream = np.zeros(16, dtype=bool)
+        self.parts: list[Part] = []
+        self._layouts: dict[tuple[str, ...], np.ndarray] = {}  # key tuple -> rows
+        self.declared: dict[str, Derived] = {}  # derived metrics declared for these records
+        self.about: dict[str, tuple[str, str]] = {}  # what declared names mean (help, unit)
+
+    @property
+    def codes(self) -> np.ndarray:
+        return self._codes[: len(self.keys)]
+
+    @property
+    def expected(self) -> np.ndarray:
+        return self._expected[: len(self.keys)]
+
+    @property
+    def from_stream(self) -> np.ndarray:
+        return self._from_stream[: len(self.keys)]
+
+    def locate(self, keys: Sequence[str], kinds: np.ndarray, who: str) -> np.ndarray:
+        """Return each key's row (-1 if new); raise if a key arrives with another kind."""
+        known = self._layouts.get(keys) if isinstance(keys, tuple) else None
+        if known is not None:
+            idx = known.copy()  # the same key tuple as an earlier batch: no per-key lookups
+        else:
+            get = self.index.get
+            idx = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        old = idx >= 0
+        clash = self._codes[idx[old]] != kinds[old]
+        if clash.any():
+            j = int(np.flatnonzero(old)[np.flatnonzero(clash)[0]])
+            raise BatchRejected(
+                f"key {keys[j]!r}: recorded as {kind_name(int(self._codes[idx[j]]))}, "
+                f"but {who} sent it as {kind_name(int(kinds[j]))}"
+            )
+        return idx
+
+    def add(
+        self,
+        part: Part,
+        keys: Sequence[str],
+        kinds: np.ndarray,
+        expected: np.ndarray,
+        sketches: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
+        from_stream: bool = False,
+    ) -> None:
+        """Add a located part (``part.idx`` from ``locate``, completed here for new keys)."""
+        idx = part.idx
+        new = idx < 0
+        n_new = int(new.sum())
+        if n_new:
+            start = len(self.keys)
+            self._reserve(start + n_new)
+            ids = np.arange(start, start + n_new)
+            idx[new] = ids
+            new_keys = [k for k, is_new in zip(keys, new) if is_new]
+            self.keys.extend(new_keys)
+            self.index.update(zip(new_keys, ids.tolist()))
+            self._codes[ids] = kinds[new]
+        self._expected[idx] = np.maximum(self._expected[idx], expected)
+        if from_stream:
+            self._from_stream[idx] = True
+        if isinstance(keys, tuple) and len(self._layouts) < 64:
+            self._layouts[keys] = idx.copy()
+        part.sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
+        self.parts.append(part)
+
+    def declare(self, declarations: Iterable[Derived],
+                about: dict[str, tuple[str, str]] | None = None) -> None:
+        """Note the derived metrics declared for these records (the run's declarations,
+        ``RunDeclarations``, say what each name means) and what declared names mean."""
+        for decl in declarations:
+            self.declared.setdefault(decl.name, decl)
+        if about:
+            self.about.update(about)
+
+    def _reserve(self, n: int) -> None:
+        cap = len(self._codes)
+        if n <= cap:
+            return
+        grow = max(n, 2 * cap) - cap
+        self._codes = np.concatenate([self._codes, np.zeros(grow, dtype=np.int8)])
+        self._expected = np.concatenate([self._expected, np.zeros(grow, dtype=np.int32)])
+        self._from_stream = np.concatenate([self._from_stream, np.zeros(grow, dtype=bool)])
+
+    def merged(self) -> tuple[np.ndarray, np.ndarray, dict[int, Sketch]]:
+        """Return merged rows, ranks contributing to each row, and merged sketches."""
+        n = len(self.keys)
+        sketch_parts: dict[int, list[Sketch]] = {}
+        rank_rows: dict[int, list[np.ndarray]] = {}
+        parts = sorted(self.parts, key=lambda p: p.order)
+        if parts:
+            data = records.merge_grouped(np.concatenate([p.rows for p in parts]),
+                                         np.concatenate([p.idx for p in parts]), n)
+        else:
+            data = records.identity(n)
+        for part in parts:
+            for row, codes, counts in part.sketches:
+                sketch_parts.setdefault(row, []).append((codes, counts))
+            if part.rank is not None:
+                rank_rows.setdefault(part.rank, []).append(part.idx)
+        contributors = np.zeros(n, dtype=np.int32)
+        for rows in rank_rows.values():
+            # One part's rows are distinct keys; several parts of a rank may share keys.
+            contributors[rows[0] if len(rows) == 1 else np.unique(np.concatenate(rows))] += 1
+        return data, contributors, {r: merge_sparse(p) for r, p in sketch_parts.items()}
+
+
+def batch_sketches(batch: Batch) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Return a batch's sketches as ``(row in batch, codes, counts)``."""
+    return [(int(row), *batch.sketch(j)) for j, row in enumerate(batch.sketch_rows.tolist())]
+
+
+class PendingStep(Collection):
+    """A step that is not final yet: its parts, and which ranks have closed it."""
+
+    def __init__(self, step: int, world_size: int | None, now: float) -> None:
+        super().__init__()
+        self.step = step
+        self.world_size = world_size  # None until a rank's batch arrives (stream-only so far)
+        self.opened_at = now
+        self.closed: set[int] = set()
+        self.digests: dict[tuple[int, int], bytes] = {}  # (rank, seq) -> content digest
+        self.batches = 0
+        self.streams: list[str] = []
+        # Per stream exported into this step: each client's newest batch (seq) it holds
+        self.stream_seqs: dict[str, dict[str, int]] = {}
+        self.timed_out = False
+        self.stream_only = False
+        # Until the run's world size is agreed: how to rebuild this step without the
+        # contributions of ranks that claimed another size (claim, rank, apply).
+        self.sources: list[tuple[int | None, int | None, Callable[[PendingStep], None]]] | None \
+            = None
+
+    def keep_source(self, claim: int | None, rank: int | None,
+                    apply: Callable[[PendingStep], None]) -> None:
+        """Remember a contribution made before the world size was agreed."""
+        if self.sources is None:
+            self.sources = []
+        self.sources.append((claim, rank, apply))
+
+    def check(self, batch: Batch) -> np.ndarray:
+        """Return the row of each batch key (-1 if new); raise if a key changes its kind."""
+        return self.locate(batch.keys, batch.kinds, f"rank {batch.rank} in step {self.step}")
+
+    def add_batch(self, batch: Batch, idx: np.ndarray, digest: bytes) -> None:
+        """Keep a checked batch as a part; a final batch closes the step for its rank."""
+        part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data)
+        self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch))
+        self.declare(*decode_declarations(batch.derived))
+        self.digests[(batch.rank, batch.seq)] = digest
+        self.batches += 1
+        if batch.final:
+            self.closed.add(batch.rank)
+
+    @property
+    def ranks(self) -> list[int]:
+        """Return every rank that sent a part of this step."""
+        return sorted({rank for rank, _ in self.digests})
+
+    @property
+    def complete(self) -> bool:
+        if not self.digests:  # no rank has sent anything: streams only
+            return self.stream_only
+        return self.world_size is not None and len(self.closed) >= self.world_size
+
+    @property
+    def ready(self) -> bool:
+        # A step with ranks in it waits for the run's world size even past its timeout.
+        return self.complete or (self.timed_out and (self.world_size is not None
+                                                     or not self.digests))
+
+    @property
+    def size(self) -> int:
+        """Return the world size this step waits for (before agreement: the largest claim)."""
+        if self.world_size is not None:
+            return self.world_size
+        return max((claim or 0 for claim, _, _ in self.sources or ()), default=0)
+
+    def missing(self) -> list[int]:
+        return sorted(set(range(self.size)) - self.closed)
+
+    def summary(self) -> dict[str, Any]:
+        return {"closed": sorted(self.closed), "world_size": self.size, "keys": len(self.keys)}
+
+
+class Window(Collection):
+    """A stream's records since its last export, from any number of clients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seqs: set[tuple[str, int]] = set()
+        self.last_seq: dict[str, int] = {}  # each client's newest batch in the window
+
+    def add_batch(self, client: str, batch: Batch) -> bool:
+        """Keep a stream batch; False (and nothing kept) if it was seen before."""
+        if (client, batch.seq) in self.seqs:
+            return False
+        idx = self.locate(batch.keys, batch.kinds, f"stream client {client}")
+        part = Part((client, batch.seq), None, idx, batch.data)
+        self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch), True)
+        self.declare(*decode_declarations(batch.derived))
+        self.seqs.add((client, batch.seq))
+        self.last_seq[client] = max(batch.seq, self.last_seq.get(client, batch.seq))
+        return True
+
+    def as_part(self, order: tuple) -> tuple[Part, list[str], np.ndarray, list]:
+        """Return the merged window as one part for a step (and the keys, codes, sketches)."""
+        data, _, sketches = self.merged()
+        idx = np.full(len(self.keys), -1, dtype=np.int64)
+        part = Part(order, None, idx, data)
+        return part, list(self.keys), self.codes.copy(), [
+            (row, codes, counts) for row, (codes, counts) in sketches.items()
+        ]

@@ -1,0 +1,98 @@
+"""The run's history: its segments, and how far each sink holds the current one.
+
+A run is a sequence of segments. The first begins at step 0; each ``rewind(to_step=k)``
+(a live rewind, or a resume from a checkpoint) begins another, in which the steps after
+``k`` are recorded afresh. The journal's ``rewind`` events are the boundaries: the
+journal's own content, so a restart or a resume reads the same history back.
+
+For each sink the run folder keeps the last step it durably holds and the segment that
+was current then (``SinkState``: ``{"durable_through", "segment"}``). What the sink holds
+of the *current* segment is that step lowered by every rewind since
+(``holds_through``). The journal's writer, every other sink's watermark and the reload
+all ask this one model whether a step is already written; none keeps its own idea.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from metricsvc.core.limits import is_int
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """One segment boundary: steps after ``to_step`` are recorded afresh. ``by``: the
+    actor that made it at its start (a resume), so that Ray restarting that actor does
+    not rewind again past the rerun's steps."""
+
+    to_step: int
+    by: str | None = None
+
+    def event(self) -> dict[str, dict[str, object]]:
+        """The journal event that records it."""
+        body: dict[str, object] = {"to_step": self.to_step}
+        if self.by is not None:
+            body["by"] = self.by
+        return {"rewind": body}
+
+
+class RunHistory:
+    """The segments of a run, oldest first (segment ``i`` begins after ``rewinds[i-1]``)."""
+
+    def __init__(self, rewinds: Iterable[Rewind] = ()) -> None:
+        self.rewinds = list(rewinds)
+
+    @classmethod
+    def read(cls, journal: str | os.PathLike[str] | None) -> RunHistory:
+        """The history a journal records (none, or no journal: one segment)."""
+        if journal is None or not os.path.exists(journal):
+            return cls()
+        return cls(rewind for _, rewind in journal_rewinds(journal))
+
+    @property
+    def segment(self) -> int:
+        """The current segment's number (0: the run was never rewound)."""
+        return len(self.rewinds)
+
+    def rewound(self, rewind: Rewind) -> None:
+        """Begin a new segment."""
+        self.rewinds.append(rewind)
+
+    def made_by(self, actor: str | None) -> bool:
+        """Return True if ``actor`` already made a rewind of this run (at its start)."""
+        return actor is not None and any(r.by == actor for r in self.rewinds)
+
+    def holds_through(self, through: int | None, segment: int) -> int | None:
+        """The last step of the current segment a place holds that held ``through`` (None:
+        nothing) when segment ``segment`` was current."""
+        for rewind in self.rewinds[max(segment, 0):]:
+            if through is not None and through > rewind.to_step:
+                through = rewind.to_step if rewind.to_step >= 0 else None
+        return through
+
+
+def rewind_of(line: str) -> Rewind | None:
+    """The rewind a journal line records, or None for any other line."""
+    if '"rewind"' not in line:
+        return None
+    try:
+        body = json.loads(line)["event"]["rewind"]
+        to_step = body["to_step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not is_int(to_step):
+        return None
+    by = body.get("by")
+    return Rewind(to_step, by if isinstance(by, str) else None)
+
+
+def journal_rewinds(path: str | os.PathLike[str]) -> Iterator[tuple[int, Rewind]]:
+    """Yield ``(line number, rewind)`` of each rewind event in a journal, in file order."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            rewind = rewind_of(line)
+            if rewind is not None:
+                yield number, rewind
