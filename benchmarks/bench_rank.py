@@ -70,9 +70,8 @@ def siirl_masked(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, fl
             f"critic/{name}/min": torch.min(valid).item()}
 
 
-@ray.remote(num_cpus=0)
-class Rank:
-    """A training rank that closes each step in one of the patterns."""
+class RankBody:
+    """A training rank that closes each step in one of the patterns (``Rank``: its actor)."""
 
     def __init__(self, rank: int, world: int, rows: int, cols: int, workload: str) -> None:
         torch.set_num_threads(1)
@@ -188,6 +187,9 @@ class Rank:
             self.client.wait_acks(60)
 
 
+Rank = ray.remote(num_cpus=0)(RankBody)
+
+
 def run(pattern: str, ranks, steps: int, warmup: int, index: int, workload: str) -> dict:
     world = len(ranks)
     name = f"bench-rank-{index}"
@@ -216,6 +218,47 @@ def run(pattern: str, ranks, steps: int, warmup: int, index: int, workload: str)
     total = statistics.median(s["compute_ms"] + s["close_ms"] for s in samples)
     return {"workload": workload, "pattern": pattern, "ranks": world, "steps": steps, **med,
             "total_ms": total}
+
+
+def compat_compute(rounds: int = 9, calls: int = 20) -> dict:
+    """Ours over siiRL's compute on siiRL's batch, in this process (no Ray, no send):
+    ``compute_local_data_metric`` + ``..._timing_..`` + ``..._throughput_..`` +
+    ``submit_metric`` of 200 scalars against siiRL's three functions and its dict, in
+    interleaved rounds (the order alternates), each the mean of ``calls`` steps."""
+    torch.set_num_threads(1)
+    rank = RankBody(0, 1, 1, 1, "siirl")
+    rank.setup("ours_compat", None, "bench-compat")
+    batch, timing, client = rank.batch, rank.timing, rank.client
+    plain = rank._plain()
+
+    def ours() -> None:
+        client.compute_local_data_metric(batch)
+        client.compute_local_timing_metrics(batch, timing)
+        client.compute_local_throughput_metrics(batch, timing, 1)
+        client.submit_metric(plain)
+        client.buffer.discard()
+
+    def theirs() -> None:
+        dicts = [siirl_metrics.compute_data_metric(batch),
+                 siirl_metrics.compute_timing_metrics(batch, timing),
+                 siirl_metrics.compute_throughput_metrics(batch, timing, 1), plain]
+        {k: v for d in dicts for k, v in d.items()}
+
+    for f in (ours, theirs, ours, theirs):
+        f()
+    ratios, ms = [], {"ours": [], "theirs": []}
+    for r in range(rounds):
+        took = {}
+        for f in ((ours, theirs) if r % 2 else (theirs, ours)):
+            start = time.perf_counter()
+            for _ in range(calls):
+                f()
+            took[f.__name__] = (time.perf_counter() - start) / calls * 1e3
+            ms[f.__name__].append(took[f.__name__])
+        ratios.append(took["ours"] / took["theirs"])
+    return {"ours_ms": statistics.median(ms["ours"]), "siirl_ms": statistics.median(ms["theirs"]),
+            "ratio": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
+            "rounds": rounds}
 
 
 def main() -> list[dict]:
@@ -259,6 +302,18 @@ def main() -> list[dict]:
                   f"{r['total_ms']:.2f} | "
                   f"{base['siirl_4call']['total_ms'] / r['total_ms']:.2f}× | "
                   f"{base['siirl_1call']['total_ms'] / r['total_ms']:.2f}× |")
+        if workload == "siirl":
+            flush, one = base["ours_compat_flush"], base["siirl_1call"]
+            print(f"\nwhole step with flush: siiRL 1-call / ours_compat_flush = "
+                  f"{one['total_ms'] / flush['total_ms']:.2f}×")
+            c = compat_compute()
+            rows.append({"workload": "siirl", "pattern": "compat_compute", **c})
+            print(f"\ncompat compute in one process ({c['rounds']} interleaved rounds): ours "
+                  f"{c['ours_ms']:.2f} ms, siiRL {c['siirl_ms']:.2f} ms")
+            print("| compute | ours / siiRL (median) | range |")
+            print("|---|---:|---:|")
+            print(f"| data + timing + throughput + 200 scalars | {c['ratio']:.2f}× | "
+                  f"{c['low']:.2f}–{c['high']:.2f}× |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "rank.json").write_text(json.dumps(rows, indent=2) + "\n")
     ray.shutdown()
