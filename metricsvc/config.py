@@ -162,6 +162,30 @@ class OutputConfig(Strict):
         )
 
 
+class MetricsConfig(Strict):
+    """The service's own health as Ray metrics (``ray.util.metrics``), which Ray exports in
+    Prometheus format on each node's metrics port (with ``ray[default]``:
+    ``pip install 'metricsvc[observe]'``); the series are ``metricsvc_*`` (Prometheus
+    shows them as ``ray_metricsvc_*``), tagged with the service's name."""
+
+    enabled: bool = Field(True, description="report the service's health as Ray metrics")
+    interval_s: float = Field(1.0, gt=0, le=3600,
+                              description="seconds between two reports of the health")
+    export: list[str] = Field(
+        default_factory=list,
+        description="finished-step metrics (glob patterns of exported names, e.g. 'actor/*') "
+                    "also reported, as the gauge metricsvc_step_metric{metric=...}: a "
+                    "Grafana panel shows training live (default: none)")
+
+    @field_validator("export")
+    @classmethod
+    def _patterns(cls, patterns: list[str]) -> list[str]:
+        bad = [p for p in patterns if not isinstance(p, str) or not p.strip()]
+        if bad:
+            raise ValueError(f"metrics.export takes non-empty glob patterns, got {bad[0]!r}")
+        return patterns
+
+
 class ServiceConfig(Strict):
     """Everything the MetricWorker actor needs; the driver passes it at start."""
 
@@ -194,6 +218,7 @@ class ServiceConfig(Strict):
     limits: LimitsConfig = LimitsConfig()
     run: RunConfig = RunConfig()
     sinks: SinksConfig = SinksConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @field_validator("reduce_rules")
     @classmethod
@@ -324,7 +349,7 @@ def load_config(source: ConfigSource = None, **overrides: Any) -> ServiceConfig:
 
 __all__ = [  # the sinks' models live with their sinks; here for one import of every model
     "ConfigSource", "ConsoleSinkConfig", "CustomSinkConfig", "DeliveryConfig",
-    "JsonlSinkConfig", "LimitsConfig", "MlflowSinkConfig", "OutputConfig", "RunConfig",
-    "ServiceConfig", "SinksConfig", "SwanlabSinkConfig", "TensorboardSinkConfig",
+    "JsonlSinkConfig", "LimitsConfig", "MetricsConfig", "MlflowSinkConfig", "OutputConfig",
+    "RunConfig", "ServiceConfig", "SinksConfig", "SwanlabSinkConfig", "TensorboardSinkConfig",
     "WandbSinkConfig", "load_config", "new_trial", "presets", "resolve_config_path",
 ]

@@ -31,6 +31,21 @@ os.environ["RAY_ADDRESS"] = "local"
 NODES = ("node_a", "node_b")
 
 
+METRICS_PORTS: list[int] = []  # each node's Prometheus export, once the cluster runs
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """Start a real multi-node Ray cluster on this machine (Ray's own ``Cluster``: a head
@@ -46,10 +61,16 @@ def ray_cluster():
     # ``Cluster`` does not by itself. Child drivers inherit RAY_AUTH_MODE from here.
     enable_token_auth_by_default()
     ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+    # Each node's metrics agent serves Ray's Prometheus export on a port the tests know
+    # (METRICS_PORTS), reporting every second (Ray's default: 10 s).
+    ports = _free_ports(1 + len(NODES))
+    METRICS_PORTS.extend(ports)
     cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 4, "include_dashboard": False})
-    for name in NODES:
-        cluster.add_node(num_cpus=2, resources={name: 1000})
+                      head_node_args={"num_cpus": 4, "include_dashboard": False,
+                                      "metrics_export_port": ports[0],
+                                      "_system_config": {"metrics_report_interval_ms": 1000}})
+    for name, port in zip(NODES, ports[1:]):
+        cluster.add_node(num_cpus=2, resources={name: 1000}, metrics_export_port=port)
     cluster.wait_for_nodes()
     ray.init(
         address=cluster.address,

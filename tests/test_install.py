@@ -138,7 +138,9 @@ def test_the_plain_number_quickstart_and_the_demo_run_from_a_base_install(fresh)
     (work / "quickstart.py").write_text(quickstart)
     refused = ("import ray, metricsvc\nray.init()\ntry:\n"
                "    metricsvc.start_metric_worker('all')\nexcept ValueError as err:\n"
-               "    print('REFUSED', err)\n")
+               "    print('REFUSED', err)\n"
+               "w = metricsvc.start_metric_worker({'name': 'base', 'sinks': {'console': None}})\n"
+               "print('EXPORT', metricsvc.service_health(w)['metrics_export']['export'])\n")
     (work / "refused.py").write_text(refused)
     env_runs = [(python, "quickstart.py"), ("metricsvc", "demo", "--steps", "3"),
                 (python, "refused.py")]
@@ -155,4 +157,6 @@ def test_the_plain_number_quickstart_and_the_demo_run_from_a_base_install(fresh)
     assert "3 steps final" in d_out and "ModuleNotFoundError" not in d_err
     assert r_rc == 0, r_err[-3000:]
     assert "REFUSED" in r_out and "pip install 'metricsvc[tensorboard]'" in r_out
-    assert len(r_out.strip().splitlines()) == 1
+    refusal, export = r_out.strip().splitlines()  # one line each
+    assert export.startswith("EXPORT off: Ray's metrics agent needs ray[default]")  # base
+    assert "pip install 'metricsvc[observe]'" in export

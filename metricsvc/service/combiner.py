@@ -27,6 +27,7 @@ from metricsvc.core.resend import Outbox, deliver, is_stale
 from metricsvc.core.validation import check_batch
 from metricsvc.core.wire import as_batch, encode
 from metricsvc.protocol import ACTOR_ERRORS, backoff, next_pause
+from metricsvc.service.observe import CombinerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class CombinerImpl:
         self.waiting = 0  # ranks' submits waiting for their batch's answer
         self._ticker: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
+        self.metrics = CombinerMetrics(self.config.name, label, self.node,
+                                       self.config.metrics.enabled)  # Ray's metrics
 
     # -- ranks -------------------------------------------------------------------------
     async def register(self, rank: int) -> None:
@@ -168,6 +171,8 @@ class CombinerImpl:
             self.forwarded_batches += len(batches)
             self.durable_through = ack.get("durable_through")
             self.last_final_step = ack.get("last_final_step")
+            self.metrics.report({**self._report(),
+                                 "rejected_upstream": self.calls["rejected_upstream"]})
         return list(ack.get("answers", ()))
 
     def _note_rejections(self, ack: dict[str, Any]) -> None:
@@ -213,7 +218,8 @@ class CombinerImpl:
                 "gathering": {s: sorted(g.closed) for s, g in sorted(self._gathering.items())},
                 "forwarded_through": self._forwarded_through,
                 "durable_through": self.durable_through, "inflight": len(self._outbox),
-                "calls": {**self.calls, "resent": self._outbox.resent}}
+                "calls": {**self.calls, "resent": self._outbox.resent},
+                "metrics_export": "on" if self.metrics.off is None else self.metrics.off}
 
 
 Combiner = ray.remote(num_cpus=0, max_restarts=3, max_concurrency=1088)(CombinerImpl)

@@ -61,4 +61,5 @@ def worker_health(w: Any) -> dict[str, Any]:
         "merge_cpu_s": intake.merge_cpu_s,  # of it, inside submit / submit_many
         "closed": intake.closed,
         "combiners": dict(intake.combiners),
+        "metrics_export": w.live.status(),
     }

@@ -36,7 +36,8 @@ class Intake:
     def __init__(self, name: str, aggregator: Aggregator, results: Results,
                  sinks: SinkDispatcher, lock: threading.RLock,
                  durable_through: Callable[[], int | None], epoch: str,
-                 straggler_timeout_s: float | None) -> None:
+                 straggler_timeout_s: float | None,
+                 observe: Callable[[int, dict, dict], None] | None = None) -> None:
         self.name = name
         self.aggregator, self.results, self.sinks = aggregator, results, sinks
         self.lock = lock  # the actor's: held by every call that reads or changes the merge
@@ -48,6 +49,7 @@ class Intake:
         self.merge_cpu_s = 0.0  # CPU inside the ranks' calls: the service's own work
         self.closed = False
         self.combiners: dict[str, dict[str, Any]] = {}  # label -> its last reported health
+        self.observe = observe  # each published step, for Ray's metrics (LiveMetrics.step)
 
     # -- the calls -------------------------------------------------------------------------
     def submit(self, batch: Batch | bytes, epoch: str | None) -> dict[str, Any]:
@@ -175,6 +177,8 @@ class Intake:
         for result in finished:
             self.results.put(result)
             self.sinks.publish(result.step, result.metrics, result.meta)
+            if self.observe is not None:
+                self.observe(result.step, result.metrics, result.meta)
         self.results.notify()
 
     def _stale(self, epoch: str | None) -> bool:

@@ -35,6 +35,7 @@ from metricsvc.service import continuing as continuing_run
 from metricsvc.service.aggregator import Aggregator
 from metricsvc.service.health import worker_health
 from metricsvc.service.intake import Intake
+from metricsvc.service.observe import LiveMetrics, Reporter
 from metricsvc.service.results import Results
 from metricsvc.service.rewinds import Rewinds
 from metricsvc.sinks import SinkDispatcher, build_sinks
@@ -105,14 +106,19 @@ class MetricWorkerImpl:
                                     replay=journal, history=self.history)
         self.rewinds = Rewinds(self.aggregator, self.journal, self.results, self.sinks,
                                self.aggregator.last_emitted if self.restored_steps else None)
+        # The health, live in Ray's metrics (Prometheus, the dashboard): metricsvc_*
+        self.live = LiveMetrics(cfg.name, enabled=cfg.metrics.enabled, export=cfg.metrics.export)
         self.intake = Intake(cfg.name, self.aggregator, self.results, self.sinks, lock,
-                             self.durable_through, uuid.uuid4().hex, cfg.straggler_timeout_s)
+                             self.durable_through, uuid.uuid4().hex, cfg.straggler_timeout_s,
+                             observe=self.live.step if self.live.on else None)
+        self.reporter = Reporter(self.live, self.health, cfg.metrics.interval_s)
         self.started = time.time()
         # Resuming from a checkpoint: rewound before any batch is taken, once (a Ray restart
         # of this actor finds its own rewind in the journal and leaves the rerun alone)
         if cfg.run.from_step is not None and not self.history.made_by(self.actor):
             with lock:
                 self.rewinds.rewind(cfg.run.from_step, by=self.actor)
+        self.reporter.start()
 
     def durable_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""
@@ -211,6 +217,7 @@ class MetricWorkerImpl:
         harmless. Returns ``health()``."""
         if self.intake.close():
             self.sinks.close()
+            self.reporter.stop()  # the final state, reported once more
             if self._owner_fd is not None:
                 os.close(self._owner_fd)  # the folder may have a new owner now
                 self._owner_fd = None

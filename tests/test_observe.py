@@ -1,0 +1,153 @@
+"""The service's health, live in Ray's own metrics (issue 40): read back from Ray's
+Prometheus export over HTTP, as Prometheus scrapes it (the session cluster's nodes export
+on known ports, ``conftest.METRICS_PORTS``)."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import ray
+
+from metricsvc.client import MetricClient
+from metricsvc.core.records import Batch, summarize_array
+from metricsvc.core.wire import encode
+from metricsvc.errors import BatchRejected
+from metricsvc.service.observe import COUNTERS, GAUGES, SINK_COUNTERS, SINK_GAUGES, LiveMetrics
+from tests.conftest import METRICS_PORTS
+
+_LINE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
+
+
+def scrape() -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of every node's export: (name, labels, value)."""
+    samples = []
+    for port in METRICS_PORTS:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                          timeout=5).read().decode()
+        except OSError:
+            continue  # a node whose agent is not up: the others
+        for line in text.splitlines():
+            found = _LINE.match(line)
+            if found and found.group(1).startswith("ray_metricsvc_"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', found.group(2)))
+                samples.append((found.group(1), labels, float(found.group(3))))
+    return samples
+
+
+def values(samples, name: str, **labels: str) -> list[float]:
+    return [v for n, tags, v in samples
+            if n == name and all(tags.get(k) == x for k, x in labels.items())]
+
+
+def test_the_services_health_is_live_in_rays_prometheus_export(make_worker):
+    handle, cfg = make_worker(world_size=2, straggler_timeout_s=1.0,
+                              sinks={"jsonl": {}},
+                              metrics={"interval_s": 0.2, "export": ["loss/*"]})
+    ranks = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    for r, c in enumerate(ranks):  # step 0: both ranks
+        c.scalar(**{"loss/value": 1.0 + r})
+        c.wait_submit(step=0, timeout_s=30)
+    ranks[0].scalar(**{"loss/value": 5.0})  # step 1: rank 1 never closes it: partial
+    ranks[0].wait_submit(step=1, timeout_s=30)
+    bad = Batch.build(step=1, rank=1, world_size=3, seq=1, keys=["x"],  # another world size
+                      data=summarize_array(np.array([1.0]))[None], kinds=[0], expected=[0],
+                      final=True)
+    with pytest.raises(BatchRejected):
+        ray.get(handle.submit.remote(encode(bad)))
+    final = ray.get(handle.wait_final.remote(1, 30))
+    assert final["meta"]["partial"]
+    health = ray.get(handle.health.remote())
+    assert health["metrics_export"]["export"] == "on"
+
+    service = {"service": cfg.name}
+    want = {
+        "ray_metricsvc_last_final_step": 1.0,
+        "ray_metricsvc_pending_steps": 0.0,
+        "ray_metricsvc_world_size": 2.0,
+        "ray_metricsvc_batches_total": 3.0,
+        "ray_metricsvc_rejected_batches_total": 1.0,
+        "ray_metricsvc_partial_steps_total": 1.0,
+        "ray_metricsvc_flush_to_final_seconds_count": 2.0,
+        "ray_metricsvc_step": 1.0,
+    }
+    deadline = time.monotonic() + 60
+    while True:
+        samples = scrape()
+        got = {name: values(samples, name, **service) for name in want}
+        sink = values(samples, "ray_metricsvc_sink_steps_written_total", sink="jsonl",
+                      **service)
+        step_metric = values(samples, "ray_metricsvc_step_metric", metric="loss/value",
+                             **service)
+        if all(got[n] == [v] for n, v in want.items()) and sink == [2.0] \
+                and step_metric == [5.0]:
+            break
+        assert time.monotonic() < deadline, (got, sink, step_metric)
+        time.sleep(0.3)
+    # every gauge is exported for this service; a counter once it counted something (as
+    # Prometheus has it: a series that never grew is absent, `or vector(0)` in a panel)
+    names = {n for n, tags, _ in samples if tags.get("service") == cfg.name}
+    assert {f"ray_{name}" for name in [*GAUGES, *SINK_GAUGES]} <= names
+    counted = {f"ray_{n}_total" for n in [*COUNTERS, *SINK_COUNTERS]} & names
+    assert counted == {"ray_metricsvc_batches_total", "ray_metricsvc_rejected_batches_total",
+                       "ray_metricsvc_partial_steps_total", "ray_metricsvc_merge_cpu_seconds_total",
+                       "ray_metricsvc_sink_steps_written_total"}, counted
+    merge_cpu = values(samples, "ray_metricsvc_merge_cpu_seconds_total", **service)
+    assert len(merge_cpu) == 1 and 0 < merge_cpu[0] < 60
+
+
+def test_the_export_turned_off_says_so_and_reports_nothing(make_worker):
+    handle, cfg = make_worker(world_size=1, metrics={"enabled": False})
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    client.scalar(x=1.0)
+    client.wait_submit(step=0, timeout_s=30)
+    status = ray.get(handle.health.remote())["metrics_export"]
+    assert status["export"] == "off (metrics.enabled is false)" and status["series"] == 0
+    assert not [s for s in scrape() if s[1].get("service") == cfg.name]
+
+
+def test_without_rays_metrics_agent_the_service_says_what_to_install(monkeypatch):
+    """Where ray[default] is missing (a base install), nothing is reported and health()
+    names the extra to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "aiohttp" else real(name, *a))
+    live = LiveMetrics("svc")
+    assert not live.on and "pip install 'metricsvc[observe]'" in live.status()["export"]
+    live.report({"pending_steps": {}, "sinks": {"jsonl": {"written": 3}}})  # a no-op
+    live.step(0, {"x": 1.0}, {"age_s": 0.1})
+    assert live.status()["reports"] == 0
+
+
+def test_a_combiner_reports_its_forwards_in_rays_export(make_worker):
+    import metricsvc
+
+    handle, cfg = make_worker(world_size=2, topology="per_node")
+    combiner = metricsvc.start_combiner(cfg, "obs")
+    ranks = [MetricClient(None, rank=r, world_size=2, name=cfg.name, via="obs")
+             for r in range(2)]
+    for step in range(3):
+        for c in ranks:
+            c.scalar(x=float(step))
+            c.flush()
+    for c in ranks:
+        c.wait_acks(30)
+    ray.get(handle.wait_final.remote(2, 30))
+    assert ray.get(combiner.health.remote())["metrics_export"] == "on"
+    tags = {"service": cfg.name, "combiner": "obs"}
+    deadline = time.monotonic() + 60
+    while True:
+        samples = scrape()
+        forwarded = values(samples, "ray_metricsvc_combiner_forwarded_batches_total", **tags)
+        registered = values(samples, "ray_metricsvc_combiner_ranks", **tags)
+        if forwarded == [6.0] and registered == [2.0]:
+            break
+        assert time.monotonic() < deadline, (forwarded, registered)
+        time.sleep(0.3)
+    ray.kill(combiner)
