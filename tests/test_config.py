@@ -67,3 +67,40 @@ def test_the_limits_config_and_the_validation_limits_share_their_defaults():
 
     assert LimitsConfig().to_limits() == Limits()
     assert {f.name for f in fields(Limits)} <= set(LimitsConfig.model_fields)
+
+
+def test_each_default_more_than_one_part_reads_comes_from_one_place():
+    """Issue 38: the merge's admission limits, the sketch's alpha, the retry budget, the
+    tag length and the output rules are written once (``metricsvc.core.limits``,
+    ``OutputRules``); the config, the merge, the clients and the sinks read them."""
+    import inspect
+
+    from metricsvc.client import MetricClient, StreamRecorder
+    from metricsvc.config import ServiceConfig
+    from metricsvc.core import limits
+    from metricsvc.core.keys import safe_tag
+    from metricsvc.core.records import Batch
+    from metricsvc.core.reduce import OutputRules
+    from metricsvc.core.sketch import SketchSpec
+    from metricsvc.service.aggregator import Aggregator
+    from metricsvc.service.derive import Deriver
+    from metricsvc.sinks.names import descriptions, tagged
+
+    def default(f, name):
+        return inspect.signature(f).parameters[name].default
+
+    cfg = ServiceConfig()
+    assert cfg.limits.max_pending_steps == default(Aggregator, "max_pending_steps") \
+        == limits.MAX_PENDING_STEPS
+    assert cfg.limits.max_steps_ahead == default(Aggregator, "max_steps_ahead") \
+        == limits.MAX_STEPS_AHEAD
+    assert cfg.limits.to_limits() == limits.LIMITS
+    assert (default(Deriver, "max_outputs"), default(Deriver, "max_reads")) == (
+        limits.LIMITS.max_derived_outputs, limits.LIMITS.max_derived_reads)
+    assert cfg.output.rules() == OutputRules()
+    assert cfg.output.sketch_alpha == SketchSpec().alpha == Batch.sketch_alpha \
+        == limits.SKETCH_ALPHA
+    assert default(MetricClient, "retry_s") == default(StreamRecorder, "retry_s") \
+        == limits.RETRY_S
+    assert default(safe_tag, "max_length") == default(tagged, "max_length") \
+        == default(descriptions, "max_length") == limits.MAX_TAG_LENGTH

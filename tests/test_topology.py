@@ -111,3 +111,26 @@ def test_batches_reaching_a_combiner_while_it_forwards_their_step_are_not_held_b
         c.wait_acks(30)
     node = ray.get_runtime_context().get_node_id()
     ray.kill(ray.get_actor(combiner_name(cfg.name, node), namespace=cfg.namespace))
+
+
+def test_a_combiner_whose_metric_worker_is_gone_for_good_says_so_at_once(make_worker):
+    """One retry rule for every sender (issue 38): a combiner stops retrying at once when
+    the MetricWorker is dead for good, as a rank's client does, instead of retrying for
+    the whole budget (120 s); the rank hears ServiceUnavailable naming why."""
+    import time
+
+    from metricsvc.client import MetricClient
+    from metricsvc.errors import ServiceUnavailable
+
+    handle, cfg = make_worker(topology="per_node")
+    combiner = metricsvc.start_combiner(cfg, "orphan")
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name, via="orphan")
+    c.submit_metric({"x": 1.0})
+    c.wait_submit(timeout_s=30)
+    ray.kill(handle, no_restart=True)
+    c.submit_metric({"x": 2.0})
+    start = time.monotonic()
+    with pytest.raises(ServiceUnavailable, match="dead for good"):
+        c.wait_submit(timeout_s=60)
+    assert time.monotonic() - start < 30
+    ray.kill(combiner)

@@ -26,7 +26,7 @@ from metricsvc.core.records import Batch
 from metricsvc.core.resend import Outbox, deliver, is_stale
 from metricsvc.core.validation import check_batch
 from metricsvc.core.wire import as_batch, encode
-from metricsvc.protocol import ACTOR_ERRORS, backoff, next_pause
+from metricsvc.protocol import ACTOR_ERRORS, ServiceUnavailable, backoff, next_pause
 from metricsvc.service.observe import CombinerMetrics
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,13 @@ class CombinerImpl:
 
     # -- upstream ----------------------------------------------------------------------
     def _upstream(self) -> Any:
-        return ray.get_actor(self.config.name, namespace=self.config.namespace)
+        try:
+            return ray.get_actor(self.config.name, namespace=self.config.namespace)
+        except ValueError:  # no such actor (a restarting one keeps its name): gone for good
+            raise ServiceUnavailable(
+                f"MetricWorker {self.config.name!r} (submit_many): it is dead for good (no "
+                f"actor of that name in namespace {self.config.namespace!r}: stopped, or out "
+                f"of restarts)") from None
 
     async def _call_upstream(self, batches: list[bytes]) -> dict[str, Any]:
         pauses = backoff(RETRY_S)
