@@ -17,6 +17,7 @@ import fnmatch
 import importlib.util
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -88,6 +89,8 @@ class LiveMetrics:
         self._chosen: dict[tuple[str, ...], list[str]] = {}  # step keys -> exported ones
         self._series: dict[str, Any] = {}
         self._step: tuple[int, dict[str, float]] | None = None  # the newest, as exported
+        # Finished steps noted since the last report: (step, age_s, chosen metrics)
+        self._finished: deque[tuple[int, float | None, dict[str, float]]] = deque(maxlen=10_000)
         if self.off is None:
             try:
                 self._create()
@@ -145,6 +148,12 @@ class LiveMetrics:
                 self._series[name].set(float(state.get(key) or 0), tags=sink_tags)
             for name, (key, _) in SINK_COUNTERS.items():
                 self._raise(name, sink, float(state.get(key) or 0), sink_tags)
+        while self._finished:
+            step, age, chosen = self._finished.popleft()
+            if age is not None:
+                self._series[WAIT].observe(max(age, 0.0), tags=tags)
+            if self.patterns:
+                self._step = (step, chosen)
         self._show_step(tags)
         self.reports += 1
 
@@ -155,25 +164,23 @@ class LiveMetrics:
         self._last[(name, sink)] = total
 
     def step(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        """A finished step: its wait, and the metrics ``metrics.export`` names."""
+        """A finished step: its wait, and the metrics ``metrics.export`` names. Only noted
+        here (plain Python, on the merge path); the next report gives them to Ray."""
         if not self.on:
             return
-        tags = {"service": self.service}
         age = meta.get("age_s")
-        if isinstance(age, (int, float)):
-            self._series[WAIT].observe(max(float(age), 0.0), tags=tags)
+        chosen: dict[str, float] = {}
         if self.patterns:
             keys = tuple(metrics)
-            chosen = self._chosen.get(keys)
-            if chosen is None:
-                chosen = [k for k in keys if any(fnmatch.fnmatchcase(k, p)
-                                                 for p in self.patterns)]
+            names = self._chosen.get(keys)
+            if names is None:
+                names = [k for k in keys if any(fnmatch.fnmatchcase(k, p)
+                                                for p in self.patterns)]
                 if len(self._chosen) > 64:
                     self._chosen.clear()
-                self._chosen[keys] = chosen
-            self._step = (step, {key: float(metrics[key]) for key in chosen
-                                 if isinstance(metrics[key], (int, float))})
-            self._show_step(tags)
+                self._chosen[keys] = names
+            chosen = {k: float(metrics[k]) for k in names if isinstance(metrics[k], (int, float))}
+        self._finished.append((step, age if isinstance(age, (int, float)) else None, chosen))
 
     def _show_step(self, tags: dict[str, str]) -> None:
         """Set the step gauges to the newest finished step's (again at every report: a
@@ -184,6 +191,7 @@ class LiveMetrics:
         for key, value in chosen.items():
             self._series[STEP].set(value, tags={**tags, "metric": key})
         self._series["metricsvc_step"].set(float(step), tags=tags)
+
 
 class Reporter:
     """A daemon thread that reports ``health()`` every ``interval_s`` while the service
