@@ -75,6 +75,39 @@ def export_off(enabled: bool) -> str | None:
     return None
 
 
+class SeriesTable:
+    """The gauges and counters of one table pair (``{name: (key, meaning)}``), made with
+    ``tag_keys`` and reported from a dict of values: a gauge is set to its value (a
+    collection: its size), a counter raised by what its total grew since the last report
+    with the same tags (a restart starts the totals anew)."""
+
+    def __init__(self, gauges: Mapping[str, tuple[str, str]],
+                 counters: Mapping[str, tuple[str, str]], tag_keys: tuple[str, ...]) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self.gauges, self.counters = gauges, counters
+        self.series: dict[str, Any] = {
+            **{name: Gauge(name, description=what, tag_keys=tag_keys)
+               for name, (_, what) in gauges.items()},
+            **{name: Counter(name, description=what, tag_keys=tag_keys)
+               for name, (_, what) in counters.items()}}
+        self._last: dict[tuple[str, tuple], float] = {}  # counter, tags -> last total
+
+    def report(self, values: Mapping[str, Any], tags: dict[str, str]) -> None:
+        for name, (key, _) in self.gauges.items():
+            value = values.get(key) or 0
+            if isinstance(value, (dict, list)):
+                value = len(value)
+            self.series[name].set(float(value), tags=tags)
+        where = tuple(tags.values())
+        for name, (key, _) in self.counters.items():
+            total = float(values.get(key) or 0)
+            last = self._last.get((name, where), 0.0)
+            if total > last:
+                self.series[name].inc(total - last, tags=tags)
+            self._last[(name, where)] = total
+
+
 class LiveMetrics:
     """One actor's series in Ray's metrics: created once, reported from its health."""
 
@@ -85,7 +118,6 @@ class LiveMetrics:
         self.patterns = tuple(export)
         self.reports = 0
         self.errors = 0
-        self._last: dict[tuple[str, str], float] = {}  # counter, sink -> last reported total
         self._chosen: dict[tuple[str, ...], list[str]] = {}  # step keys -> exported ones
         self._series: dict[str, Any] = {}
         self._step: tuple[int, dict[str, float]] | None = None  # the newest, as exported
@@ -98,17 +130,12 @@ class LiveMetrics:
                 self.off = f"off: {type(err).__name__}: {err}"
 
     def _create(self) -> None:
-        from ray.util.metrics import Counter, Gauge, Histogram
+        from ray.util.metrics import Gauge, Histogram
 
         tags = ("service",)
-        for name, (_, what) in GAUGES.items():
-            self._series[name] = Gauge(name, description=what, tag_keys=tags)
-        for name, (_, what) in COUNTERS.items():
-            self._series[name] = Counter(name, description=what, tag_keys=tags)
-        for name, (_, what) in SINK_GAUGES.items():
-            self._series[name] = Gauge(name, description=what, tag_keys=("service", "sink"))
-        for name, (_, what) in SINK_COUNTERS.items():
-            self._series[name] = Counter(name, description=what, tag_keys=("service", "sink"))
+        self._health = SeriesTable(GAUGES, COUNTERS, tags)
+        self._sinks = SeriesTable(SINK_GAUGES, SINK_COUNTERS, ("service", "sink"))
+        self._series.update({**self._health.series, **self._sinks.series})
         self._series[WAIT] = Histogram(
             WAIT, description="seconds from a step's first batch to its being final",
             boundaries=WAIT_BOUNDS, tag_keys=tags)
@@ -135,19 +162,9 @@ class LiveMetrics:
         if not self.on:
             return
         tags = {"service": self.service}
-        for name, (key, _) in GAUGES.items():
-            value = health.get(key)
-            if isinstance(value, (dict, list)):
-                value = len(value)
-            self._series[name].set(float(value if value is not None else 0), tags=tags)
-        for name, (key, _) in COUNTERS.items():
-            self._raise(name, "", float(health.get(key) or 0), tags)
+        self._health.report(health, tags)
         for sink, state in (health.get("sinks") or {}).items():
-            sink_tags = {"service": self.service, "sink": sink}
-            for name, (key, _) in SINK_GAUGES.items():
-                self._series[name].set(float(state.get(key) or 0), tags=sink_tags)
-            for name, (key, _) in SINK_COUNTERS.items():
-                self._raise(name, sink, float(state.get(key) or 0), sink_tags)
+            self._sinks.report(state, {"service": self.service, "sink": sink})
         while self._finished:
             step, age, chosen = self._finished.popleft()
             if age is not None:
@@ -156,12 +173,6 @@ class LiveMetrics:
                 self._step = (step, chosen)
         self._show_step(tags)
         self.reports += 1
-
-    def _raise(self, name: str, sink: str, total: float, tags: dict[str, str]) -> None:
-        last = self._last.get((name, sink), 0.0)
-        if total > last:
-            self._series[name].inc(total - last, tags=tags)
-        self._last[(name, sink)] = total
 
     def step(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
         """A finished step: its wait, and the metrics ``metrics.export`` names. Only noted
@@ -247,29 +258,13 @@ class CombinerMetrics:
     def __init__(self, service: str, label: str, node: str, enabled: bool = True) -> None:
         self.off = export_off(enabled)
         self.tags = {"service": service, "combiner": label, "node": node}
-        self._last: dict[str, float] = {}
-        self._series: dict[str, Any] = {}
+        self._table: SeriesTable | None = None
         if self.off is None:
             try:
-                from ray.util.metrics import Counter, Gauge
-
-                keys = tuple(self.tags)
-                for name, (_, what) in COMBINER_GAUGES.items():
-                    self._series[name] = Gauge(name, description=what, tag_keys=keys)
-                for name, (_, what) in COMBINER_COUNTERS.items():
-                    self._series[name] = Counter(name, description=what, tag_keys=keys)
+                self._table = SeriesTable(COMBINER_GAUGES, COMBINER_COUNTERS, tuple(self.tags))
             except Exception as err:  # never a reason for the combiner not to run
                 self.off = f"off: {type(err).__name__}: {err}"
 
     def report(self, health: Mapping[str, Any]) -> None:
-        if self.off is not None:
-            return
-        for name, (key, _) in COMBINER_GAUGES.items():
-            value = health.get(key) or 0
-            self._series[name].set(float(len(value) if isinstance(value, list) else value),
-                                   tags=self.tags)
-        for name, (key, _) in COMBINER_COUNTERS.items():
-            total = float(health.get(key) or 0)
-            if total > self._last.get(name, 0.0):
-                self._series[name].inc(total - self._last.get(name, 0.0), tags=self.tags)
-            self._last[name] = total
+        if self._table is not None:
+            self._table.report(health, self.tags)
