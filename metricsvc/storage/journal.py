@@ -122,7 +122,11 @@ DEFAULT_JOURNAL = JsonlSinkConfig().filename  # "metrics.jsonl"
 def journal_file(run_dir: str | os.PathLike[str], sinks: Any = None) -> Path | None:
     """Return the journal of the run in ``run_dir`` under ``sinks`` (None: the default
     config), or None where the journal is turned off."""
-    jsonl = JsonlSinkConfig() if sinks is None else sinks.jsonl
+    return _journal_at(run_dir, JsonlSinkConfig() if sinks is None else sinks.jsonl)
+
+
+def _journal_at(run_dir: str | os.PathLike[str], jsonl: JsonlSinkConfig | None) -> Path | None:
+    """The one place a journal's path is built (None: the journal is turned off)."""
     if jsonl is None or not jsonl.enabled:
         return None
     return Path(run_dir) / jsonl.filename
@@ -140,9 +144,7 @@ def run_journal(run_dir: Path) -> Path | None:
         jsonl = None if section is None else JsonlSinkConfig.model_validate(section)
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         pass  # no saved config (or an unreadable one): the default name
-    if jsonl is None or not jsonl.enabled:
-        return None
-    return Path(run_dir) / jsonl.filename
+    return _journal_at(run_dir, jsonl)
 
 
 class Journal:
