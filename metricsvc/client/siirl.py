@@ -15,8 +15,9 @@ from metricsvc.protocol import is_int
 
 
 class SiirlCalls:
-    """siiRL's recording calls for one rank's client: each checks the ``world_size`` siiRL
-    passes and records through the client's tracker API (``metricsvc.client.metrics``).
+    """siiRL's calls for one rank's client: each recording call checks the ``world_size``
+    siiRL passes and records through the client's tracker API (``metricsvc.client.metrics``);
+    ``wait_final_res`` takes siiRL's spellings and asks the client's service.
     ``MetricClient`` holds one and answers siiRL's method names with it."""
 
     def __init__(self, tracker: Any, world_size: int) -> None:
