@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM_LO, Batch
+from metricsvc.core.batch import Batch
+from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM_LO
 from metricsvc.service.aggregator import Aggregator
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout

@@ -261,18 +261,78 @@ def compat_compute(rounds: int = 9, calls: int = 20) -> dict:
             "rounds": rounds}
 
 
+def extremes_cost(rows: int, cols: int, rounds: int = 9, calls: int = 5) -> dict:
+    """A PPO step with ``stat(ids=)`` over one without, in this process: 8 token-level
+    tensors [rows x cols] under the response mask, 6 per-sequence values, 276 plain numbers,
+    then the flush's host copy and encoding (``take_batch`` + ``encode``), in interleaved
+    rounds (the order alternates), each the mean of ``calls`` steps."""
+    from metricsvc.core.wire import encode
+
+    torch.set_num_threads(1)
+    body = RankBody(0, 1, rows, cols, "ppo300")
+    client = MetricClient(None, rank=0, world_size=1, name="bench-extremes")
+    tokens = {f"critic/{n}": x for n, x in body.tensors.items()}
+    per_seq = {f"response/{n}": x.sum(1) for n, x in list(body.tensors.items())[:6]}
+    ids = torch.arange(rows) + 10_000
+    plain = body._plain()
+
+    def step(given: torch.Tensor | None) -> None:
+        client.stat(mask=body.mask, ids=given, **tokens)
+        client.stat(ids=given, **per_seq)
+        client.submit_metric(plain)
+        encode(client.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True))
+
+    def with_ids() -> None:
+        step(ids)
+
+    def without() -> None:
+        step(None)
+
+    for f in (with_ids, without, with_ids, without):
+        f()
+    ratios, ms = [], {"with_ids": [], "without": []}
+    for r in range(rounds):
+        took = {}
+        for f in ((with_ids, without) if r % 2 else (without, with_ids)):
+            start = time.perf_counter()
+            for _ in range(calls):
+                f()
+            took[f.__name__] = (time.perf_counter() - start) / calls * 1e3
+            ms[f.__name__].append(took[f.__name__])
+        ratios.append(took["with_ids"] / took["without"])
+    return {"with_ids_ms": statistics.median(ms["with_ids"]),
+            "without_ms": statistics.median(ms["without"]), "ratio": statistics.median(ratios),
+            "low": min(ratios), "high": max(ratios), "rounds": rounds}
+
+
+def print_extremes_cost(c: dict, rows: int, cols: int) -> None:
+    print(f"bench_rank extremes: one process, a PPO step (8 token-level [{rows} x {cols}] "
+          f"masked, 6 per-sequence, 276 plain; record + take_batch + encode), "
+          f"{c['rounds']} interleaved rounds")
+    print("| step | ms | with ids / without (median) | range |")
+    print("|---|---:|---:|---:|")
+    print(f"| without ids | {c['without_ms']:.2f} | | |")
+    print(f"| stat(ids=) | {c['with_ids_ms']:.2f} | {c['ratio']:.2f}× | "
+          f"{c['low']:.2f}–{c['high']:.2f}× |")
+
+
 def main() -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=sorted(PATTERNS), nargs="+",
-                        default=["ppo300", "siirl"])
+    parser.add_argument("--workload", choices=sorted([*PATTERNS, "extremes"]), nargs="+",
+                        default=["ppo300", "siirl", "extremes"])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--cols", type=int, default=2048)
     args = parser.parse_args()
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
     rows, index = [], 0
+    if "extremes" in args.workload:  # in this process, before Ray's processes start
+        c = extremes_cost(args.rows, args.cols)
+        rows.append({"workload": "extremes", "pattern": "stat_ids", **c})
+        print_extremes_cost(c, args.rows, args.cols)
+        args.workload = [w for w in args.workload if w != "extremes"]
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
     for workload in args.workload:
         ranks = [Rank.remote(r, args.ranks, args.rows, args.cols, workload)
                  for r in range(args.ranks)]

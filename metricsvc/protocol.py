@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from metricsvc.core.batch import Batch
 from metricsvc.core.declare import Derived, Metric, encode_derived
 from metricsvc.core.errors import (
     BatchRejected,
@@ -36,6 +37,7 @@ from metricsvc.core.errors import (
     is_refusal,
     own_error,
 )
+from metricsvc.core.extremes import MAX_CALL, MAX_ID, MIN_CALL, MIN_ID, NSOURCE, merge_sources
 from metricsvc.core.keys import (
     DEFAULT_NAME,
     DEFAULT_NAMESPACE,
@@ -59,7 +61,6 @@ from metricsvc.core.records import (
     SCALARS,
     SUM,
     SUM_LO,
-    Batch,
     centred_exactly,
     from_pivot,
     merge,
@@ -75,6 +76,12 @@ from metricsvc.core.sketch import SketchSpec, dense_to_sparse, merge_sparse, spa
 from metricsvc.core.wire import encode
 
 __all__ = [
+    "MAX_CALL",
+    "MAX_ID",
+    "MIN_CALL",
+    "MIN_ID",
+    "NSOURCE",
+    "merge_sources",
     "ACTOR_ERRORS",
     "RETRY_S",
     "is_int",

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from metricsvc.core import records
-from metricsvc.core.records import Batch
+from metricsvc.core.batch import Batch
 from metricsvc.core.reduce import AUTO, OutputRules, ReduceType
 from metricsvc.core.validation import BatchRejected, Limits
 from metricsvc.service.aggregator import Aggregator

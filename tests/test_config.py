@@ -78,8 +78,8 @@ def test_each_default_more_than_one_part_reads_comes_from_one_place():
     from metricsvc.client import MetricClient, StreamRecorder
     from metricsvc.config import ServiceConfig
     from metricsvc.core import limits
+    from metricsvc.core.batch import Batch
     from metricsvc.core.keys import safe_tag
-    from metricsvc.core.records import Batch
     from metricsvc.core.reduce import OutputRules
     from metricsvc.core.sketch import SketchSpec
     from metricsvc.service.aggregator import Aggregator

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from metricsvc.core import records
+from metricsvc.core.batch import Batch
 from metricsvc.core.declare import Derived, decode_derived, encode_derived, is_internal
 from metricsvc.core.formula import parse
 from metricsvc.core.reduce import OutputRules, ReduceType
@@ -151,7 +152,7 @@ def test_formulas_are_parsed_once_and_their_inputs_listed():
 def _batch(rank, derived, **values):
     keys = list(values)
     data = np.stack([records.summarize_array(np.asarray(v, dtype=float)) for v in values.values()])
-    return records.Batch.build(step=0, rank=rank, world_size=2, seq=0, final=True, keys=keys,
+    return Batch.build(step=0, rank=rank, world_size=2, seq=0, final=True, keys=keys,
                                data=data, kinds=[int(ReduceType.SUM)] * len(keys),
                                expected=[0] * len(keys), derived=derived)
 
@@ -179,7 +180,7 @@ OTHER = Derived("a/share", "sum(b) / sum(a)", {"a": "a/__n", "b": "a/__m"})
 
 def _step(agg, step, rank, decl, n, m):
     b = _batch(rank, encode_derived([decl]), **{"a/__n": [n], "a/__m": [m]})
-    return agg.submit(records.Batch.build(step=step, rank=rank, world_size=2, seq=step,
+    return agg.submit(Batch.build(step=step, rank=rank, world_size=2, seq=step,
                                           final=True, keys=b.keys, data=b.data, kinds=b.kinds,
                                           expected=b.expected, derived=b.derived))
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from metricsvc.core.batch import Batch
 from metricsvc.core.declare import Derived, KeyIndex, key_pattern
 
 
@@ -53,7 +54,7 @@ def _plain(step, rank, **values):
 
     keys = list(values)
     data = np.stack([records.scalar_row(v) for v in values.values()])
-    return records.Batch.build(step=step, rank=rank, world_size=2, seq=step, final=True,
+    return Batch.build(step=step, rank=rank, world_size=2, seq=step, final=True,
                                keys=keys, data=data, kinds=[int(ReduceType.AVG)] * len(keys),
                                expected=[1] * len(keys))
 
@@ -90,7 +91,7 @@ def _blob(step, rank, keys, derived=b"", world_size=2):
     from metricsvc.core.wire import encode
 
     data = np.stack([records.scalar_row(1.0) for _ in keys]) if keys else records.identity(0)
-    return encode(records.Batch.build(
+    return encode(Batch.build(
         step=step, rank=rank, world_size=world_size, seq=step, final=True, keys=keys,
         data=data, kinds=[int(ReduceType.SUM)] * len(keys), expected=[1] * len(keys),
         derived=derived))
@@ -157,7 +158,8 @@ def test_a_malformed_description_is_refused_naming_the_key_and_the_rule(about, r
     aggregator, naming the key and the rule, and merges nothing."""
     import json
 
-    from metricsvc.core.records import Batch, scalar_row
+    from metricsvc.core.batch import Batch
+    from metricsvc.core.records import scalar_row
     from metricsvc.errors import BatchRejected
     from metricsvc.service.aggregator import Aggregator
 

@@ -15,7 +15,7 @@ import ray
 
 from metricsvc.client import MetricClient
 from metricsvc.core import records
-from metricsvc.core.records import Batch
+from metricsvc.core.batch import Batch
 from metricsvc.core.reduce import AUTO, ReduceType
 from metricsvc.core.sketch import SketchSpec, sparse_counts
 from metricsvc.core.validation import BatchRejected, Limits

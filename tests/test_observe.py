@@ -13,7 +13,8 @@ import pytest
 import ray
 
 from metricsvc.client import MetricClient
-from metricsvc.core.records import Batch, summarize_array
+from metricsvc.core.batch import Batch
+from metricsvc.core.records import summarize_array
 from metricsvc.core.wire import encode
 from metricsvc.errors import BatchRejected
 from metricsvc.service.observe import COUNTERS, GAUGES, SINK_COUNTERS, SINK_GAUGES, LiveMetrics

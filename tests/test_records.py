@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metricsvc.core import records
-from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, Batch
+from metricsvc.core.batch import Batch
+from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM
 
 
 def _whole(x):

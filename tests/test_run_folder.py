@@ -395,7 +395,8 @@ def test_a_resend_of_an_old_step_is_told_by_its_content_read_back_from_the_journ
     """Past the 64 steps whose digests the service keeps in memory, the journal's digests
     (meta.digests) still tell a byte-identical resend (a duplicate) from a rerun (refused):
     by content, not by a window."""
-    from metricsvc.core.records import Batch, scalar_row
+    from metricsvc.core.batch import Batch
+    from metricsvc.core.records import scalar_row
     from metricsvc.core.wire import encode
 
     handle = metricsvc.start_metric_worker(config(tmp_path, "old-resend"))

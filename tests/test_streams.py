@@ -6,7 +6,7 @@ import ray
 
 from metricsvc.client import MetricClient
 from metricsvc.core import records
-from metricsvc.core.records import Batch
+from metricsvc.core.batch import Batch
 from metricsvc.core.validation import BatchRejected
 from metricsvc.service.aggregator import Aggregator
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from metricsvc.core.records import NFIELDS, Batch
+from metricsvc.core.batch import Batch
+from metricsvc.core.records import NFIELDS
 from metricsvc.core.sketch import SketchSpec, sparse_counts
 from metricsvc.core.validation import BatchRejected
 from metricsvc.core.wire import decode, encode

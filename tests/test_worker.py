@@ -13,7 +13,8 @@ import torch
 import metricsvc
 from metricsvc.client import MetricClient, ReduceType
 from metricsvc.client.summarize import accelerator_path_on_cpu
-from metricsvc.core.records import Batch, scalar_row
+from metricsvc.core.batch import Batch
+from metricsvc.core.records import scalar_row
 from tests.helpers import pooled_ranks, random_rank_data
 from tests.synccount import HostTransferCounter
 

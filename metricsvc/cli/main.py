@@ -109,6 +109,29 @@ def cmd_report(args: argparse.Namespace) -> None:
     partial = [s for s in steps if s["meta"].get("partial")]
     for s in partial:
         print(f"* step {s['step']} is partial: missing ranks {s['meta'].get('missing_ranks')}")
+    if args.extremes:
+        print_extremes(steps, keys, width)
+
+
+def print_extremes(steps: list[dict[str, Any]], keys: list[str], width: int) -> None:
+    """Where each shown min and max came from (``meta.extremes``), step by step."""
+    print("\nwhere each min and max came from (stat(ids=) names the sample):")
+    shown = 0
+    for key in keys:
+        for s in steps:
+            where = s["meta"].get("extremes", {}).get(key)
+            if where is None:
+                continue
+            shown += 1
+            text = (f"rank {where['rank']}" if "rank" in where
+                    else f"stream {where.get('stream')}")
+            if "id" in where:
+                text += f", id {where['id']}"
+            if "row" in where:
+                text += f" (row {where['row']}, col {where['col']}, call {where['call']})"
+            print(f"{key:<{width}}  step {s['step']}: {text}")
+    if not shown:
+        print("(none: the journal names no min or max source for these keys and steps)")
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
@@ -304,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a run folder (its newest journal is read) or a metrics.jsonl")
     report.add_argument("--keys", nargs="+", help="glob patterns, e.g. 'critic/*'")
     report.add_argument("--last", type=positive, default=5, help="last N steps (default 5)")
+    report.add_argument("--extremes", action="store_true",
+                        help="also print the rank and sample each min and max came from")
     plot = sub.add_parser("plot", help="line plots of chosen keys over steps")
     plot.add_argument("target", metavar="RUN_DIR_OR_JOURNAL",
                       help="a run folder (its newest journal is read) or a metrics.jsonl")

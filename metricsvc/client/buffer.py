@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.declarations import ClientDeclarations
+from metricsvc.client.extremes import merge_row_sources, summarize_located
 from metricsvc.client.summarize import (
     add_sketches,
     element_rows,
@@ -57,6 +58,8 @@ class _Entry:
     expected: int
     row: Row
     sketch: Row | None = None
+    sources: Row | None = None  # where its min and max came from (``stat(ids=)``), or None
+    calls: int = 1  # recordings merged into ``row`` in this step
 
 
 class RecordBuffer:
@@ -149,14 +152,18 @@ class RecordBuffer:
         """Return the derived metrics declared in this client, by name."""
         return dict(self.declarations.held)
 
-    def record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType) -> None:
-        """Summarise ``{full key: value}`` under one mask and merge into the buffer."""
+    def record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType,
+               ids: Any = None) -> None:
+        """Summarise ``{full key: value}`` under one mask and merge into the buffer; with
+        ``ids`` (one per row), where each min and max lies too (``client.extremes``)."""
         with self.lock:  # the mask cache's scratch buffers serve one summary at a time
-            rows = summarize_many(values, mask, compile=self.compile, cache=self._masks)
+            rows, sources = (summarize_many(values, mask, compile=self.compile,
+                                            cache=self._masks), None) if ids is None else \
+                summarize_located(values, mask, ids, compile=self.compile, cache=self._masks)
         sketches = None
         if KINDS[kind].sketch:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
-        self._record_all(rows, int(kind), 0, sketches)
+        self._record_all(rows, int(kind), 0, sketches, sources)
 
     def record_elements(self, keys: list[str], values: Any, kind: ReduceType) -> None:
         """Record element ``i`` of ``values`` as one value (count 1) of ``keys[i]``."""
@@ -176,15 +183,16 @@ class RecordBuffer:
         code: int,
         expected: int,
         sketches: dict[str, Row] | None = None,
+        sources: dict[str, Row] | None = None,
     ) -> None:
         with self.lock:
             entries = self._entries
-            if sketches is None and entries.keys().isdisjoint(rows):
+            if sketches is None and sources is None and entries.keys().isdisjoint(rows):
                 # Keys new in this step (the common case): nothing to merge with.
                 self._claim_names(rows, code)
                 entries.update(zip(rows, [_Entry(code, expected, row) for row in rows.values()]))
             else:
-                self._merge_rows(rows, code, expected, sketches)
+                self._merge_rows(rows, code, expected, sketches, sources or {})
         if self.on_record is not None:
             self.on_record()
 
@@ -225,7 +233,7 @@ class RecordBuffer:
             self._claims[known] = claimed
 
     def _merge_rows(self, rows: dict[str, Row], code: int, expected: int,
-                    sketches: dict[str, Row] | None) -> None:
+                    sketches: dict[str, Row] | None, sources: dict[str, Row]) -> None:
         entries = self._entries
         # Check every key before touching the buffer: a bad call records nothing.
         for key in rows:
@@ -238,10 +246,15 @@ class RecordBuffer:
         self._claim_names(rows, code)
         for key, row in rows.items():
             sk = None if sketches is None else sketches[key]
+            src = sources.get(key)
             entry = entries.get(key)
             if entry is None:
-                entries[key] = _Entry(code, expected, row, sk)
+                entries[key] = _Entry(code, expected, row, sk, src)
                 continue
+            if src is not None or entry.sources is not None:
+                entry.sources = merge_row_sources(entry.row, row, entry.sources, src,
+                                                  entry.calls)
+            entry.calls += 1
             entry.row = merge_rows(entry.row, row)
             entry.expected = max(entry.expected, expected)
             if sk is not None:
@@ -263,19 +276,24 @@ class RecordBuffer:
             entries = list(self._entries.values())
             dense = [i for i, e in enumerate(entries)
                      if e.sketch is not None and is_tensor(e.sketch)]
+            located = [i for i, e in enumerate(entries) if e.sources is not None]
             parts, copies = to_host([e.row for e in entries]
-                                    + [entries[i].sketch for i in dense])
+                                    + [entries[i].sketch for i in dense]
+                                    + [entries[i].sources for i in located])
             self.host_copies += copies
             k = len(entries)
             sketches = {i: e.sketch for i, e in enumerate(entries)
                         if e.sketch is not None and not is_tensor(e.sketch)}
             sketches.update({i: dense_to_sparse(parts[k + j], self.sketch_spec)
                              for j, i in enumerate(dense)})
+            start = k + len(dense)
+            extremes = {i: parts[start + j] for j, i in enumerate(located)}
             batch = Batch.build(
                 step=step, rank=rank, world_size=world_size, seq=seq, final=final, keys=keys,
                 data=parts[:k] if k else [], kinds=[e.code for e in entries],
                 expected=[e.expected for e in entries], sketches=sketches,
                 sketch_alpha=self.sketch_spec.alpha, derived=self.declarations.take_wire(),
+                extremes=extremes,
             )
             self._reset()
             return batch

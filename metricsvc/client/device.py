@@ -77,16 +77,18 @@ class _MaskPack:
             self.count = mask.sum(dtype=torch.float64)
 
 
-    def row(self, x: Any) -> Any:
-        return _eager_row(x, self)
+    def row(self, x: Any, locate: bool = False) -> Any:
+        return _eager_row(x, self, locate)
 
 
-def _eager_row(x: Any, p: _MaskPack) -> Any:
+def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
     """Summary row from vectorised whole-tensor ops only: no where, no masked_select, no sync.
 
     Finite-ness comes from ``x - x`` (0, or NaN for NaN/inf); ``nan_to_num``
     turns excluded positions into values that cannot win a sum, min or max. The
     deviations from the pivot (the mean, a device scalar) count at valid positions only.
+    ``locate``: return ``(row, where)`` too, ``where`` the flat positions of the min and
+    the max (``argmin`` / ``argmax`` in place of ``amin`` / ``amax``; still no sync).
     """
     torch = _torch()
     s = p.scratch
@@ -111,13 +113,26 @@ def _eager_row(x: Any, p: _MaskPack) -> Any:
     d1 = z.sum()
     q = _norm(z, in_place=True)
     torch.add(x, p.to_pos, out=s) if p.to_pos is not None else s.copy_(x)
-    low = torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF).amin().to(torch.float64)
+    torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF)
+    low, at_low = _extreme(s, torch.argmin if locate else None, torch.amin)
     torch.add(x, p.to_neg, out=s) if p.to_neg is not None else s.copy_(x)
-    high = torch.nan_to_num_(s, nan=-_INF, posinf=-_INF, neginf=-_INF).amax().to(torch.float64)
+    torch.nan_to_num_(s, nan=-_INF, posinf=-_INF, neginf=-_INF)
+    high, at_high = _extreme(s, torch.argmax if locate else None, torch.amax)
     total, low_part, root = from_pivot(count, pivot, d1, q, torch, plain,
                                        centred_exactly(low, high, pivot))
-    return _row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
-                   nonfinite=nonfinite, sum_lo=low_part)
+    row = _row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
+                  nonfinite=nonfinite, sum_lo=low_part)
+    return (row, torch.cat([at_low, at_high])) if locate else row
+
+
+def _extreme(s: Any, arg: Any, plain: Any) -> tuple[Any, Any]:
+    """``s``'s extreme as a float64 device scalar, and (with ``arg``) its first flat
+    position as a 1-element tensor: a gather, nothing read back."""
+    torch = _torch()
+    if arg is None:
+        return plain(s).to(torch.float64), None
+    at = arg(s).reshape(1)
+    return s.index_select(0, at).reshape(()).to(torch.float64), at
 
 
 def _norm(dev: Any, in_place: bool = False) -> Any:
@@ -143,8 +158,9 @@ def _use_compiled(x: Any, compile: bool | None) -> bool:
     return compile_default() and x.device.type != "cpu"
 
 
-def _kernel(x: Any, m: Any) -> Any:
-    """Fused summary of a flat tensor: selections in its dtype, sums in float64."""
+def _kernel(x: Any, m: Any, locate: bool = False) -> Any:
+    """Fused summary of a flat tensor: selections in its dtype, sums in float64
+    (``locate``: with the flat positions of its min and max, as ``_eager_row``)."""
     torch = _torch()
     finite = torch.isfinite(x)
     use = finite if m is None else m & finite
@@ -154,31 +170,32 @@ def _kernel(x: Any, m: Any) -> Any:
     plain = z.sum()
     pivot = plain / count.clamp(min=1.0)
     dev = torch.where(use, z - pivot, 0.0)
-    low = torch.where(use, x, _INF).amin().to(torch.float64)
-    high = torch.where(use, x, -_INF).amax().to(torch.float64)
+    lows, highs = torch.where(use, x, _INF), torch.where(use, x, -_INF)
+    if locate:
+        at = torch.stack([lows.argmin(), highs.argmax()])
+        low, high = (t.to(torch.float64) for t in lows.gather(0, at).unbind(0))
+    else:
+        low, high = lows.amin().to(torch.float64), highs.amax().to(torch.float64)
     total, low_part, root = from_pivot(count, pivot, dev.sum(), _norm(dev), torch, plain,
                                        centred_exactly(low, high, pivot))
     cols = [total] * NFIELDS
     cols[COUNT], cols[M2_ROOT], cols[SUM_LO] = count, root, low_part
     cols[MIN], cols[MAX] = low, high
     cols[NONFINITE] = bad.sum(dtype=torch.float64)
-    return torch.stack(cols)
-
-
-_compile_failed = False
+    return (torch.stack(cols), at) if locate else torch.stack(cols)
 
 
 _compiled: Any = None
 _compile_failed = False
 
 
-def _run_compiled(x: Any, m: Any) -> Any:
+def _run_compiled(x: Any, m: Any, locate: bool = False) -> Any:
     global _compiled, _compile_failed
     try:
         if _compiled is None:
             _compiled = _torch().compile(_kernel, dynamic=True, fullgraph=True)
-        return _compiled(x, m)
+        return _compiled(x, m, locate)
     except Exception as err:  # no compiler, unsupported backend: eager is always right
         _compile_failed = True
         log.warning("torch.compile of the summary kernel failed, using eager: %s", err)
-        return _kernel(x, m)
+        return _kernel(x, m, locate)

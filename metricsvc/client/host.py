@@ -47,6 +47,24 @@ _SMALL = 4096  # below this, numpy's per-call cost (~1 us) beats torch's (~5 us)
 _TINY = 256  # at most this, plain Python beats numpy's calls
 
 
+def _min_max(v: Any, locate: bool) -> tuple[float, float, tuple[int, int] | None]:
+    """The min and max of finite flat ``v`` (and with ``locate`` their first positions):
+    numpy's SIMD ``min`` / ``argmin`` where it can view the dtype (several times faster
+    than torch's ``aminmax`` / ``argmin`` on the CPU), else torch's."""
+    torch = _torch()
+    if v.dtype in _numpy_dtypes(torch):
+        x = v.numpy()
+        if not locate:
+            return float(x.min()), float(x.max()), None
+        at = (int(x.argmin()), int(x.argmax()))
+        return float(x[at[0]]), float(x[at[1]]), at
+    if not locate:
+        low, high = torch.aminmax(v)
+        return low.item(), high.item(), None
+    at = (int(torch.argmin(v)), int(torch.argmax(v)))
+    return v[at[0]].item(), v[at[1]].item(), at
+
+
 class _HostPass:
     """CPU summaries of the values of one call under one mask.
 
@@ -62,13 +80,17 @@ class _HostPass:
     passes that count and exclude them. Reading the CPU is not a device sync.
     """
 
-    def __init__(self, mask: Any, cache: MaskCache) -> None:
+    def __init__(self, mask: Any, cache: MaskCache, locate: bool = False) -> None:
         self.cache = cache
         self.index = None if mask is None else cache.index(mask)
         self._kept: dict[tuple, tuple[Any, Any]] = {}  # memory -> (tensor, its valid values)
+        # With ``locate``: each key's min and max positions, flat in its value
+        self.locate = locate
+        self.at: dict[str, tuple[int, int]] = {}
 
     def rows(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        """Return ``{key: row}`` for CPU tensors and differences of CPU tensors."""
+        """Return ``{key: row}`` for CPU tensors and differences of CPU tensors (with
+        ``locate``, ``at`` then holds where each key's min and max lie)."""
         # What a Difference reads stays gathered for the call; every other large value
         # is gathered into one shared buffer and summarised before the next is gathered.
         keep = {_memory(t) for v in values.values() if isinstance(v, Difference)
@@ -77,15 +99,18 @@ class _HostPass:
         small: dict[int, dict[str, Any]] = {}  # length -> {key: numpy array}
         done: dict[tuple, Any] = {}  # memory -> row: the same tensor under two keys
         same: dict[str, str] = {}  # key -> the key whose row it repeats
+        found: dict[str, tuple[int, int] | None] = {}  # key -> min, max in the gathered values
         for key, v in values.items():
             if isinstance(v, Difference):
                 g = self._difference(v)  # a shared buffer: summarised before the next one
                 if 0 < g.numel() <= _TINY:
-                    out[key] = self._tiny_row(g)
+                    out[key], found[key] = self._tiny_row(g)
                 elif 0 < g.numel() < _SMALL:
                     small.setdefault(g.numel(), {})[key] = g.numpy().copy()
+                elif g.numel():
+                    out[key], found[key] = self._row(g)
                 else:
-                    out[key] = self._row(g) if g.numel() else _identity_row()
+                    out[key] = _identity_row()
                 continue
             where = _memory(v)
             if where in done:
@@ -97,15 +122,25 @@ class _HostPass:
             if n == 0:
                 out[key] = _identity_row()
             elif n <= _TINY:
-                out[key] = self._tiny_row(g)
+                out[key], found[key] = self._tiny_row(g)
             elif n < _SMALL and g.dtype in _numpy_dtypes(_torch()):
                 small.setdefault(n, {})[key] = g.numpy()
             else:
-                out[key] = self._row(g)
+                out[key], found[key] = self._row(g)
         for group in small.values():
-            out.update(self._small_rows(group))
+            for key, (row, at) in self._small_rows(group).items():
+                out[key], found[key] = row, at
         for key, first in same.items():
             out[key] = out[first].clone()
+            found[key] = found.get(first)
+        if self.locate:
+            index = self.index
+            for key, at in found.items():
+                if at is not None:
+                    n = (values[key].a if isinstance(values[key], Difference)
+                         else values[key]).numel()
+                    full = index is None or index.numel() == n  # gathered = flat positions
+                    self.at[key] = at if full else (int(index[at[0]]), int(index[at[1]]))
         return out
 
     def _gather(self, x: Any, where: tuple, keep: bool) -> Any:
@@ -138,9 +173,10 @@ class _HostPass:
         res = self.cache.buffer(_torch().float64, "difference", ga.numel())
         return res.copy_(ga).sub_(gb)
 
-    def _tiny_row(self, v: Any) -> Any:
+    def _tiny_row(self, v: Any) -> tuple[Any, tuple[int, int] | None]:
         """The row of a few values in plain Python floats (float64; ints exact): a numpy or
-        torch call costs more than the arithmetic here."""
+        torch call costs more than the arithmetic here. With its min and max positions
+        (first of each) when locating."""
         values = [float(x) for x in v.tolist()]
         n = len(values)
         plain = sum(values)
@@ -151,12 +187,14 @@ class _HostPass:
             low, high = min(values), max(values)
             total, low_part, root = from_pivot(float(n), c, sum(dev), q, SCALARS, plain,
                                                centred_exactly(low, high, c))
+            at = (values.index(low), values.index(high)) if self.locate else None
             return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
-                           nonfinite=0.0, sum_lo=low_part)
+                           nonfinite=0.0, sum_lo=low_part), at
         return self._row_nonfinite(v)
 
-    def _small_rows(self, group: Mapping[str, Any]) -> dict[str, Any]:
-        """Rows of same-length numpy values, stacked: one pass per statistic for all."""
+    def _small_rows(self, group: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Rows of same-length numpy values, stacked: one pass per statistic for all (when
+        locating, the min and max by ``argmin`` / ``argmax``: their positions too)."""
         torch = _torch()
         arrays = list(group.values())
         stacked = (np.stack(arrays) if len(arrays) > 1 else arrays[0][None]).astype(
@@ -164,9 +202,16 @@ class _HostPass:
         rows = np.zeros((len(arrays), NFIELDS))
         # Checked first, so the sums below can neither overflow nor meet inf - inf (numpy
         # would warn, and its errstate costs more than these passes).
+        at: list[Any] = [None] * len(arrays)
         if np.isfinite(stacked).all():
-            np.minimum.reduce(stacked, axis=1, out=rows[:, MIN])
-            np.maximum.reduce(stacked, axis=1, out=rows[:, MAX])
+            if self.locate:
+                lo, hi = stacked.argmin(axis=1), stacked.argmax(axis=1)
+                line = np.arange(len(arrays))
+                rows[:, MIN], rows[:, MAX] = stacked[line, lo], stacked[line, hi]
+                at = list(zip(lo.tolist(), hi.tolist()))
+            else:
+                np.minimum.reduce(stacked, axis=1, out=rows[:, MIN])
+                np.maximum.reduce(stacked, axis=1, out=rows[:, MAX])
             if max(-rows[:, MIN].min(), rows[:, MAX].max()) < 1e150:
                 n = float(stacked.shape[1])
                 plain = stacked.sum(axis=1)
@@ -180,11 +225,11 @@ class _HostPass:
                 rows[:, SUM], rows[:, SUM_LO], rows[:, M2_ROOT] = from_pivot(
                     n, pivot, dev.sum(axis=1), q, np, plain,
                     centred_exactly(rows[:, MIN], rows[:, MAX], pivot))
-                return dict(zip(group, torch.from_numpy(rows).unbind(0)))
+                return dict(zip(group, zip(torch.from_numpy(rows).unbind(0), at)))
         return {key: self._row_nonfinite(torch.from_numpy(stacked[i]))
                 for i, key in enumerate(group)}
 
-    def _row(self, v: Any, clean: bool = False) -> Any:
+    def _row(self, v: Any, clean: bool = False) -> tuple[Any, tuple[int, int] | None]:
         """The summary row of flat ``v`` (every position valid, not empty; ``clean``: every
         value finite, so a non-finite sum is an overflow to report, not values to drop).
 
@@ -193,7 +238,8 @@ class _HostPass:
         tensors do), ``M2 = sum(x**2) - sum(x)**2 / n`` loses under 100 eps: that is the
         row. Otherwise (a large offset: timestamps, byte counts) a second pass centres each
         chunk on the mean and sums the deviations and their squares: the mean becomes a
-        double-double and M2 loses nothing to cancellation.
+        double-double and M2 loses nothing to cancellation. When locating, the min and
+        max come from ``argmin`` / ``argmax`` (their first positions, returned too).
         """
         torch = _torch()
         n = v.numel()
@@ -203,8 +249,12 @@ class _HostPass:
         if not (math.isfinite(total) and math.isfinite(squares)):
             if not clean:
                 return self._row_nonfinite(v)
-            return torch.from_numpy(summarize_array(v.numpy()))  # finite, but past 1e308
-        low, high = (t.item() for t in torch.aminmax(v))
+            at = None
+            if self.locate:
+                x = v.numpy()
+                at = (int(np.argmin(x)), int(np.argmax(x)))
+            return torch.from_numpy(summarize_array(v.numpy())), at  # finite, past 1e308
+        low, high, at = _min_max(v, self.locate)
         m2 = squares - total * total / n
         if _SAFE_SQUARES[0] < squares < _SAFE_SQUARES[1] and 100.0 * m2 >= squares:
             total_lo, root = 0.0, math.sqrt(m2)
@@ -218,7 +268,7 @@ class _HostPass:
             total, total_lo, root = from_pivot(float(n), pivot, d1, q, SCALARS, total,
                                                centred_exactly(low, high, pivot))
         return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
-                       nonfinite=0.0, sum_lo=total_lo)
+                       nonfinite=0.0, sum_lo=total_lo), at
 
     def _sums(self, v: Any, pivot: float) -> tuple[float, float]:
         """``(sum(v - pivot), sum((v - pivot)**2))`` in float64, widened and centred a
@@ -236,12 +286,16 @@ class _HostPass:
             squares += torch.dot(t, t).item()
         return total, squares
 
-    def _row_nonfinite(self, v: Any) -> Any:
+    def _row_nonfinite(self, v: Any) -> tuple[Any, tuple[int, int] | None]:
         """The row of ``v`` when something in it is not finite (or its sum overflows)."""
         torch = _torch()
         if not v.is_floating_point():
             v = v.to(torch.float64)
-        good = v[torch.isfinite(v)]  # the rare path: a copy of the finite values is fine
-        row = self._row(good, clean=True) if good.numel() else _identity_row()
+        finite = torch.isfinite(v)
+        good = v[finite]  # the rare path: a copy of the finite values is fine
+        row, at = self._row(good, clean=True) if good.numel() else (_identity_row(), None)
         row[NONFINITE] = float(v.numel() - good.numel())
-        return row
+        if at is not None:  # positions among the finite values -> in v
+            kept = torch.nonzero(finite).reshape(-1)
+            at = (int(kept[at[0]]), int(kept[at[1]]))
+        return row, at

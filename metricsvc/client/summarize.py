@@ -136,6 +136,11 @@ def summarize_many(
     Every value is checked before any is summarised, so a bad one raises
     (naming its key) before work is done.
     """
+    return _summaries(values, mask, compile, cache, False)[0]
+
+
+def _summaries(values: Mapping[str, Any], mask: Any, compile: bool | None,
+               cache: MaskCache | None, locate: bool) -> tuple[dict[str, Row], dict[str, Any]]:
     plain: dict[str, Any] = {}
     rest = values
     if mask is None:  # plain floats and ints (timings, counters) need no checks
@@ -144,6 +149,7 @@ def summarize_many(
             rest = {key: v for key, v in values.items() if key not in plain}
     prepared = {key: _prepare_value(v, mask, key) for key, v in rest.items()}
     out: dict[str, Row] = {}
+    at: dict[str, Any] = {}  # with ``locate``: key -> flat positions of its min and max
     host: dict[str, Any] = {}  # CPU tensors and differences: summarised together
     packs: dict[Any, Any] = {}
     for key, (v, m) in prepared.items():
@@ -157,6 +163,8 @@ def summarize_many(
                 plain[key] = v
             else:
                 out[key] = summarize_array(v, m)
+                if locate and out[key][COUNT] > 0:
+                    at[key] = _array_extremes(v, m)
             continue
         if _on_host(v, compile):
             host[key] = v
@@ -171,7 +179,7 @@ def summarize_many(
         flat_mask = None if m is None else m.reshape(-1)
         with torch.no_grad():
             if _use_compiled(x, compile):
-                out[key] = _run_compiled(x, flat_mask)
+                found = _run_compiled(x, flat_mask, locate)
             else:
                 # Values of one call may differ in shape (without a mask) and in dtype:
                 # a pack is shared only by values it fits.
@@ -179,13 +187,26 @@ def summarize_many(
                 pack = packs.get(where)
                 if pack is None:
                     pack = packs[where] = _MaskPack(flat_mask, x)
-                out[key] = pack.row(x)
+                found = pack.row(x, locate)
+            if locate:
+                out[key], at[key] = found
+            else:
+                out[key] = found
     if plain:
         out.update(_plain_rows(plain))
     if host:
         host_mask = prepared[next(iter(host))][1]
-        out.update(_HostPass(host_mask, cache or MaskCache()).rows(host))
-    return {key: out[key] for key in values}  # the caller's order
+        hosted = _HostPass(host_mask, cache or MaskCache(), locate)
+        out.update(hosted.rows(host))
+        at.update(hosted.at)
+    return {key: out[key] for key in values}, at  # the caller's order
+
+
+def _array_extremes(v: np.ndarray, mask: Any) -> tuple[int, int]:
+    """The flat positions of the min and max of a numpy array's valid, finite values."""
+    x = np.asarray(v, dtype=np.float64).ravel()
+    use = np.isfinite(x) if mask is None else np.isfinite(x) & np.asarray(mask).ravel()
+    return int(np.where(use, x, np.inf).argmin()), int(np.where(use, x, -np.inf).argmax())
 
 
 _PLAIN = frozenset({float, int, bool})

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from metricsvc.client.buffer import RecordBuffer
 
 _ids = itertools.count()
+_EXTREME_KINDS = frozenset({ReduceType.AVG_MIN_MAX, ReduceType.MIN, ReduceType.MAX})
 
 
 class Tracker:
@@ -106,6 +107,7 @@ class Tracker:
         *,
         denominator: Any = None,
         reduce_type: ReduceType | str | None = None,
+        ids: Any = None,
         **values: Any,
     ) -> None:
         """Record masked summaries of tensors/arrays (AVG_MIN_MAX: mean, min and max).
@@ -113,6 +115,13 @@ class Tracker:
         The mask is ``mask=`` (a bool tensor/array) or ``denominator=`` (a name
         given to ``denominator`` in this step, or a bool tensor); a string passed
         as ``mask`` is taken as a denominator name, as AReaL's positional call does.
+
+        ``ids``: one sample id per row of the values (a batch's uid as an integer, or each
+        row's index in the global batch), a tensor on the values' device or an array. The
+        finished step's ``meta["extremes"]`` then names, for each exported min and max,
+        the rank, the id and the position (``row``, ``col``) it came from, and ``call``:
+        the key's recordings before it in that rank's step. Without ``ids`` it names the
+        rank. Ids are carried as float64: integers up to 2**53 are exact.
         """
         if isinstance(mask, str):
             mask, denominator = None, mask
@@ -131,11 +140,15 @@ class Tracker:
             )
         kind = ReduceType.parse(reduce_type if reduce_type is not None else reduce)
         full = {self._key(k): v for k, v in values.items()}
+        if ids is not None and kind not in _EXTREME_KINDS:
+            raise ValueError(
+                f"stat(ids=) for key {next(iter(full))!r}: ids name where a min or max came "
+                f"from, and {kind.name} exports neither (use AVG_MIN_MAX, MIN or MAX)")
         if isinstance(denominator, str):
             mask = self._lookup(denominator, next(iter(full), "<none>"))
         elif denominator is not None:
             mask = denominator
-        self.buffer.record(full, mask, kind)
+        self.buffer.record(full, mask, kind, ids)
 
     def declare(self, *declarations: Derived) -> None:
         """Declare derived metrics (names and inputs under this tracker's prefix and scopes);

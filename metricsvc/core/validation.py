@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from metricsvc.core.batch import Batch
 from metricsvc.core.errors import BatchRejected
+from metricsvc.core.extremes import MAX_ID, MIN_ID, NSOURCE
 from metricsvc.core.keys import check_key, check_rank
 from metricsvc.core.limits import LIMITS, Limits
-from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM, SUM_LO, Batch
+from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM, SUM_LO
 from metricsvc.core.reduce import KINDS, VALID_CODES
 from metricsvc.core.sketch import MIN_ALPHA, SketchSpec
 
@@ -75,6 +77,7 @@ def check_batch(batch: object, limits: Limits = LIMITS, cache: KeyCache | None =
     _check_columns(batch, k)
     _check_values(batch)
     _check_sketches(batch)
+    _check_sources(batch)
     return batch
 
 
@@ -164,6 +167,30 @@ def _check_records(batch: Batch) -> None:
             raise BatchRejected(
                 f"key {batch.keys[i]!r}: corrupt record {batch.data[i].tolist()} ({rule})"
             )
+
+
+def _check_sources(batch: Batch) -> None:
+    """Where a min and max came from: distinct key rows; positions and call numbers whole
+    numbers in [0, 2**53] (or NaN: unknown, all three together); ids finite or NaN."""
+    rows, src = batch.extreme_rows, batch.extremes
+    if not (isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
+            and isinstance(src, np.ndarray) and src.shape == (len(rows), NSOURCE)):
+        raise BatchRejected("batch extreme columns are inconsistent (rows/sources)")
+    if rows.size == 0:
+        return
+    if rows.min() < 0 or rows.max() >= len(batch.keys) or len(np.unique(rows)) != len(rows):
+        raise BatchRejected("batch extreme rows must name distinct keys of the batch")
+    for first in (MIN_ID, MAX_ID):
+        ident, where = src[:, first], src[:, first + 1: first + 4]
+        unknown = np.isnan(where)
+        whole = (where >= 0) & (where <= MAX_COUNT) & (np.floor(where) == where)
+        bad = ~(unknown.all(1) | whole.all(1)) | np.isinf(ident)
+        if bad.any():
+            j = int(np.flatnonzero(bad)[0])
+            raise BatchRejected(
+                f"key {batch.keys[int(rows[j])]!r}: where its min and max came from "
+                f"{src[j].tolist()} (call, row and column must be whole numbers >= 0, "
+                f"or all NaN; an id finite or NaN)")
 
 
 def _check_sketches(batch: Batch) -> None:

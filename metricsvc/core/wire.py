@@ -6,11 +6,12 @@ own out-of-band buffer). One call per rank per step is the product's whole budge
 so batches travel encoded:
 
     header  <q step, i rank, i world_size, q seq, ? final, d sketch_alpha,
-             I keys, I sketches, I buckets, I key bytes, I declaration bytes>
+             I keys, I sketches, I buckets, I key bytes, I declaration bytes, I sources>
     keys    UTF-8, separated by NUL (a valid key never contains NUL)
     derived the derived-metric declarations, UTF-8 JSON (``metricsvc.core.declare``)
     columns data f64[K*6] · kinds i8[K] · expected i32[K] · sketch_rows i32[S]
             · sketch_offsets i64[S+1] · sketch_codes i32[N] · sketch_counts f64[N]
+            · extreme_rows i32[E] · extremes f64[E*8] (where a min and max came from)
 """
 
 from __future__ import annotations
@@ -19,19 +20,23 @@ import struct
 
 import numpy as np
 
+from metricsvc.core.batch import Batch
 from metricsvc.core.errors import BatchRejected
-from metricsvc.core.records import NFIELDS, Batch
+from metricsvc.core.extremes import NSOURCE
+from metricsvc.core.records import NFIELDS
 from metricsvc.core.validation import Limits
 
-_HEADER = struct.Struct("<qiiq?dIIIII")
-_COLUMNS = (  # name, dtype, length as a function of (K, S, N)
-    ("data", np.float64, lambda k, s, n: k * NFIELDS),
-    ("kinds", np.int8, lambda k, s, n: k),
-    ("expected", np.int32, lambda k, s, n: k),
-    ("sketch_rows", np.int32, lambda k, s, n: s),
-    ("sketch_offsets", np.int64, lambda k, s, n: s + 1),
-    ("sketch_codes", np.int32, lambda k, s, n: n),
-    ("sketch_counts", np.float64, lambda k, s, n: n),
+_HEADER = struct.Struct("<qiiq?dIIIIII")
+_COLUMNS = (  # name, dtype, length as a function of (K, S, N, E)
+    ("data", np.float64, lambda k, s, n, e: k * NFIELDS),
+    ("kinds", np.int8, lambda k, s, n, e: k),
+    ("expected", np.int32, lambda k, s, n, e: k),
+    ("sketch_rows", np.int32, lambda k, s, n, e: s),
+    ("sketch_offsets", np.int64, lambda k, s, n, e: s + 1),
+    ("sketch_codes", np.int32, lambda k, s, n, e: n),
+    ("sketch_counts", np.float64, lambda k, s, n, e: n),
+    ("extreme_rows", np.int32, lambda k, s, n, e: e),
+    ("extremes", np.float64, lambda k, s, n, e: e * NSOURCE),
 )
 
 
@@ -40,21 +45,22 @@ def encode(batch: Batch) -> bytes:
     keys = "\x00".join(batch.keys).encode("utf-8")
     k, s, n = len(batch.keys), len(batch.sketch_rows), len(batch.sketch_codes)
     head = _HEADER.pack(batch.step, batch.rank, batch.world_size, batch.seq, batch.final,
-                        batch.sketch_alpha, k, s, n, len(keys), len(batch.derived))
+                        batch.sketch_alpha, k, s, n, len(keys), len(batch.derived),
+                        len(batch.extreme_rows))
     columns = [np.ascontiguousarray(getattr(batch, name), dtype=dtype).tobytes()
                for name, dtype, _ in _COLUMNS]
     return b"".join([head, keys, batch.derived, *columns])
 
 
 def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, derived_len: int,
-                  limits: Limits) -> None:
+                  e: int, limits: Limits) -> None:
     """Refuse a batch by its header alone, before any per-key work or allocation."""
     if len(blob) > limits.max_batch_bytes:
         raise BatchRejected(f"batch is {len(blob)} bytes; the limit is {limits.max_batch_bytes}")
     if k > limits.max_keys_per_batch:
         raise BatchRejected(f"batch has {k} keys; the limit is {limits.max_keys_per_batch}")
     size = _HEADER.size + key_len + derived_len + sum(
-        length(k, s, n) * np.dtype(dtype).itemsize for _, dtype, length in _COLUMNS)
+        length(k, s, n, e) * np.dtype(dtype).itemsize for _, dtype, length in _COLUMNS)
     if size != len(blob):
         raise BatchRejected(
             f"malformed wire batch: its header describes {size} bytes, {len(blob)} came"
@@ -70,9 +76,9 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         BatchRejected: the bytes are not a well-formed encoded batch, or exceed a limit.
     """
     try:
-        step, rank, world, seq, final, alpha, k, s, n, key_len, derived_len = \
+        step, rank, world, seq, final, alpha, k, s, n, key_len, derived_len, e = \
             _HEADER.unpack_from(blob)
-        _check_header(blob, k, s, n, key_len, derived_len, limits or Limits())
+        _check_header(blob, k, s, n, key_len, derived_len, e, limits or Limits())
         pos = _HEADER.size
         text = bytes(blob[pos : pos + key_len]).decode("utf-8")
         keys = tuple(text.split("\x00")) if k else ()
@@ -81,7 +87,7 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         pos += derived_len
         columns = {}
         for name, dtype, length in _COLUMNS:
-            count = length(k, s, n)
+            count = length(k, s, n, e)
             columns[name] = np.frombuffer(blob, dtype=dtype, count=count, offset=pos)
             pos += count * np.dtype(dtype).itemsize
     except BatchRejected:
@@ -96,7 +102,8 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
                  expected=columns["expected"], sketch_rows=columns["sketch_rows"],
                  sketch_offsets=columns["sketch_offsets"],
                  sketch_codes=columns["sketch_codes"], sketch_counts=columns["sketch_counts"],
-                 sketch_alpha=alpha, derived=derived)
+                 sketch_alpha=alpha, derived=derived, extreme_rows=columns["extreme_rows"],
+                 extremes=columns["extremes"].reshape(e, NSOURCE))
 
 
 def as_batch(item: Batch | bytes, limits: Limits | None = None) -> Batch:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from metricsvc.core.batch import Batch
 from metricsvc.core.declare import decode_derived
 from metricsvc.core.errors import BatchRejected
-from metricsvc.core.records import Batch
 from metricsvc.core.validation import KeyCache, Limits, check_batch
 from metricsvc.service.derive import Deriver
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from metricsvc.core.batch import Batch
 from metricsvc.core.declare import decode_derived
 from metricsvc.core.errors import BatchRejected
 from metricsvc.core.limits import MAX_PENDING_STEPS, MAX_STEPS_AHEAD, Limits
-from metricsvc.core.records import Batch
 from metricsvc.core.reduce import OutputRules, ReduceType
 from metricsvc.core.step_result import StepResult
 from metricsvc.core.wire import as_batch, encode

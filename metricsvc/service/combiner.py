@@ -20,9 +20,9 @@ from typing import Any
 import ray
 
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
+from metricsvc.core.batch import Batch
 from metricsvc.core.keys import combiner_name
 from metricsvc.core.limits import RETRY_S
-from metricsvc.core.records import Batch
 from metricsvc.core.resend import Outbox, deliver, is_stale
 from metricsvc.core.validation import check_batch
 from metricsvc.core.wire import as_batch, encode

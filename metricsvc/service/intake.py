@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from metricsvc.core.batch import Batch
 from metricsvc.core.errors import BatchRejected, ServiceClosed
-from metricsvc.core.records import Batch
 from metricsvc.core.resend import is_stale
 from metricsvc.core.step_result import StepResult
 from metricsvc.service.aggregator import Aggregator

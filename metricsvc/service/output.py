@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from metricsvc.core.declare import is_internal
+from metricsvc.core.extremes import describe as describe_source
 from metricsvc.core.keys import safe_tag, tag_order
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM
 from metricsvc.core.reduce import (
@@ -26,6 +27,7 @@ from metricsvc.core.reduce import (
     Renamer,
     finalize,
     is_approximate_plain_key,
+    output_names,
 )
 from metricsvc.core.sketch import histogram
 from metricsvc.core.step_result import StepResult
@@ -123,6 +125,9 @@ class StepOutput:
         if totals:
             meta["derived_totals"] = totals
         meta.update(_anomalies(p, kinds, merged))
+        sources = self.extremes(p, kinds, merged[0], metrics)
+        if sources:  # the rank (and sample) each exported min and max came from
+            meta["extremes"] = sources
         histograms = self.histograms(p.keys, kinds, merged)
         if histograms:
             meta["histograms"] = histograms
@@ -150,6 +155,31 @@ class StepOutput:
             meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
         return StepResult(p.step, metrics, meta)
 
+    def extremes(self, p: PendingStep, kinds: list[ReduceType], data: np.ndarray,
+                 metrics: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+        """Return where each exported min and max came from, by exported name: the rank
+        (or the stream) whose record holds it, and, where that rank's client was given
+        ``ids=``, the sample's id, its position (``row``, ``col``) and the ``call``."""
+        rows = sorted((i for i, kind in enumerate(kinds)
+                       if kind in _SIDES and not is_internal(p.keys[i])), key=p.keys.__getitem__)
+        if not rows:  # (a name two keys export is the first key's: ``finalize``)
+            return {}
+        found = p.extremes(data)
+        out: dict[str, dict[str, Any]] = {}
+        for i in rows:
+            names = output_names(p.keys[i], kinds[i], self.output)
+            for side, name in zip(_SIDES[kinds[i]], names[-len(_SIDES[kinds[i]]):]):
+                name = self.rename(name)
+                part_of, parts, src = found[side]
+                if name not in metrics or name in out or part_of[i] < 0:
+                    continue
+                part = parts[part_of[i]]
+                where: dict[str, Any] = ({"rank": part.rank} if part.rank is not None
+                                         else {"stream": part.order[1]})
+                where.update(describe_source(src[i, 4 * side: 4 * side + 4]))
+                out[name] = where
+        return out
+
     def histograms(self, keys: list[str], kinds: list[ReduceType],
                     merged: tuple) -> dict[str, dict[str, Any]]:
         """Return the merged histogram of every public QUANTILES key of a step, by its
@@ -172,6 +202,10 @@ class StepOutput:
                     "sum_squares": _sum_squares(row), "min": float(row[MIN]),
                     "max": float(row[MAX])}
         return out
+
+
+# Which sides (0: min, 1: max) each kind exports, in the order of its exported names' tail
+_SIDES = {ReduceType.AVG_MIN_MAX: (0, 1), ReduceType.MIN: (0,), ReduceType.MAX: (1,)}
 
 
 class TagOwners:

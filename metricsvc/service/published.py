@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from metricsvc.core.records import Batch
+from metricsvc.core.batch import Batch
 
 DIGEST_STEPS = 64  # published steps whose batch digests are kept to tell resends apart
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+from metricsvc.core.batch import Batch
 from metricsvc.core.errors import BatchRejected
-from metricsvc.core.records import Batch
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.core import records
+from metricsvc.core import extremes, records
+from metricsvc.core.batch import Batch
 from metricsvc.core.declare import Derived, decode_declarations
 from metricsvc.core.errors import BatchRejected
-from metricsvc.core.records import Batch
 from metricsvc.core.reduce import kind_name
 from metricsvc.core.sketch import Sketch, merge_sparse
 
@@ -31,6 +31,7 @@ class Part:
     idx: np.ndarray
     rows: np.ndarray
     sketches: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
+    sources: np.ndarray | None = None  # where each row's min and max came from, or None
 
 
 class Collection:
@@ -147,6 +148,29 @@ class Collection:
             contributors[rows[0] if len(rows) == 1 else np.unique(np.concatenate(rows))] += 1
         return data, contributors, {r: merge_sparse(p) for r, p in sketch_parts.items()}
 
+    def extremes(self, data: np.ndarray) -> list[tuple[np.ndarray, list[Part], np.ndarray]]:
+        """Return, for the min and for the max of the merged records ``data``, the part each
+        key's value came from and that part's source row (``core.extremes``): ``(winner
+        per key, -1 for none; the parts in merge order; every part's source rows)``. The
+        first part in merge order holding the value wins (ranks by number, then batches)."""
+        parts = sorted(self.parts, key=lambda p: p.order)
+        if not parts:
+            return []
+        rows = np.concatenate([p.rows for p in parts])
+        idx = np.concatenate([p.idx for p in parts])
+        owner = np.repeat(np.arange(len(parts)), [len(p.idx) for p in parts])
+        known = np.concatenate([p.sources if p.sources is not None
+                                else extremes.unknown(len(p.idx)) for p in parts])
+        out = []
+        for won in extremes.winners(rows, idx, data):
+            hit = won >= 0
+            part_of = np.full(len(won), -1, dtype=np.int64)
+            part_of[hit] = owner[won[hit]]
+            src = extremes.unknown(len(won))
+            src[hit] = known[won[hit]]
+            out.append((part_of, parts, src))
+        return out
+
 
 def batch_sketches(batch: Batch) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """Return a batch's sketches as ``(row in batch, codes, counts)``."""
@@ -188,6 +212,9 @@ class PendingStep(Collection):
     def add_batch(self, batch: Batch, idx: np.ndarray, digest: bytes) -> None:
         """Keep a checked batch as a part; a final batch closes the step for its rank."""
         part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data)
+        if batch.extreme_rows.size:
+            part.sources = extremes.unknown(len(idx))
+            part.sources[batch.extreme_rows] = batch.extremes
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch))
         self.declare(*decode_declarations(batch.derived))
         self.digests[(batch.rank, batch.seq)] = digest

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from metricsvc.core.batch import Batch
 from metricsvc.core.errors import BatchRejected
-from metricsvc.core.records import Batch
 from metricsvc.core.wire import as_batch
 from metricsvc.service.admission import Admission
 from metricsvc.service.published import Status

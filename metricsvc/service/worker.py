@@ -27,9 +27,9 @@ import ray
 import yaml
 
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
+from metricsvc.core.batch import Batch
 from metricsvc.core.errors import Refused
 from metricsvc.core.limits import is_int
-from metricsvc.core.records import Batch
 from metricsvc.core.redaction import Redactor
 from metricsvc.service import continuing as continuing_run
 from metricsvc.service.aggregator import Aggregator

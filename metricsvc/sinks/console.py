@@ -37,15 +37,27 @@ def format_step(
         head += f" | PARTIAL, missing ranks {meta.get('missing_ranks')}"
     head += pace
     keys = sorted(metrics)
+    extremes = meta.get("extremes", {})
     width = max((len(k) for k in keys[:max_rows]), default=10)
     rule = "-" * max(len(head), width + 16)
     lines = [head]
     for prefix, group in groupby(keys[:max_rows], key=lambda k: k.split("/", 1)[0]):
         lines.append(f"{prefix} " + rule[len(prefix) + 1 :])
-        lines.extend(f"{k:<{width}}  {metrics[k]:>14.6g}" for k in group)
+        lines.extend(f"{k:<{width}}  {metrics[k]:>14.6g}{source(extremes.get(k))}"
+                     for k in group)
     if len(keys) > max_rows:
         lines.append(f"... {len(keys) - max_rows} more")
     return "\n".join(lines) + "\n"
+
+
+def source(where: Mapping[str, Any] | None) -> str:
+    """``  <- rank 2, id 1017`` beside a min or max: where it came from (``meta.extremes``)."""
+    if not where:
+        return ""
+    parts = [f"rank {where['rank']}" if "rank" in where else f"stream {where.get('stream')}"]
+    if "id" in where:
+        parts.append(f"id {where['id']}")
+    return "  <- " + ", ".join(parts)
 
 
 class ConsoleSink:

@@ -1,0 +1,234 @@
+"""Where each min and max came from (``stat(ids=)`` -> ``meta["extremes"]``), against numpy's
+``argmin`` / ``argmax`` on the ranks' data concatenated in rank order."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from metricsvc.client import MetricClient
+from metricsvc.client.buffer import RecordBuffer
+from metricsvc.client.device import _kernel
+from metricsvc.client.extremes import summarize_located
+from metricsvc.client.summarize import accelerator_path_on_cpu
+from metricsvc.core.batch import Batch
+from metricsvc.core.errors import BatchRejected
+from metricsvc.core.extremes import unknown
+from metricsvc.core.records import COUNT, MAX, MIN
+from metricsvc.core.validation import check_batch
+from metricsvc.core.wire import decode, encode
+from metricsvc.protocol import ReduceType
+from metricsvc.sinks.console import format_step
+from tests.synccount import HostTransferCounter
+
+WORLD = 4
+TOKEN_KEYS = ("actor/ppo_kl", "actor/entropy")
+
+
+def _rank_calls(rank: int, rng: np.random.Generator) -> list[dict]:
+    """One rank's recordings of a step: token-level values over two micro-batches (NaN,
+    masks, ties), per-sequence values, a key only ranks 1 and 3 send, a numpy key."""
+    calls = []
+    first_id = 1000 * (rank + 1)
+    for micro in range(2):
+        b, t = 3 + rank + micro, 7 + 2 * rank  # unequal batches, and shapes per rank
+        mask = rng.random((b, t)) < 0.7
+        ids = np.arange(first_id, first_id + b)
+        first_id += b
+        values = {}
+        for j, key in enumerate(TOKEN_KEYS):
+            # Rounded to halves: ties within a call, across calls and across ranks.
+            v = np.round(rng.normal(size=(b, t)) * 2) / 2 * (10.0 ** (6 * j))
+            v[rng.random((b, t)) < 0.05] = np.nan
+            values[key] = torch.tensor(v, dtype=torch.float32 if j == 0 else torch.float64)
+        calls.append({"values": values, "mask": torch.tensor(mask), "ids": torch.tensor(ids)})
+        per_seq = rng.integers(0, 4, size=b).astype(np.float64)  # many ties
+        calls.append({"values": {"response/score": torch.tensor(per_seq)}, "mask": None,
+                      "ids": torch.tensor(ids)})
+        if rank in (1, 3):
+            rare = rng.normal(size=b) * 1e-9
+            calls.append({"values": {"actor/rare": torch.tensor(rare)}, "mask": None,
+                          "ids": torch.tensor(ids), "reduce": ReduceType.MAX})
+        lengths = rng.integers(10, 20, size=b)  # numpy values, numpy ids
+        calls.append({"values": {"response/length": lengths}, "mask": None, "ids": ids,
+                      "reduce": ReduceType.MIN})
+    return calls
+
+
+def _record(client, calls):
+    for call in calls:
+        client.stat(mask=call["mask"], ids=call["ids"],
+                    reduce=call.get("reduce", ReduceType.AVG_MIN_MAX), **call["values"])
+
+
+def _expected(data: dict[int, list[dict]]) -> dict[str, dict]:
+    """Every exported min and max, from numpy on the concatenated data (rank order, then
+    each rank's calls, then row-major positions): the first occurrence wins a tie."""
+    found: dict[str, list] = {}
+    for rank in sorted(data):
+        seen: dict[str, int] = {}
+        for call in data[rank]:
+            for key, v in call["values"].items():
+                kind = call.get("reduce", ReduceType.AVG_MIN_MAX)
+                v = np.asarray(v, dtype=np.float64)
+                v2 = v.reshape(v.shape[0], -1)
+                mask = (np.ones(v2.shape, bool) if call["mask"] is None
+                        else np.asarray(call["mask"]).reshape(v2.shape))
+                use = mask & np.isfinite(v2)
+                rows, cols = np.nonzero(use)
+                ids = np.asarray(call["ids"])
+                n = seen.get(key, 0)
+                seen[key] = n + 1
+                entry = found.setdefault(key, [kind, [], []])
+                entry[1].append(v2[use])
+                entry[2].extend({"rank": rank, "id": int(ids[r]), "row": int(r),
+                                 "col": int(c), "call": n} for r, c in zip(rows, cols))
+    out, keys = {}, {}
+    for key, (kind, values, where) in found.items():
+        values = np.concatenate(values)
+        sides = {ReduceType.AVG_MIN_MAX: ("min", "max"), ReduceType.MIN: ("min",),
+                 ReduceType.MAX: ("max",)}[kind]
+        for side in sides:
+            name = key if kind != ReduceType.AVG_MIN_MAX else f"{key}/{side}"
+            out[name] = where[int(values.argmin() if side == "min" else values.argmax())]
+            keys[name] = key
+    return out, keys
+
+
+def test_every_min_and_max_names_the_rank_and_sample_numpy_finds_in_both_arrival_orders(
+        make_worker):
+    handle, cfg = make_worker()
+    rng = np.random.default_rng(41)
+    data = {r: _rank_calls(r, rng) for r in range(WORLD)}
+    expected, key_of = _expected(data)
+    clients = [MetricClient(None, rank=r, world_size=WORLD, name=cfg.name) for r in range(WORLD)]
+    for order in (range(WORLD), reversed(range(WORLD))):  # steps 0 and 1: the same data
+        order = list(order)
+        for r in order:
+            _record(clients[r], data[r])
+            # A plain siiRL key reduced as a max: its rank is named (the ranks tie: rank 0)
+            clients[r].submit_metric({"perf/max_memory_allocated_gb": 7.0 if r % 2 else 8.0})
+        for r in order:  # one at a time: batches arrive in exactly this order
+            clients[r].wait_submit(timeout_s=60)
+    for step in (0, 1):
+        res = ray.get(handle.wait_final.remote(step=step, timeout_s=60))
+        extremes = res["meta"]["extremes"]
+        assert {k: extremes[k] for k in expected} == expected
+        assert extremes["perf/max_memory_allocated_gb"] == {"rank": 0}
+        for name, where in expected.items():  # and each names the exported value
+            assert res["metrics"][name] == _value_at(data, key_of[name], where)
+    ray.get(handle.close.remote())
+    path = Path(cfg.run.root) / cfg.run.experiment / cfg.run.trial / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["meta"]["extremes"] == lines[1]["meta"]["extremes"] == extremes
+    # What a user reads: the console's table and ``metricsvc report --extremes``
+    w = expected["actor/ppo_kl/max"]
+    table = format_step(1, res["metrics"], res["meta"]).splitlines()
+    row = next(line for line in table if line.startswith("actor/ppo_kl/max "))
+    assert row.endswith(f"<- rank {w['rank']}, id {w['id']}")
+    out = subprocess.run([sys.executable, "-m", "metricsvc.cli.main", "report", str(path),
+                          "--keys", "actor/ppo_kl/*", "--extremes"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (f"actor/ppo_kl/max   step 1: rank {w['rank']}, id {w['id']} (row {w['row']}, "
+            f"col {w['col']}, call {w['call']})") in out.stdout
+
+
+def _value_at(data, key, where):
+    calls = [c for c in data[where["rank"]] if key in c["values"]]
+    v = np.asarray(calls[where["call"]]["values"][key], dtype=np.float64)
+    return float(v.reshape(v.shape[0], -1)[where["row"], where["col"]])
+
+
+def test_without_ids_the_rank_is_named_and_a_kind_without_extremes_refuses_ids(make_worker):
+    handle, cfg = make_worker()
+    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    for r, c in enumerate(clients):
+        c.stat(loss=torch.tensor([1.0, 5.0 - r, 2.0]))
+        with pytest.raises(ValueError, match=r"ids=\) for key 'loss2'.*AVG exports neither"):
+            c.stat(reduce="avg", ids=torch.arange(3), loss2=torch.ones(3))
+        with pytest.raises(ValueError, match=r"ids for key 'loss3': 2 ids, one per row"):
+            c.stat(ids=torch.arange(2), loss3=torch.ones(3))
+        with pytest.raises(TypeError, match=r"ids for key 'loss4' must be numbers"):
+            c.stat(ids=["a", "b", "c"], loss4=torch.ones(3))
+    for c in clients:
+        c.wait_submit(timeout_s=60)
+    meta = ray.get(handle.wait_final.remote(step=0, timeout_s=60))["meta"]
+    assert meta["extremes"]["loss/max"] == {"rank": 0}
+    assert meta["extremes"]["loss/min"] == {"rank": 0}  # a tie (1.0 on both): rank 0
+
+
+def test_sources_on_the_accelerator_path_match_the_host_and_read_nothing_back():
+    g = torch.Generator().manual_seed(3)
+    for shape in ((5, 9), (40, 300), (300,)):
+        v = torch.round(torch.randn(*shape, generator=g) * 3)  # ties
+        v[torch.rand(*shape, generator=g) < 0.05] = float("nan")
+        mask = torch.rand(*shape, generator=g) < 0.6
+        ids = torch.arange(100, 100 + shape[0])
+        host_rows, host_src = summarize_located({"k": v}, mask, ids)
+        with accelerator_path_on_cpu(), HostTransferCounter() as counter:
+            dev_rows, dev_src = summarize_located({"k": v}, mask, ids)
+        assert counter.calls == []
+        np.testing.assert_array_equal(np.asarray(host_src["k"]), dev_src["k"].numpy())
+        for field in (MIN, MAX, COUNT):  # the same values the sources point at
+            assert host_rows["k"][field] == dev_rows["k"][field]
+        row, at = _kernel(v.reshape(-1), mask.reshape(-1), True)  # the compiled kernel's body
+        flat = np.where(mask.numpy() & np.isfinite(v.numpy()), v.numpy(), np.inf).ravel()
+        assert at.tolist()[0] == int(flat.argmin())
+        assert row[MIN] == flat.min()
+
+
+def test_micro_batches_keep_the_first_extreme_and_count_calls_on_the_rank():
+    buf = RecordBuffer()
+    buf.record({"x": torch.tensor([3.0, 1.0])}, None, ReduceType.AVG_MIN_MAX)  # no ids
+    buf.record({"x": torch.tensor([1.0, 9.0])}, None, ReduceType.AVG_MIN_MAX,
+               torch.tensor([7, 8]))
+    buf.record({"x": torch.tensor([9.0, 0.5])}, None, ReduceType.AVG_MIN_MAX,
+               torch.tensor([5, 6]))
+    batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    # min 0.5: call 2, row 1, id 6; max 9.0 first in call 1, row 1, id 8
+    assert batch.extremes.tolist() == [[6.0, 2.0, 1.0, 0.0, 8.0, 1.0, 1.0, 0.0]]
+    back = check_batch(decode(encode(batch)))
+    assert back.extremes.tolist() == batch.extremes.tolist()
+    assert back.extreme_rows.tolist() == [0]
+
+
+@pytest.mark.parametrize("sources", [
+    [1.0, 0.0, -1.0, 0.0, 1.0, 0.0, 0.0, 0.0],  # a negative row
+    [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0],  # a fractional row
+    [np.inf, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0],  # an infinite id
+    [1.0, np.nan, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0],  # a position partly known
+])
+def test_a_malformed_source_is_refused_naming_the_key(sources):
+    good = Batch.build(step=0, rank=0, world_size=1, seq=0, final=True, keys=("k",),
+                       data=[[1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]], kinds=[1], expected=[0],
+                       extremes={0: unknown(1)[0]})
+    check_batch(good)
+    bad = Batch.build(step=0, rank=0, world_size=1, seq=0, final=True, keys=("k",),
+                      data=good.data, kinds=[1], expected=[0],
+                      extremes={0: np.asarray(sources)})
+    with pytest.raises(BatchRejected, match=r"key 'k': where its min and max came from"):
+        check_batch(bad)
+
+
+def test_a_min_or_max_from_a_stream_names_the_stream(make_worker):
+    handle, cfg = make_worker()
+    ranks = [MetricClient(handle, rank=r, world_size=2) for r in range(2)]
+    rec = ranks[0].stream("rollout", flush_every=10**9, flush_interval_s=1e9)
+    rec.stat(ids=np.array([7, 8]), length=np.array([9.0, 0.5]))
+    rec.flush()
+    ranks[0].stat(ids=np.array([1, 2]), **{"rollout/length": np.array([1.0, 5.0])})
+    ranks[0].wait_submit()
+    ray.get(handle.export_stream.remote("rollout", 0))
+    ranks[1].stat(**{"rollout/length": np.array([0.5, 3.0])})
+    ranks[1].wait_submit()
+    meta = ray.get(handle.wait_final.remote(0, 30))["meta"]
+    assert meta["extremes"]["rollout/length/max"] == {"stream": "rollout"}
+    # 0.5 ties between rank 1 and the stream: a rank comes before every stream
+    assert meta["extremes"]["rollout/length/min"] == {"rank": 1}
+    rec.close()
