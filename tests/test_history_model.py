@@ -17,6 +17,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 from hypothesis import HealthCheck, Phase, settings
@@ -45,6 +46,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
                     "sinks": {"console": None, "jsonl": {}, "tensorboard": {}},
                     "run": {"root": self.tmp.name, "experiment": "m", "trial": "t"}}
         self.model: dict[int, dict[str, float]] = {}
+        self.extremes: dict[int, dict[str, dict]] = {}  # step -> what meta.extremes names
         self.next = 0  # the rank's open step
         self.flushed = False  # flushes whose answers are not read yet
         self.handle = metricsvc.start_metric_worker(self.cfg)
@@ -71,6 +73,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
 
     def _rewound(self, to_step: int) -> None:
         self.model = {s: m for s, m in self.model.items() if s <= to_step}
+        self.extremes = {s: e for s, e in self.extremes.items() if s <= to_step}
         self.next = to_step + 1
 
     @initialize()
@@ -80,12 +83,19 @@ class RunHistoryMachine(RuleBasedStateMachine):
     @rule(value=VALUES, blocking=st.booleans())
     def close_step(self, value: float, blocking: bool) -> None:
         self.client.submit_metric({"x": value})
+        pair, first = [value, -value], 100 * self.next  # a tie at 0: row 0 is both
+        self.client.stat(ids=np.array([first, first + 1]), m=np.array(pair))
+        low, high = int(np.argmin(pair)), int(np.argmax(pair))
+        self.extremes[self.next] = {
+            "m/min": {"rank": 0, "id": first + low, "row": low, "col": 0, "call": 0},
+            "m/max": {"rank": 0, "id": first + high, "row": high, "col": 0, "call": 0}}
         if blocking:
             self.client.wait_submit(step=self.next, timeout_s=60)
         else:
             self.client.flush(step=self.next)
             self.flushed = True
-        self.model[self.next] = {"x": value}
+        self.model[self.next] = {"x": value, "m/mean": 0.0, "m/min": min(pair),
+                                 "m/max": max(pair)}
         self.next += 1
 
     @rule(value=VALUES)
@@ -142,6 +152,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         want = {"s/r/mean": mean, "s/r/min": min(values), "s/r/max": max(values)}
         assert window == pytest.approx(want, rel=1e-9)
         self.model[self.next] = want
+        self.extremes[self.next] = {"s/r/min": {"stream": "s"}, "s/r/max": {"stream": "s"}}
         self.next += 1
         self.client = self._client()  # the rank skips the stream's step
 
@@ -149,15 +160,18 @@ class RunHistoryMachine(RuleBasedStateMachine):
     def readers_equal_the_model(self) -> None:
         self._settle()
         ray.get(self.handle.flush.remote(), timeout=60)
-        served = {s: ray.get(self.handle.wait_final.remote(s, 30), timeout=60)["metrics"]
+        finals = {s: ray.get(self.handle.wait_final.remote(s, 30), timeout=60)
                   for s in self.model}
-        _same(served, self.model, 1e-9, "wait_final")
+        _same({s: f["metrics"] for s, f in finals.items()}, self.model, 1e-9, "wait_final")
+        # Where each min and max came from, through every restart, resend and rewind
+        assert {s: f["meta"].get("extremes") for s, f in finals.items()} == self.extremes
         run = Path(self.tmp.name) / "m" / "t"
         if not (run / "metrics.jsonl").exists():
             assert not self.model
             return
-        journal, report, board = _views(run)
+        journal, report, board, sources = _views(run)
         _same(journal, self.model, 1e-9, "journal")
+        assert sources == self.extremes
         _same(report, self.model, 1e-9, "report")
         _same(board, self.model, 1e-6, "tensorboard")
 
@@ -179,14 +193,16 @@ def _views(run: Path):
     from metricsvc.storage.journal import read_journal
     from tests import readback
 
-    journal = {r["step"]: r["metrics"] for r in read_journal(run / "metrics.jsonl")}
+    records = read_journal(run / "metrics.jsonl")
+    journal = {r["step"]: r["metrics"] for r in records}
+    sources = {r["step"]: r["meta"].get("extremes") for r in records}
     try:
         report = {r["step"]: r["metrics"] for r in load_steps(str(run))}
     except CliError:  # "the journal holds no finished step": a run rewound to its start
         report = {}
     board = readback.tensorboard_scalars(run / "tensorboard") if (run / "tensorboard").exists() \
         else {}
-    return journal, report, board
+    return journal, report, board, sources
 
 
 def test_every_mix_of_restart_rewind_resume_close_and_streams_keeps_every_reader_whole(
