@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ import numpy as np
 
 from metricsvc.client.declarations import ClientDeclarations
 from metricsvc.client.extremes import merge_row_sources, summarize_located
+from metricsvc.client.names import ExportedNames
 from metricsvc.client.summarize import (
     add_sketches,
     element_rows,
@@ -22,6 +22,7 @@ from metricsvc.client.summarize import (
     to_host,
 )
 from metricsvc.client.tensors import MaskCache, Row, is_tensor
+from metricsvc.client.vectors import summarize_each
 from metricsvc.protocol import (
     AUTO,
     KINDS,
@@ -34,22 +35,12 @@ from metricsvc.protocol import (
     dense_to_sparse,
     is_internal,
     kind_name,
-    safe_tag,
     scalar_row,
     scalar_rows,
 )
 
 _PLAIN_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64,
                             np.int32, np.int16, np.int8, np.uint8, np.bool_})
-
-
-@functools.lru_cache(maxsize=65536)  # keys recur every step
-def _exported(key: str, code: int) -> tuple[str, ...]:
-    """Return every name ``key`` may export under ``code``: its declaration's claims."""
-    if code == AUTO:  # a plain number exports its key (its kind is the service's to pick)
-        return tuple(dict.fromkeys((key, safe_tag(key))))
-    return Metric(key, ReduceType(code)).claims()
-
 
 
 @dataclass(slots=True)
@@ -71,11 +62,9 @@ class RecordBuffer:
         self.lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._masks = MaskCache()  # one mask preparation per mask per step
-        self._names: dict[str, str] = {}  # exported name (or sink tag) -> the key exporting it
         self._good_keys: set[str] = set()  # names already checked (they recur every step)
         self.declarations = ClientDeclarations()  # derived metrics and what names mean
-        # What a call's keys claimed (by keys, code and declarations held), reused
-        self._claims: dict[tuple, dict[str, str]] = {}
+        self.names = ExportedNames(self)  # which key of the step exports each name
         self.trackers: dict[str, Any] = {}  # named trackers, by prefix (Tracker.get)
         self._attached: list[Any] = []  # what records here and has step-scoped state
         self.host_copies = 0
@@ -138,7 +127,7 @@ class RecordBuffer:
                 key recorded in this step exports (the names are named).
         """
         with self.lock:
-            self.declarations.declare(declarations, self._names, self.label)
+            self.declarations.declare(declarations, self.names.owner, self.label)
 
     def describe(self, *metrics: Metric | Derived, under: Any = None) -> None:
         """Say what ``metrics`` mean: the help and unit of each go to the service with the
@@ -165,6 +154,18 @@ class RecordBuffer:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
         self._record_all(rows, int(kind), 0, sketches, sources)
 
+    def record_each(self, values: Mapping[str, tuple[Any, Any]],
+                    kinds: Mapping[str, ReduceType]) -> None:
+        """Summarise ``{full key: (value, mask)}``, each key under its own mask and with its
+        kind (short host vectors in one pass: ``client.vectors``); merge into the buffer."""
+        with self.lock:  # the mask cache's scratch buffers serve one summary at a time
+            rows = summarize_each(values, compile=self.compile, cache=self._masks)
+        groups: dict[int, dict[str, Row]] = {}
+        for key, row in rows.items():
+            groups.setdefault(int(kinds[key]), {})[key] = row
+        for code, group in groups.items():
+            self._record_all(group, code, 0)
+
     def record_elements(self, keys: list[str], values: Any, kind: ReduceType) -> None:
         """Record element ``i`` of ``values`` as one value (count 1) of ``keys[i]``."""
         rows = element_rows(values, key=keys[0] if keys else "value")
@@ -189,48 +190,12 @@ class RecordBuffer:
             entries = self._entries
             if sketches is None and sources is None and entries.keys().isdisjoint(rows):
                 # Keys new in this step (the common case): nothing to merge with.
-                self._claim_names(rows, code)
+                self.names.claim(rows, code, self._entries)
                 entries.update(zip(rows, [_Entry(code, expected, row) for row in rows.values()]))
             else:
                 self._merge_rows(rows, code, expected, sketches, sources or {})
         if self.on_record is not None:
             self.on_record()
-
-    def _claim_names(self, rows: Mapping[str, Any], code: int) -> None:
-        """Own the names new keys export; refuse one that another key of the step exports.
-        A call with the keys of an earlier one (every step's same dict) reuses what that
-        one claimed, once no name of it is taken in this step."""
-        names = self._names
-        known = (tuple(rows), code, len(self.declarations.held))
-        claimed = self._claims.get(known)
-        if claimed is not None and names.keys().isdisjoint(claimed) \
-                and self._entries.keys().isdisjoint(rows):
-            names.update(claimed)
-            return
-        new = [key for key in rows if key not in self._entries]
-        claimed = {}
-        declared = self.declarations.names
-        for key in new:
-            for name in _exported(key, code):
-                if name in declared:
-                    raise ValueError(
-                        f"key {key!r} ({kind_name(code)}) would export {name!r}, which the "
-                        f"derived metric {declared[name]!r} declared in this client exports: "
-                        f"one exported name, one source (rename one of them)"
-                    )
-                owner = names.get(name, claimed.get(name, key))
-                if owner != key:
-                    raise ValueError(
-                        f"key {key!r} ({kind_name(code)}) would export {name!r}, which key "
-                        f"{owner!r} already exports in {self.label}: one exported name, one "
-                        f"source (rename one of them)"
-                    )
-                claimed[name] = key
-        names.update(claimed)
-        if len(new) == len(rows):  # every key new here: the same call next step claims this
-            if len(self._claims) >= 64:
-                self._claims.pop(next(iter(self._claims)))
-            self._claims[known] = claimed
 
     def _merge_rows(self, rows: dict[str, Row], code: int, expected: int,
                     sketches: dict[str, Row] | None, sources: dict[str, Row]) -> None:
@@ -243,7 +208,7 @@ class RecordBuffer:
                     f"key {key!r} was recorded as {kind_name(entry.code)} in "
                     f"{self.label}; recording it as {kind_name(code)} would mix reductions"
                 )
-        self._claim_names(rows, code)
+        self.names.claim(rows, code, self._entries)
         for key, row in rows.items():
             sk = None if sketches is None else sketches[key]
             src = sources.get(key)
@@ -308,6 +273,6 @@ class RecordBuffer:
     def _reset(self) -> None:
         self._masks.clear()  # a mask is prepared once per step; the scratch buffers stay
         self._entries = {}
-        self._names = {}
+        self.names.owner = {}
         for tracker in self._attached:
             tracker.end_step()

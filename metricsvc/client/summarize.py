@@ -141,6 +141,8 @@ def summarize_many(
 
 def _summaries(values: Mapping[str, Any], mask: Any, compile: bool | None,
                cache: MaskCache | None, locate: bool) -> tuple[dict[str, Row], dict[str, Any]]:
+    if mask is None and _PLAIN.issuperset(map(type, values.values())):
+        return _plain_rows(values), {}  # plain floats and ints only (timings, counters)
     plain: dict[str, Any] = {}
     rest = values
     if mask is None:  # plain floats and ints (timings, counters) need no checks

@@ -48,6 +48,7 @@ class Tracker:
         self._scope: ContextVar[tuple[str, ...]] = ContextVar(f"metricsvc_scope_{next(_ids)}",
                                                               default=())
         self._denominators: dict[str, Any] = {}
+        self._full: dict[tuple, tuple[str, ...]] = {}  # (scopes, keys) -> checked full keys
         buffer.attach(self)
 
     # -- keys and scopes ---------------------------------------------------------------
@@ -58,6 +59,19 @@ class Tracker:
     def _key(self, key: str) -> str:
         """Return the checked full key (name rules, reserved ``__`` segments)."""
         return self.buffer.checked(self.full_key(key))
+
+    def _keys(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Return ``values`` by checked full key; a call's keys recur every step, so their
+        full keys are worked out once per scope (a key is checked once: its rules cannot
+        change, and an internal key's reader, once declared, stays declared)."""
+        known = (self._scope.get(), tuple(values))
+        full = self._full.get(known)
+        if full is None:
+            full = tuple(self._key(k) for k in values)
+            if len(self._full) >= 1024:
+                self._full.clear()
+            self._full[known] = full
+        return dict(zip(full, values.values()))
 
     @contextlib.contextmanager
     def scope(self, name: str) -> Iterator[None]:
@@ -139,7 +153,7 @@ class Tracker:
                                           "mask" if mask is not None else "")
             )
         kind = ReduceType.parse(reduce_type if reduce_type is not None else reduce)
-        full = {self._key(k): v for k, v in values.items()}
+        full = self._keys(values)
         if ids is not None and kind not in _EXTREME_KINDS:
             raise ValueError(
                 f"stat(ids=) for key {next(iter(full))!r}: ids name where a min or max came "
@@ -149,6 +163,30 @@ class Tracker:
         elif denominator is not None:
             mask = denominator
         self.buffer.record(full, mask, kind, ids)
+
+    def stat_each(self, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX, *,
+                  kinds: dict[str, ReduceType | str] | None = None,
+                  **values: tuple[Any, Any]) -> None:
+        """Record each key's value under its own mask, ``stat_each(length=(lengths, None),
+        correct_length=(lengths, rewards > 0.5))``: what one ``stat`` call per mask records,
+        with the short host vectors (a value per sequence) summarised in one pass.
+        ``kinds``: the kind of some keys, where it is not ``reduce``.
+
+        Raises:
+            TypeError: a value that is not a ``(value, mask)`` pair, or what ``stat`` raises.
+        """
+        if not values:
+            raise TypeError("stat_each() got no values: pass (value, mask) pairs as keywords, "
+                            "e.g. stat_each(length=(lengths, mask))")
+        for key, pair in values.items():
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise TypeError(f"stat_each: the value for key {key!r} must be a (value, mask) "
+                                f"pair (mask None for every position), got "
+                                f"{type(pair).__name__}")
+        kind = ReduceType.parse(reduce)
+        kinds = {key: ReduceType.parse(k) for key, k in (kinds or {}).items()}
+        full = self._keys(values)
+        self.buffer.record_each(full, dict(zip(full, (kinds.get(k, kind) for k in values))))
 
     def declare(self, *declarations: Derived) -> None:
         """Declare derived metrics (names and inputs under this tracker's prefix and scopes);

@@ -126,11 +126,14 @@ def from_pivot(n: Any, c: Any, d1: Any, q: Any, xp: Any = np, total: Any = None,
     pivot, each ``x - c`` rounds, and the plain float64 ``total`` is the better sum. ``n``
     may be 0 (then ``c``, ``d1`` and ``q`` are 0, and so is everything returned).
     """
-    p, e = two_prod(n, c)
-    hi, lo = two_sum(p, d1)
-    hi, lo = _normalised(hi, lo + _finite(e, xp), xp)
-    if total is not None:
-        hi, lo = xp.where(exact, hi, total), xp.where(exact, lo, 0.0)
+    if total is not None and xp is np and not np.any(exact):
+        hi, lo = total, np.zeros(np.shape(total))  # the plain sums: no double-double to build
+    else:
+        p, e = two_prod(n, c)
+        hi, lo = two_sum(p, d1)
+        hi, lo = _normalised(hi, lo + _finite(e, xp), xp)
+        if total is not None:
+            hi, lo = xp.where(exact, hi, total), xp.where(exact, lo, 0.0)
     r = abs(d1) / xp.sqrt(n + (n == 0))
     near = (q > 1e-150) * (q < 1e150)  # (q - r)(q + r) stays in range: one rounding less
     root = xp.where(near, xp.sqrt(_half_plus((q - r) * (q + r))),
@@ -298,6 +301,10 @@ def scalar_rows(values: np.ndarray) -> np.ndarray:
     """Return one record per plain number (count 1 each; NaN/inf counted as nonfinite)."""
     v = np.asarray(values, dtype=np.float64).ravel()
     rows = np.zeros((v.size, NFIELDS), dtype=np.float64)
+    if math.isfinite(v.sum()):  # every value finite (a NaN or inf would show in the sum)
+        rows[:, SUM] = rows[:, MIN] = rows[:, MAX] = v
+        rows[:, COUNT] = 1.0
+        return rows
     finite = np.isfinite(v)
     z = np.where(finite, v, 0.0)
     rows[:, SUM] = z

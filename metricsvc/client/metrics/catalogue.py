@@ -9,6 +9,7 @@ refused, naming it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,8 @@ class Catalogue:
     def __init__(self, *entries: Metric | Derived) -> None:
         self.entries = entries
         self._entries: dict[str, Metric] = {}
+        # Per recording buffer: (prefix and scopes, keys) -> the keys of each kind
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __iter__(self) -> Iterator[Metric | Derived]:
         return iter(self.entries)
@@ -45,11 +48,33 @@ class Catalogue:
 
     def stat(self, m: Any, mask: Any = None, **values: Any) -> None:
         """Record ``values`` on ``m`` (a client or tracker), each with its declared kind:
-        one ``stat`` call per kind, under ``mask``."""
-        groups: dict[ReduceType, dict[str, Any]] = {}
-        entries = [self.entry(key) for key in values]
-        m.buffer.describe(*entries, under=m.full_key)  # what each means: sent once, shown by sinks
-        for (key, value), entry in zip(values.items(), entries):
-            groups.setdefault(entry.kind, {})[key] = value
-        for kind, group in groups.items():
+        one ``stat`` call per kind, under ``mask``. A call's keys recur every step: which
+        kind each has is worked out, and what each means described, once per client."""
+        for kind, group in self._by_kind(m, values):
             m.stat(mask=mask, reduce=kind, **group)
+
+    def stat_each(self, m: Any, **values: tuple[Any, Any]) -> None:
+        """Record ``{key: (value, mask)}`` on ``m``, each key under its own mask and with its
+        declared kind (``Tracker.stat_each``: per-sequence values in one pass)."""
+        groups = self._by_kind(m, values)
+        kinds = {key: kind for kind, group in groups for key in group}
+        m.stat_each(kinds=kinds, **values)
+
+    def _by_kind(self, m: Any, values: dict[str, Any]) -> list[tuple[ReduceType, dict]]:
+        """``values`` grouped by declared kind; worked out (and what each key means
+        described) once per client and call."""
+        plans = self._plans.get(m.buffer)
+        if plans is None:
+            plans = self._plans[m.buffer] = {}
+        known = (m.full_key(""), tuple(values))
+        plan = plans.get(known)
+        if plan is None:
+            groups: dict[ReduceType, list[str]] = {}
+            entries = [self.entry(key) for key in values]
+            m.buffer.describe(*entries, under=m.full_key)  # sent once, shown by sinks
+            for key, entry in zip(values, entries):
+                groups.setdefault(entry.kind, []).append(key)
+            plan = plans[known] = [(kind, tuple(keys)) for kind, keys in groups.items()]
+        if len(plan) == 1:
+            return [(plan[0][0], values)]
+        return [(kind, {key: values[key] for key in keys}) for kind, keys in plan]

@@ -58,11 +58,11 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     token. ``critic/vf_explained_var`` is declared (``EXPLAINED_VARIANCE``) and
     derived by the service from the merged moments of returns and returns - values.
 
-    Seven ``stat`` calls: the per-sequence values together, the token-level ones under the
-    response mask together (each tensor read once: the explained-variance inputs reuse
-    the returns and values gathered for their own keys), the clip ratios, and the lengths
-    of correct and of wrong responses under their own masks, and verl's non-aborted
-    lengths and clip ratio under theirs.
+    Two calls: the token-level values under the response mask together (each tensor read
+    once: the explained-variance inputs reuse the returns and values gathered for their
+    own keys), and every per-sequence value (score, rewards, lengths, clip ratios, verl's
+    non-aborted lengths and clip ratio, the lengths of correct and of wrong responses),
+    each under its own mask, in one ``stat_each`` pass.
     """
     torch = __import__("torch")  # the batch is made of torch tensors: it is loaded already
     info = response_info(batch)
@@ -78,7 +78,6 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     tools = get(batch, "tool_call_counts")
     if tools is not None:
         per_sequence["tool_call_counts"] = tools
-    METRICS.stat(m, **per_sequence)
     returns, values = batch["returns"], get(batch, "values")
     token_level = {"critic/advantages": batch["advantages"], "critic/returns": returns}
     if values is not None:
@@ -89,18 +88,20 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     METRICS.stat(m, mask=info.response_mask, **token_level)
     clipped = (length == info.max_response_length).double()
     aborted = length == 0
-    METRICS.stat(m, **{
-        "response/clip_ratio/mean": clipped,
-        "prompt/clip_ratio/mean": (info.prompt_length == info.max_prompt_length).double(),
-        "response/aborted_ratio": aborted.double(),
-    })
     kept = ~aborted
-    METRICS.stat(m, mask=kept, **{"response/length_non_aborted": length,
-                                  "response/clip_ratio_non_aborted/mean": clipped})
-    # A rank without correct (or wrong) responses contributes nothing: no 0 placeholder.
     correct = rewards > 0.5
-    METRICS.stat(m, mask=correct, **{"response/correct_length": length})
-    METRICS.stat(m, mask=~correct, **{"response/wrong_length": length})
+    # Every per-sequence value, each under its own mask, in one pass. A rank without
+    # correct (or wrong) responses contributes nothing to their lengths: no 0 placeholder.
+    METRICS.stat_each(m, **{key: (v, None) for key, v in per_sequence.items()}, **{
+        "response/clip_ratio/mean": (clipped, None),
+        "prompt/clip_ratio/mean": ((info.prompt_length == info.max_prompt_length).double(),
+                                   None),
+        "response/aborted_ratio": (aborted.double(), None),
+        "response/length_non_aborted": (length, kept),
+        "response/clip_ratio_non_aborted/mean": (clipped, kept),
+        "response/correct_length": (length, correct),
+        "response/wrong_length": (length, ~correct),
+    })
 
 
 def _rss_gb() -> float:
