@@ -82,3 +82,19 @@ def test_a_bad_value_or_mask_is_named_and_nothing_is_recorded():
     with pytest.raises(TypeError, match=r"mask for key 'int mask' must be bool"):
         c.stat_each(**{"int mask": (torch.ones(3), torch.ones(3, dtype=torch.int64))})
     assert c.pending_keys() == []
+
+
+def test_plain_numbers_recorded_again_merge_with_the_block_they_came_in():
+    c = MetricClient(None, rank=0, world_size=1)
+    c.submit_metric({"a": 1.0, "b": 2.0, "c": 5})
+    c.submit_metric({"a": 3.0})  # merges with the first call's record of "a"
+    with pytest.raises(ValueError, match=r"key 'b' was recorded as AUTO .* as MAX would mix"):
+        c.stat(reduce="max", b=torch.tensor([7.0, 1.0]))  # a kind that clashes: refused
+    c.submit_metric({"d": 4.0})
+    assert c.pending_keys() == ["a", "b", "c", "d"]
+    batch = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    rows = dict(zip(batch.keys, batch.data))
+    assert sorted(batch.keys) == ["a", "b", "c", "d"]
+    assert rows["a"][COUNT] == 2 and rows["a"][SUM] == 4.0 and rows["a"][MAX] == 3.0
+    assert rows["b"][COUNT] == 1 and rows["b"][SUM] == 2.0 and rows["c"][SUM] == 5.0
+    assert rows["d"][MIN] == 4.0

@@ -26,6 +26,7 @@ from metricsvc.client.vectors import summarize_each
 from metricsvc.protocol import (
     AUTO,
     KINDS,
+    NFIELDS,
     Batch,
     Derived,
     Metric,
@@ -53,6 +54,48 @@ class _Entry:
     calls: int = 1  # recordings merged into ``row`` in this step
 
 
+@dataclass(slots=True)
+class _Block:
+    """The plain numbers of one call (a dict of floats): a record per key, as one matrix."""
+
+    code: int
+    expected: int
+    keys: tuple[str, ...]
+    rows: np.ndarray  # [len(keys), NFIELDS]
+    alive: np.ndarray | None = None  # which rows are still the block's (None: all)
+
+    def take(self, key: str) -> _Entry:
+        """Hand ``key``'s record over to an entry of its own (the key is recorded again)."""
+        i = self.keys.index(key)
+        if self.alive is None:
+            self.alive = np.ones(len(self.keys), dtype=bool)
+        self.alive[i] = False
+        return _Entry(self.code, self.expected, self.rows[i].copy())
+
+
+def _plain_block(values: list[Any]) -> np.ndarray | None:
+    """The records of plain numbers, in one vectorised pass; None for anything else (or an
+    int past float64, which the per-key path names)."""
+    if not _PLAIN_NUMBERS.issuperset(map(type, values)):
+        return None
+    try:
+        return scalar_rows(np.array(values, dtype=np.float64))
+    except OverflowError:
+        return None
+
+
+def _add_blocks(blocks: list[_Block], keys: list, data: list, kinds: list,
+                expected: list) -> None:
+    """Append the blocks' keys and columns, after the entries: each call's plain numbers in
+    the order recorded (without the keys an entry of their own took over)."""
+    for b in blocks:
+        names = b.keys if b.alive is None else [n for n, a in zip(b.keys, b.alive) if a]
+        keys.extend(names)
+        data.append(b.rows if b.alive is None else b.rows[b.alive])
+        kinds.extend([b.code] * len(names))
+        expected.extend([b.expected] * len(names))
+
+
 class RecordBuffer:
     """Keys recorded since the last flush, each one merged record (and sketch) on its device."""
 
@@ -60,7 +103,8 @@ class RecordBuffer:
         self.sketch_spec = sketch_spec or SketchSpec()
         self.compile = compile
         self.lock = threading.RLock()
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, _Entry | _Block] = {}  # key -> its record (or its block)
+        self._blocks: list[_Block] = []
         self._masks = MaskCache()  # one mask preparation per mask per step
         self._good_keys: set[str] = set()  # names already checked (they recur every step)
         self.declarations = ClientDeclarations()  # derived metrics and what names mean
@@ -84,16 +128,10 @@ class RecordBuffer:
             keys = list(metrics)  # every name checked in an earlier step
         else:
             keys = [self.checked(k) for k in metrics]
-        values = list(metrics.values())
-        rows = None
-        if _PLAIN_NUMBERS.issuperset(map(type, values)):
-            # The common case (a dict of floats): one vectorised pass, no per-key summaries.
-            try:
-                rows = list(scalar_rows(np.array(values, dtype=np.float64)))
-            except OverflowError:  # an int past float64: the per-key path names it
-                rows = None
-        if rows is None:
-            rows = [summarize(v, key=k, compile=self.compile) for k, v in metrics.items()]
+        block = _plain_block(list(metrics.values()))  # the common case: a dict of floats
+        if block is not None:
+            return self._record_block(tuple(keys), block, AUTO, expected)
+        rows = [summarize(v, key=k, compile=self.compile) for k, v in metrics.items()]
         self._record_all(dict(zip(keys, rows)), AUTO, expected)
 
     def checked(self, key: str) -> str:
@@ -145,6 +183,10 @@ class RecordBuffer:
                ids: Any = None) -> None:
         """Summarise ``{full key: value}`` under one mask and merge into the buffer; with
         ``ids`` (one per row), where each min and max lies too (``client.extremes``)."""
+        block = None if mask is not None or ids is not None or KINDS[kind].sketch \
+            else _plain_block(list(values.values()))  # plain numbers: timings, counters
+        if block is not None:
+            return self._record_block(tuple(values), block, int(kind), 0)
         with self.lock:  # the mask cache's scratch buffers serve one summary at a time
             rows, sources = (summarize_many(values, mask, compile=self.compile,
                                             cache=self._masks), None) if ids is None else \
@@ -197,6 +239,20 @@ class RecordBuffer:
         if self.on_record is not None:
             self.on_record()
 
+    def _record_block(self, keys: tuple[str, ...], rows: np.ndarray, code: int,
+                      expected: int) -> None:
+        with self.lock:
+            entries = self._entries
+            if entries.keys().isdisjoint(keys):  # new in this step: kept as one block
+                self.names.claim(keys, code, entries)
+                block = _Block(code, expected, keys, rows)
+                entries.update(dict.fromkeys(keys, block))
+                self._blocks.append(block)
+            else:
+                self._merge_rows(dict(zip(keys, rows)), code, expected, None, {})
+        if self.on_record is not None:
+            self.on_record()
+
     def _merge_rows(self, rows: dict[str, Row], code: int, expected: int,
                     sketches: dict[str, Row] | None, sources: dict[str, Row]) -> None:
         entries = self._entries
@@ -213,6 +269,8 @@ class RecordBuffer:
             sk = None if sketches is None else sketches[key]
             src = sources.get(key)
             entry = entries.get(key)
+            if entry.__class__ is _Block:
+                entry = entries[key] = entry.take(key)
             if entry is None:
                 entries[key] = _Entry(code, expected, row, sk, src)
                 continue
@@ -237,8 +295,8 @@ class RecordBuffer:
                    final: bool) -> Batch:
         """Return everything recorded as one wire batch (one host copy) and start afresh."""
         with self.lock:
-            keys = tuple(self._entries)
-            entries = list(self._entries.values())
+            held = [(k, e) for k, e in self._entries.items() if e.__class__ is _Entry]
+            entries = [e for _, e in held]
             dense = [i for i, e in enumerate(entries)
                      if e.sketch is not None and is_tensor(e.sketch)]
             located = [i for i, e in enumerate(entries) if e.sources is not None]
@@ -253,12 +311,14 @@ class RecordBuffer:
                              for j, i in enumerate(dense)})
             start = k + len(dense)
             extremes = {i: parts[start + j] for j, i in enumerate(located)}
+            keys, data = [k for k, _ in held], [np.reshape(parts[:k], (k, NFIELDS))]
+            kinds, expected = [e.code for e in entries], [e.expected for e in entries]
+            _add_blocks(self._blocks, keys, data, kinds, expected)
             batch = Batch.build(
-                step=step, rank=rank, world_size=world_size, seq=seq, final=final, keys=keys,
-                data=parts[:k] if k else [], kinds=[e.code for e in entries],
-                expected=[e.expected for e in entries], sketches=sketches,
-                sketch_alpha=self.sketch_spec.alpha, derived=self.declarations.take_wire(),
-                extremes=extremes,
+                step=step, rank=rank, world_size=world_size, seq=seq, final=final,
+                keys=keys, data=np.concatenate(data), kinds=kinds, expected=expected,
+                sketches=sketches, sketch_alpha=self.sketch_spec.alpha,
+                derived=self.declarations.take_wire(), extremes=extremes,
             )
             self._reset()
             return batch
@@ -273,6 +333,7 @@ class RecordBuffer:
     def _reset(self) -> None:
         self._masks.clear()  # a mask is prepared once per step; the scratch buffers stay
         self._entries = {}
+        self._blocks = []
         self.names.owner = {}
         for tracker in self._attached:
             tracker.end_step()
