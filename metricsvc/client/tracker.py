@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from metricsvc.client.tensors import is_tensor
-from metricsvc.protocol import Derived, ReduceType, check_key
+from metricsvc.protocol import KINDS, Derived, ReduceType, check_key
 
 if TYPE_CHECKING:
     from metricsvc.client.buffer import RecordBuffer
 
 _ids = itertools.count()
-_EXTREME_KINDS = frozenset({ReduceType.AVG_MIN_MAX, ReduceType.MIN, ReduceType.MAX})
 
 
 class Tracker:
@@ -154,10 +153,11 @@ class Tracker:
             )
         kind = ReduceType.parse(reduce_type if reduce_type is not None else reduce)
         full = self._keys(values)
-        if ids is not None and kind not in _EXTREME_KINDS:
+        if ids is not None and not KINDS[kind].extremes:
             raise ValueError(
                 f"stat(ids=) for key {next(iter(full))!r}: ids name where a min or max came "
-                f"from, and {kind.name} exports neither (use AVG_MIN_MAX, MIN or MAX)")
+                f"from, and {kind.name} exports neither (use "
+                f"{', '.join(k.name for k, spec in KINDS.items() if spec.extremes)})")
         if isinstance(denominator, str):
             mask = self._lookup(denominator, next(iter(full), "<none>"))
         elif denominator is not None:

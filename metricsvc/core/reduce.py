@@ -204,7 +204,9 @@ class Kind:
     buckets. ``suffixes`` are the exported names (``""``: the key itself), ``finalise``
     turns a merged record with at least one value into them; an empty population
     exports ``empty`` (None: nothing). ``weighted``: counts may be fractional weights.
-    ``flag``: a meta entry naming the keys whose merged record it marks.
+    ``flag``: a meta entry naming the keys whose merged record it marks. ``extremes``: which
+    of the record's min and max the last exported names are (in that order): where each
+    came from is named in the step's ``meta["extremes"]``, and ``stat(ids=)`` accepts the kind.
     """
 
     suffixes: Callable[[OutputRules], tuple[str, ...]]
@@ -214,16 +216,19 @@ class Kind:
     weighted: bool = False
     flag: tuple[str, Callable[[np.ndarray], bool]] | None = None
     suffixes_vary: bool = False  # set by service config (the client cannot check them)
+    extremes: tuple[str, ...] = ()  # "min", "max": what the last exported names are
 
 
 KINDS: dict[ReduceType, Kind] = {
     ReduceType.AVG_MIN_MAX: Kind(lambda r: (r.mean_suffix, "min", "max"),
                                  lambda row, _, r: (mean(row), float(row[MIN]),
-                                                    float(row[MAX]))),
+                                                    float(row[MAX])), extremes=("min", "max")),
     ReduceType.AVG: Kind(lambda r: ("",), lambda row, _, r: (mean(row),), weighted=True),
     ReduceType.SUM: Kind(lambda r: ("",), lambda row, _, r: (float(row[SUM]),), empty=(0.0,)),
-    ReduceType.MIN: Kind(lambda r: ("",), lambda row, _, r: (float(row[MIN]),)),
-    ReduceType.MAX: Kind(lambda r: ("",), lambda row, _, r: (float(row[MAX]),)),
+    ReduceType.MIN: Kind(lambda r: ("",), lambda row, _, r: (float(row[MIN]),),
+                         extremes=("min",)),
+    ReduceType.MAX: Kind(lambda r: ("",), lambda row, _, r: (float(row[MAX]),),
+                         extremes=("max",)),
     ReduceType.SCALAR: Kind(lambda r: ("",), lambda row, _, r: (mean(row),),
                             flag=("scalar_mismatch", lambda row: row[MIN] != row[MAX])),
     ReduceType.STD: Kind(lambda r: ("std",), lambda row, _, r: (population_std(row),)),

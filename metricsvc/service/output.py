@@ -161,15 +161,17 @@ class StepOutput:
         (or the stream) whose record holds it, and, where that rank's client was given
         ``ids=``, the sample's id, its position (``row``, ``col``) and the ``call``."""
         rows = sorted((i for i, kind in enumerate(kinds)
-                       if kind in _SIDES and not is_internal(p.keys[i])), key=p.keys.__getitem__)
+                       if KINDS[kind].extremes and not is_internal(p.keys[i])),
+                      key=p.keys.__getitem__)
         if not rows:  # (a name two keys export is the first key's: ``finalize``)
             return {}
         found = p.extremes(data)
         out: dict[str, dict[str, Any]] = {}
         for i in rows:
             names = output_names(p.keys[i], kinds[i], self.output)
-            for side, name in zip(_SIDES[kinds[i]], names[-len(_SIDES[kinds[i]]):]):
-                name = self.rename(name)
+            sides = KINDS[kinds[i]].extremes
+            for side, name in zip(sides, names[-len(sides):]):
+                side, name = _SIDE[side], self.rename(name)
                 part_of, parts, src = found[side]
                 if name not in metrics or name in out or part_of[i] < 0:
                     continue
@@ -204,8 +206,7 @@ class StepOutput:
         return out
 
 
-# Which sides (0: min, 1: max) each kind exports, in the order of its exported names' tail
-_SIDES = {ReduceType.AVG_MIN_MAX: (0, 1), ReduceType.MIN: (0,), ReduceType.MAX: (1,)}
+_SIDE = {"min": 0, "max": 1}  # in the order of ``Collection.extremes``
 
 
 class TagOwners:
