@@ -49,10 +49,25 @@ def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
             time.sleep(delay)
 
 
-def issue(handle: Any, method: str, *args: Any) -> Callable[[], Any]:
+class Issued:
+    """A call made: ``ready()`` says whether its answer is in (never waits), calling it
+    waits for the answer and returns it (or raises what the call raised)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    def ready(self) -> bool:
+        return bool(ray.wait([self.ref], timeout=0, fetch_local=False)[0])
+
+    def __call__(self) -> Any:
+        return ray_get(self.ref)
+
+
+def issue(handle: Any, method: str, *args: Any) -> Issued:
     """Make the call ``handle.method(*args)`` now; return the wait for its answer."""
-    ref = getattr(handle, method).remote(*args)
-    return lambda: ray_get(ref)
+    return Issued(getattr(handle, method).remote(*args))
 
 
 def find_service(name: str, namespace: str, via: str | None, rank: int) -> Any:
@@ -112,7 +127,7 @@ class ServiceHandle:
         return call(lambda: self.target, method, *args, retry_s=self.retry_s,
                     timeout_s=timeout_s, label=f"MetricWorker {self.name!r}")
 
-    def issue(self, method: str, *args: Any) -> Callable[[], Any]:
+    def issue(self, method: str, *args: Any) -> Issued:
         """One call of the target, made now; returns the wait for its answer."""
         self.calls += 1
         return issue(self.target, method, *args)

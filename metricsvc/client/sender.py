@@ -1,10 +1,11 @@
 """Delivering a rank's closed steps to the service: one at a time, in step order, through
 the restart protocol (``metricsvc.core.resend``).
 
-A blocking ``send`` runs on the caller's thread (``wait_submit``); ``hand_over`` queues a
-batch for the sender thread (``flush``), whose answers the caller reads later. When nothing
-is in flight, ``hand_over`` makes the call itself and the thread only waits for its answer
-(a thread's wake-up and the call's own work cost a rank more than the call). Either way
+A blocking ``send`` runs on the caller's thread (``wait_submit``); ``hand_over`` (``flush``)
+makes the call itself when nothing is in flight, and its answer is read at the caller's
+next call if it is in by then (``ray.wait`` with no timeout: the common case, no thread
+wakes); one that is not, and batches handed over meanwhile, go to the sender thread, which
+waits for them, and whose answers the caller reads later. Either way
 one delivery runs at a time, so steps reach the service in order (Ray does not promise to
 run an actor's calls in the order sent: a large batch travels through the object store,
 so batches sent without waiting could overtake each other). Every
@@ -23,8 +24,9 @@ from metricsvc.protocol import ACTOR_ERRORS, Batch, Outbox, Refused, deliver, is
 
 # ``call(payload, epoch, timeout_s) -> ack``: one actor call carrying a batch's bytes
 Call = Callable[[bytes, "str | None", "float | None"], dict[str, Any]]
-# ``start(payload, epoch) -> wait``: the same call issued now; ``wait()`` returns its ack
-Start = Callable[[bytes, "str | None"], Callable[[], dict[str, Any]]]
+# ``start(payload, epoch) -> wait``: the same call issued now; ``wait()`` returns its ack,
+# ``wait.ready()`` whether it is in
+Start = Callable[[bytes, "str | None"], Any]
 Answer = tuple[Batch, "dict[str, Any] | None", "BaseException | None"]
 
 
@@ -49,6 +51,8 @@ class Sender:
         self._answers: deque[Answer] = deque()
         self.in_flight = 0  # handed over, not answered yet
         self._thread: threading.Thread | None = None
+        # The call hand_over made, whose answer nobody waits for yet: (batch, blob, wait)
+        self._pending: tuple[Batch, bytes, Any] | None = None
 
     # -- blocking ------------------------------------------------------------------------
     def send(self, batch: Batch, blob: bytes, timeout_s: float | None, *,
@@ -98,12 +102,11 @@ class Sender:
 
     # -- in the background ---------------------------------------------------------------
     def hand_over(self, batch: Batch, blob: bytes) -> None:
-        """Queue ``batch`` for the sender thread (started if idle), having made its call
-        here if nothing is in flight."""
+        """Deliver ``batch`` without waiting: the call made here if nothing is in flight (its
+        answer read at a later call), else queued for the sender thread."""
+        self._settle(wait=True)
         with self._cv:
             issued = None
-            # Nothing in flight: make the call here, so that the thread only waits for its
-            # answer (the encoding and the call's own work stay on this thread)
             if self._start is not None and not self.in_flight \
                     and self._send_lock.acquire(blocking=False):
                 try:
@@ -114,12 +117,56 @@ class Sender:
                     issued = None
                 finally:
                     self._send_lock.release()
-            self._queue.append((batch, blob, issued))
             self.in_flight += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name=f"metricsvc-{self.label}-sender")
-                self._thread.start()
+            if issued is not None:
+                self._pending = (batch, blob, issued)
+            else:
+                self._to_thread((batch, blob, None))
+
+    def _to_thread(self, item: tuple[Batch, bytes, Any], first: bool = False) -> None:
+        """Queue ``item`` for the sender thread (started if idle); under ``_cv``."""
+        if first:
+            self._queue.appendleft(item)
+        else:
+            self._queue.append(item)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"metricsvc-{self.label}-sender")
+            self._thread.start()
+        self._cv.notify_all()
+
+    def _settle(self, wait: bool) -> None:
+        """Read the answer of the call ``hand_over`` made, here, if it is in and complete
+        (an ack, or a refusal); else, with ``wait``, leave it to the sender thread, which
+        waits it out (an actor restarting, a new incarnation to resend to)."""
+        with self._cv:
+            if self._pending is None:
+                return
+            batch, blob, issued = self._pending
+            here = issued.ready()
+            if not (here or wait):
+                return
+            self._pending = None
+            if here:
+                try:
+                    ack = issued()
+                except ACTOR_ERRORS:
+                    here = False
+                except BaseException:  # noqa: BLE001  a refusal: ``send`` raises it again
+                    pass
+                else:
+                    here = ack.get("status") != "epoch_changed"
+            if not here:
+                self._to_thread((batch, blob, issued), first=True)
+                return
+        ack, error = None, None
+        try:  # the answer is in: this returns (or raises) without another call
+            ack = self.send(batch, blob, None, keep_undelivered=True, issued=issued)
+        except BaseException as err:  # noqa: BLE001  handed to the caller
+            error = err
+        with self._cv:
+            self.in_flight -= 1
+            self._answers.append((batch, ack, error))
             self._cv.notify_all()
 
     def _loop(self) -> None:
@@ -146,6 +193,7 @@ class Sender:
         """Take the thread's answers, oldest first, giving each ack to ``on_ack``; raise the
         first error among them (the rest wait for the next call), with notes naming its
         step and ``handed_over``, the step the caller closed before (not lost)."""
+        self._settle(wait=False)
         acks = []
         while True:
             with self._cv:
@@ -167,6 +215,10 @@ class Sender:
     def wait_until(self, in_flight_below: int, timeout_s: float | None) -> bool:
         """Wait until fewer than ``in_flight_below`` hand-overs are unanswered; False on a
         timeout."""
+        with self._cv:
+            if self.in_flight < in_flight_below:
+                return True
+        self._settle(wait=True)
         with self._cv:
             return self._cv.wait_for(lambda: self.in_flight < in_flight_below,
                                      timeout=timeout_s)
