@@ -104,7 +104,7 @@ class Sender:
     def hand_over(self, batch: Batch, blob: bytes) -> None:
         """Deliver ``batch`` without waiting: the call made here if nothing is in flight (its
         answer read at a later call), else queued for the sender thread."""
-        self._settle(wait=True)
+        self._settle()
         with self._cv:
             issued = None
             if self._start is not None and not self.in_flight \
@@ -135,17 +135,15 @@ class Sender:
             self._thread.start()
         self._cv.notify_all()
 
-    def _settle(self, wait: bool) -> None:
+    def _settle(self) -> None:
         """Read the answer of the call ``hand_over`` made, here, if it is in and complete
-        (an ack, or a refusal); else, with ``wait``, leave it to the sender thread, which
-        waits it out (an actor restarting, a new incarnation to resend to)."""
+        (an ack, or a refusal); else leave it to the sender thread, which waits it out (an
+        answer still out, an actor restarting, a new incarnation to resend to)."""
         with self._cv:
             if self._pending is None:
                 return
             batch, blob, issued = self._pending
             here = issued.ready()
-            if not (here or wait):
-                return
             self._pending = None
             if here:
                 try:
@@ -192,8 +190,9 @@ class Sender:
                      handed_over: int | None = None) -> list[dict[str, Any]]:
         """Take the thread's answers, oldest first, giving each ack to ``on_ack``; raise the
         first error among them (the rest wait for the next call), with notes naming its
-        step and ``handed_over``, the step the caller closed before (not lost)."""
-        self._settle(wait=False)
+        step and ``handed_over``, the step the caller closed before (not lost). The answer
+        of the call ``hand_over`` made last is read by the next ``hand_over`` or
+        ``wait_until``: just made, it is not in yet."""
         acks = []
         while True:
             with self._cv:
@@ -218,7 +217,7 @@ class Sender:
         with self._cv:
             if self.in_flight < in_flight_below:
                 return True
-        self._settle(wait=True)
+        self._settle()
         with self._cv:
             return self._cv.wait_for(lambda: self.in_flight < in_flight_below,
                                      timeout=timeout_s)
