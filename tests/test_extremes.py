@@ -183,6 +183,22 @@ def test_sources_on_the_accelerator_path_match_the_host_and_read_nothing_back():
         assert row[MIN] == flat.min()
 
 
+def test_a_flush_with_sources_on_the_accelerator_path_is_still_one_host_copy():
+    buf = RecordBuffer()
+    g = torch.Generator().manual_seed(9)
+    with accelerator_path_on_cpu(), HostTransferCounter() as counter:
+        for micro in range(3):  # micro-batches merge their sources on the device
+            buf.record({"kl": torch.randn(6, 40, generator=g)},
+                       torch.rand(6, 40, generator=g) > 0.3 if micro else None,
+                       ReduceType.AVG_MIN_MAX, torch.arange(6) + 10 * micro)
+            buf.record({"len": torch.rand(6, generator=g)}, None, ReduceType.MAX,
+                       torch.arange(6) + 10 * micro)
+        recorded = counter.count
+        batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    assert recorded == 0 and counter.count == 1 and buf.host_copies == 1, counter.calls
+    assert batch.extreme_rows.tolist() == [0, 1] and not np.isnan(batch.extremes).any()
+
+
 def test_micro_batches_keep_the_first_extreme_and_count_calls_on_the_rank():
     buf = RecordBuffer()
     buf.record({"x": torch.tensor([3.0, 1.0])}, None, ReduceType.AVG_MIN_MAX)  # no ids
