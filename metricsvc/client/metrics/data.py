@@ -104,10 +104,18 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     })
 
 
+_statm: list[int] = []  # (pid, fd) of this process's open /proc/self/statm
+
+
 def _rss_gb() -> float:
+    """This process's resident memory: /proc/self/statm, kept open and read again from its
+    start each step (an open per step cost more than the reading)."""
     try:
-        with open("/proc/self/statm") as fh:
-            pages = int(fh.read().split()[1])
+        if not _statm or _statm[0] != os.getpid():  # first use, or a forked child
+            if _statm:
+                os.close(_statm[1])
+            _statm[:] = [os.getpid(), os.open("/proc/self/statm", os.O_RDONLY)]
+        pages = int(os.pread(_statm[1], 128, 0).split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE") / 1024**3
     except (OSError, ValueError, IndexError):  # not Linux: the peak is what we can get
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
