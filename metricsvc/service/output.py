@@ -178,7 +178,8 @@ class StepOutput:
                 part = parts[part_of[i]]
                 where: dict[str, Any] = ({"rank": part.rank} if part.rank is not None
                                          else {"stream": part.order[1]})
-                where.update(describe_source(src[i, 4 * side: 4 * side + 4]))
+                if src is not None:  # some client gave ids: the sample, where known
+                    where.update(describe_source(src[i, 4 * side: 4 * side + 4]))
                 out[name] = where
         return out
 

@@ -47,6 +47,7 @@ class Collection:
         self._layouts: dict[tuple[str, ...], np.ndarray] = {}  # key tuple -> rows
         self.declared: dict[str, Derived] = {}  # derived metrics declared for these records
         self.about: dict[str, tuple[str, str]] = {}  # what declared names mean (help, unit)
+        self._ordered: tuple | None = None  # (parts held, parts in order, rows, key indices)
 
     @property
     def codes(self) -> np.ndarray:
@@ -131,43 +132,54 @@ class Collection:
         n = len(self.keys)
         sketch_parts: dict[int, list[Sketch]] = {}
         rank_rows: dict[int, list[np.ndarray]] = {}
-        parts = sorted(self.parts, key=lambda p: p.order)
-        if parts:
-            data = records.merge_grouped(np.concatenate([p.rows for p in parts]),
-                                         np.concatenate([p.idx for p in parts]), n)
-        else:
-            data = records.identity(n)
+        parts, rows, idx = self._in_order()
+        data = records.merge_grouped(rows, idx, n) if parts else records.identity(n)
         for part in parts:
             for row, codes, counts in part.sketches:
                 sketch_parts.setdefault(row, []).append((codes, counts))
             if part.rank is not None:
                 rank_rows.setdefault(part.rank, []).append(part.idx)
         contributors = np.zeros(n, dtype=np.int32)
-        for rows in rank_rows.values():
+        for rows_of in rank_rows.values():
             # One part's rows are distinct keys; several parts of a rank may share keys.
-            contributors[rows[0] if len(rows) == 1 else np.unique(np.concatenate(rows))] += 1
+            contributors[rows_of[0] if len(rows_of) == 1
+                         else np.unique(np.concatenate(rows_of))] += 1
         return data, contributors, {r: merge_sparse(p) for r, p in sketch_parts.items()}
 
-    def extremes(self, data: np.ndarray) -> list[tuple[np.ndarray, list[Part], np.ndarray]]:
+    def _in_order(self) -> tuple[list[Part], np.ndarray, np.ndarray]:
+        """The parts in merge order (ranks by number, then stream windows) and their rows
+        and key indices concatenated; worked out once for the parts held."""
+        held = self._ordered
+        if held is None or held[0] != len(self.parts):
+            parts = sorted(self.parts, key=lambda p: p.order)
+            rows = np.concatenate([p.rows for p in parts]) if parts else np.zeros((0, 7))
+            idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
+            held = self._ordered = (len(self.parts), parts, rows, idx)
+        return held[1], held[2], held[3]
+
+    def extremes(self, data: np.ndarray) -> list[tuple[np.ndarray, list[Part], Any]]:
         """Return, for the min and for the max of the merged records ``data``, the part each
-        key's value came from and that part's source row (``core.extremes``): ``(winner
-        per key, -1 for none; the parts in merge order; every part's source rows)``. The
-        first part in merge order holding the value wins (ranks by number, then batches)."""
-        parts = sorted(self.parts, key=lambda p: p.order)
+        key's value came from and that part's source rows (``core.extremes``; None where no
+        part carries any): ``(winner per key, -1 for none; the parts in merge order;
+        sources)``. The first part in merge order holding the value wins (ranks by number,
+        then batches)."""
+        parts, rows, idx = self._in_order()
         if not parts:
             return []
-        rows = np.concatenate([p.rows for p in parts])
-        idx = np.concatenate([p.idx for p in parts])
         owner = np.repeat(np.arange(len(parts)), [len(p.idx) for p in parts])
+        carried = any(p.sources is not None for p in parts)
         known = np.concatenate([p.sources if p.sources is not None
-                                else extremes.unknown(len(p.idx)) for p in parts])
+                                else extremes.unknown(len(p.idx)) for p in parts]) \
+            if carried else None
         out = []
         for won in extremes.winners(rows, idx, data):
             hit = won >= 0
             part_of = np.full(len(won), -1, dtype=np.int64)
             part_of[hit] = owner[won[hit]]
-            src = extremes.unknown(len(won))
-            src[hit] = known[won[hit]]
+            src = None
+            if known is not None:
+                src = extremes.unknown(len(won))
+                src[hit] = known[won[hit]]
             out.append((part_of, parts, src))
         return out
 
