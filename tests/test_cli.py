@@ -45,6 +45,14 @@ def test_report_prints_a_table_and_marks_partial_steps(journal):
     assert "* step 4 is partial: missing ranks [3]" in out.stdout
 
 
+def test_report_extremes_says_so_when_the_journal_names_no_source(journal):
+    out = cli("report", journal, "--keys", "critic/score/max", "--extremes")
+    assert out.returncode == 0, out.stderr
+    assert "where each min and max came from" in out.stdout
+    assert "(none: the journal names no min or max source for these keys and steps)" \
+        in out.stdout
+
+
 def test_plot_writes_a_png_with_bands_and_partial_marks(journal, tmp_path):
     png = tmp_path / "out.png"
     out = cli("plot", journal / "metrics.jsonl", "--keys", "critic/*", "actor/lr", "-o", png)

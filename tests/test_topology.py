@@ -7,13 +7,14 @@ import metricsvc
 from metricsvc.protocol import combiner_name
 from metricsvc.storage.journal import read_journal
 from tests.chaos.test_chaos import calls_for
-from tests.helpers import RankActor, wait_for_new_incarnation
+from tests.helpers import pooled_ranks, wait_for_new_incarnation
 
 WORLD, STEPS = 8, 5
 
 
 def run(cfg, via):
-    ranks = [RankActor.remote(cfg.name, r, WORLD, via=via(r)) for r in range(WORLD)]
+    ranks = pooled_ranks(cfg.name, WORLD)  # the session's rank processes, fresh clients
+    ray.get([a.reset.remote(cfg.name, r, WORLD, via=via(r)) for r, a in enumerate(ranks)])
     ray.get([a.run.remote([], flush=False) for a in ranks])  # all registered
     for step in range(STEPS):
         ray.get([a.run.remote(calls_for(7, step, r)) for r, a in enumerate(ranks)])
