@@ -145,21 +145,23 @@ class Sender:
             batch, blob, issued = self._pending
             here = issued.ready()
             self._pending = None
+            answer = issued
             if here:
                 try:
-                    ack = issued()
+                    got = issued()
                 except ACTOR_ERRORS:
                     here = False
                 except BaseException:  # noqa: BLE001  a refusal: ``send`` raises it again
                     pass
                 else:
-                    here = ack.get("status") != "epoch_changed"
+                    here = got.get("status") != "epoch_changed"
+                    answer = lambda: got  # noqa: E731  read once: ``send`` takes it as is
             if not here:
                 self._to_thread((batch, blob, issued), first=True)
                 return
         ack, error = None, None
         try:  # the answer is in: this returns (or raises) without another call
-            ack = self.send(batch, blob, None, keep_undelivered=True, issued=issued)
+            ack = self.send(batch, blob, None, keep_undelivered=True, issued=answer)
         except BaseException as err:  # noqa: BLE001  handed to the caller
             error = err
         with self._cv:
