@@ -70,7 +70,7 @@ def _checked_ids(ids: Any, values: Mapping[str, Any]) -> Any:
 
 
 def _host_sources(where: tuple[int, int], inner: int, ids: Any) -> np.ndarray:
-    src = np.full(8, np.nan)
+    src = _unknown_sources()
     for first, flat in ((MIN_ID, where[0]), (MAX_ID, where[1])):
         row, col = divmod(int(flat), inner)
         src[first + 1: first + 4] = (0.0, row, col)

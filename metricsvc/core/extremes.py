@@ -25,6 +25,7 @@ from metricsvc.core.records import COUNT, MAX, MIN
 MIN_ID, MIN_CALL, MIN_ROW, MIN_COL, MAX_ID, MAX_CALL, MAX_ROW, MAX_COL = range(8)
 NSOURCE = 8
 SIDES = (("min", MIN, MIN_ID), ("max", MAX, MAX_ID))  # name, record field, first source field
+SIDE = {name: i for i, (name, _, _) in enumerate(SIDES)}  # the order ``winners`` answers in
 
 
 def unknown(n: int) -> np.ndarray:
@@ -38,9 +39,9 @@ def merge_sources(a_row: Any, b_row: Any, a_src: Any, b_src: Any, xp: Any = np) 
     and for torch (``xp=torch``) alike; nothing is read back."""
     low = b_row[..., MIN] < a_row[..., MIN]
     high = b_row[..., MAX] > a_row[..., MAX]
-    lows = xp.where(low[..., None], b_src[..., :4], a_src[..., :4])
-    highs = xp.where(high[..., None], b_src[..., 4:], a_src[..., 4:])
-    return xp.concatenate([lows, highs], -1) if xp is np else xp.cat([lows, highs], -1)
+    lows = xp.where(low[..., None], b_src[..., :MAX_ID], a_src[..., :MAX_ID])
+    highs = xp.where(high[..., None], b_src[..., MAX_ID:], a_src[..., MAX_ID:])
+    return xp.concatenate([lows, highs], -1)
 
 
 def winners(rows: np.ndarray, idx: np.ndarray, merged: np.ndarray) -> list[np.ndarray]:
@@ -61,9 +62,11 @@ def winners(rows: np.ndarray, idx: np.ndarray, merged: np.ndarray) -> list[np.nd
     return out
 
 
-def describe(source: Sequence[float]) -> dict[str, Any]:
-    """Return one side's source fields as shown in ``meta["extremes"]`` (known ones only)."""
-    ident, call, row, col = (float(x) for x in source)
+def describe(sources: Sequence[float], side: str) -> dict[str, Any]:
+    """Return the fields of one side (``"min"`` or ``"max"``) of a key's sources as shown in
+    ``meta["extremes"]`` (the known ones only)."""
+    first = SIDES[SIDE[side]][2]
+    ident, call, row, col = (float(x) for x in sources[first:first + MAX_ID - MIN_ID])
     out: dict[str, Any] = {}
     if not math.isnan(row):
         out.update(row=int(row), col=int(col), call=int(call))

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from metricsvc.core.declare import is_internal
+from metricsvc.core.extremes import SIDE
 from metricsvc.core.extremes import describe as describe_source
 from metricsvc.core.keys import safe_tag, tag_order
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM
@@ -171,15 +172,15 @@ class StepOutput:
             names = output_names(p.keys[i], kinds[i], self.output)
             sides = KINDS[kinds[i]].extremes
             for side, name in zip(sides, names[-len(sides):]):
-                side, name = _SIDE[side], self.rename(name)
-                part_of, parts, src = found[side]
+                name = self.rename(name)
+                part_of, parts, src = found[SIDE[side]]
                 if name not in metrics or name in out or part_of[i] < 0:
                     continue
                 part = parts[part_of[i]]
                 where: dict[str, Any] = ({"rank": part.rank} if part.rank is not None
                                          else {"stream": part.order[1]})
                 if src is not None:  # some client gave ids: the sample, where known
-                    where.update(describe_source(src[i, 4 * side: 4 * side + 4]))
+                    where.update(describe_source(src[i], side))
                 out[name] = where
         return out
 
@@ -205,9 +206,6 @@ class StepOutput:
                     "sum_squares": _sum_squares(row), "min": float(row[MIN]),
                     "max": float(row[MAX])}
         return out
-
-
-_SIDE = {"min": 0, "max": 1}  # in the order of ``Collection.extremes``
 
 
 class TagOwners:
