@@ -65,6 +65,46 @@ def _min_max(v: Any, locate: bool) -> tuple[float, float, tuple[int, int] | None
     return v[at[0]].item(), v[at[1]].item(), at
 
 
+def stacked_rows(stacked: np.ndarray, valid: np.ndarray | None = None, locate: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]] | None]:
+    """Records of ``k`` same-length float64 vectors, one numpy pass per statistic over all
+    of them, each under its row of ``valid`` (None: every position counts; masked-out
+    positions weigh nothing): ``(rows [k, NFIELDS], ok [k], at)``. A row is not ``ok``
+    where a valid value is not finite or reaches 1e150 (the single-value path counts and
+    excludes those, or sums them scaled). Deviations whose squares would vanish are summed
+    scaled. ``at``, with ``locate``: each row's first min and max positions."""
+    k, n = stacked.shape
+    z = stacked if valid is None else np.where(valid, stacked, 0.0)
+    ok = np.isfinite(z).all(1) & (np.abs(z).max(1, initial=0.0) < 1e150)
+    if not ok.all():  # the rows left to the caller weigh nothing here: no overflow, no warning
+        z = np.where(ok[:, None], z, 0.0)
+    count = np.full(k, float(n)) if valid is None else valid.sum(1).astype(np.float64)
+    plain = z.sum(1)
+    pivot = plain / np.maximum(count, 1.0)
+    dev = z - pivot[:, None]
+    if valid is not None:
+        dev = np.where(valid, dev, 0.0)
+    squares = np.einsum("ij,ij->i", dev, dev)
+    q = np.sqrt(squares)
+    for i in np.flatnonzero(squares < 1e-280):  # would square to nothing: scaled
+        q[i] = rss(dev[i])
+    lows = z if valid is None else np.where(valid, z, np.inf)
+    highs = z if valid is None else np.where(valid, z, -np.inf)
+    at = None
+    if locate:
+        lo, hi = lows.argmin(1), highs.argmax(1)
+        line = np.arange(k)
+        low, high = lows[line, lo], highs[line, hi]
+        at = list(zip(lo.tolist(), hi.tolist()))
+    else:
+        low, high = lows.min(1, initial=np.inf), highs.max(1, initial=-np.inf)
+    rows = np.zeros((k, NFIELDS))
+    rows[:, COUNT], rows[:, MIN], rows[:, MAX] = count, low, high
+    rows[:, SUM], rows[:, SUM_LO], rows[:, M2_ROOT] = from_pivot(
+        count, pivot, dev.sum(1), q, np, plain, centred_exactly(low, high, pivot))
+    return rows, ok, at
+
+
 class _HostPass:
     """CPU summaries of the values of one call under one mask.
 
@@ -193,40 +233,15 @@ class _HostPass:
         return self._row_nonfinite(v)
 
     def _small_rows(self, group: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """Rows of same-length numpy values, stacked: one pass per statistic for all (when
-        locating, the min and max by ``argmin`` / ``argmax``: their positions too)."""
+        """Rows of same-length numpy values, stacked: one pass per statistic for all
+        (``stacked_rows``); one with a value not finite or past 1e150 on its own."""
         torch = _torch()
         arrays = list(group.values())
         stacked = (np.stack(arrays) if len(arrays) > 1 else arrays[0][None]).astype(
             np.float64, copy=False)  # exact widening of small values
-        rows = np.zeros((len(arrays), NFIELDS))
-        # Checked first, so the sums below can neither overflow nor meet inf - inf (numpy
-        # would warn, and its errstate costs more than these passes).
-        at: list[Any] = [None] * len(arrays)
-        if np.isfinite(stacked).all():
-            if self.locate:
-                lo, hi = stacked.argmin(axis=1), stacked.argmax(axis=1)
-                line = np.arange(len(arrays))
-                rows[:, MIN], rows[:, MAX] = stacked[line, lo], stacked[line, hi]
-                at = list(zip(lo.tolist(), hi.tolist()))
-            else:
-                np.minimum.reduce(stacked, axis=1, out=rows[:, MIN])
-                np.maximum.reduce(stacked, axis=1, out=rows[:, MAX])
-            if max(-rows[:, MIN].min(), rows[:, MAX].max()) < 1e150:
-                n = float(stacked.shape[1])
-                plain = stacked.sum(axis=1)
-                pivot = plain / n
-                dev = stacked - pivot[:, None]
-                squares = np.einsum("ij,ij->i", dev, dev)
-                q = np.sqrt(squares)
-                for i in np.flatnonzero(squares < 1e-280):  # would square to nothing: scaled
-                    q[i] = rss(dev[i])
-                rows[:, COUNT] = n
-                rows[:, SUM], rows[:, SUM_LO], rows[:, M2_ROOT] = from_pivot(
-                    n, pivot, dev.sum(axis=1), q, np, plain,
-                    centred_exactly(rows[:, MIN], rows[:, MAX], pivot))
-                return dict(zip(group, zip(torch.from_numpy(rows).unbind(0), at)))
-        return {key: self._row_nonfinite(torch.from_numpy(stacked[i]))
+        rows, ok, at = stacked_rows(stacked, None, self.locate)
+        return {key: (torch.from_numpy(rows[i]), at[i] if at else None) if ok[i]
+                else self._row_nonfinite(torch.from_numpy(stacked[i]))
                 for i, key in enumerate(group)}
 
     def _row(self, v: Any, clean: bool = False) -> tuple[Any, tuple[int, int] | None]:

@@ -11,19 +11,9 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.device import _on_host
+from metricsvc.client.host import stacked_rows
 from metricsvc.client.summarize import prepare, summarize_many
 from metricsvc.client.tensors import MaskCache, Row, _numpy_dtypes, _torch, is_tensor
-from metricsvc.protocol import (
-    COUNT,
-    IDENTITY,
-    M2_ROOT,
-    MAX,
-    MIN,
-    SUM,
-    SUM_LO,
-    centred_exactly,
-    from_pivot,
-)
 
 _LONGEST = 4096  # longer values take the single-value passes (gathered, chunked)
 
@@ -74,41 +64,17 @@ def _host_vector(v: Any, m: Any, compile: bool | None) -> tuple[np.ndarray, Any]
 
 def _vector_rows(group: Mapping[str, tuple[np.ndarray, Any]], compile: bool | None,
                  cache: MaskCache | None) -> dict[str, Row]:
-    """Rows of same-length vectors, each under its mask: stacked in float64 (exact), the
-    masked-out positions weighing nothing. A vector whose valid values are not all finite,
-    or reach 1e150, takes the single-value path (which counts and excludes them)."""
-    keys = list(group)
+    """Rows of same-length vectors, each under its mask: stacked in float64 (exact) and
+    summarised together (``stacked_rows``); one whose valid values are not all finite, or
+    reach 1e150, takes the single-value path (which counts and excludes them)."""
     stacked = np.stack([x for x, _ in group.values()]).astype(np.float64, copy=False)
     valid = np.ones(stacked.shape, bool)
     for i, (_, m) in enumerate(group.values()):
         if m is not None:
             valid[i] = m
-    z = np.where(valid, stacked, 0.0)
-    clean = np.isfinite(z).all(1) & (np.abs(z).max(1) < 1e150)
-    rows = np.tile(np.array(IDENTITY), (len(keys), 1))
-    count = valid.sum(1).astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        plain = z.sum(1)
-        pivot = np.where(count > 0, plain / np.maximum(count, 1.0), 0.0)
-        dev = np.where(valid, stacked - pivot[:, None], 0.0)
-        squares = np.einsum("ij,ij->i", dev, dev)
-        low = np.where(valid, stacked, np.inf).min(1)
-        high = np.where(valid, stacked, -np.inf).max(1)
-    # Deviations whose squares vanish (values near 1e-150 and below) are scaled, elsewhere;
-    # a constant vector's are 0 (its M2 is).
-    tiny = (squares < 1e-280) & (low != high) & (count > 0)
-    ok = clean & ~tiny
-    total, total_lo, root = from_pivot(count, pivot, dev.sum(1), np.sqrt(squares), np, plain,
-                                       centred_exactly(low, high, pivot))
-    has = ok & (count > 0)
-    rows[has, SUM], rows[has, SUM_LO], rows[has, M2_ROOT] = total[has], total_lo[has], root[has]
-    rows[has, MIN], rows[has, MAX], rows[:, COUNT] = low[has], high[has], count
+    rows, ok, _ = stacked_rows(stacked, valid)
     out: dict[str, Row] = {}
-    for i, key in enumerate(keys):
-        if ok[i]:
-            out[key] = rows[i]
-        else:  # the rare path: counted and excluded, or scaled, on its own
-            x, m = group[key]
-            out[key] = summarize_many({key: x}, m, compile=compile, cache=cache)[key]
+    for i, (key, (x, m)) in enumerate(group.items()):
+        out[key] = rows[i] if ok[i] else \
+            summarize_many({key: x}, m, compile=compile, cache=cache)[key]
     return out
-
