@@ -244,19 +244,27 @@ def compat_compute(rounds: int = 9, calls: int = 20) -> dict:
                  siirl_metrics.compute_throughput_metrics(batch, timing, 1), plain]
         {k: v for d in dicts for k, v in d.items()}
 
-    for f in (ours, theirs, ours, theirs):
+    c = interleaved(ours, theirs, rounds, calls)
+    return {"ours_ms": c.pop("a_ms"), "siirl_ms": c.pop("b_ms"), **c}
+
+
+def interleaved(a, b, rounds: int, calls: int) -> dict:
+    """``a``'s time over ``b``'s, in interleaved rounds (the order alternates), each the
+    mean of ``calls`` calls after two warm-up calls of each: the medians in ms, and the
+    ratio's median and range."""
+    for f in (a, b, a, b):
         f()
-    ratios, ms = [], {"ours": [], "theirs": []}
+    ratios, ms = [], {a: [], b: []}
     for r in range(rounds):
         took = {}
-        for f in ((ours, theirs) if r % 2 else (theirs, ours)):
+        for f in ((a, b) if r % 2 else (b, a)):
             start = time.perf_counter()
             for _ in range(calls):
                 f()
-            took[f.__name__] = (time.perf_counter() - start) / calls * 1e3
-            ms[f.__name__].append(took[f.__name__])
-        ratios.append(took["ours"] / took["theirs"])
-    return {"ours_ms": statistics.median(ms["ours"]), "siirl_ms": statistics.median(ms["theirs"]),
+            took[f] = (time.perf_counter() - start) / calls * 1e3
+            ms[f].append(took[f])
+        ratios.append(took[a] / took[b])
+    return {"a_ms": statistics.median(ms[a]), "b_ms": statistics.median(ms[b]),
             "ratio": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
             "rounds": rounds}
 
@@ -288,21 +296,8 @@ def extremes_cost(rows: int, cols: int, rounds: int = 9, calls: int = 5) -> dict
     def without() -> None:
         step(None)
 
-    for f in (with_ids, without, with_ids, without):
-        f()
-    ratios, ms = [], {"with_ids": [], "without": []}
-    for r in range(rounds):
-        took = {}
-        for f in ((with_ids, without) if r % 2 else (without, with_ids)):
-            start = time.perf_counter()
-            for _ in range(calls):
-                f()
-            took[f.__name__] = (time.perf_counter() - start) / calls * 1e3
-            ms[f.__name__].append(took[f.__name__])
-        ratios.append(took["with_ids"] / took["without"])
-    return {"with_ids_ms": statistics.median(ms["with_ids"]),
-            "without_ms": statistics.median(ms["without"]), "ratio": statistics.median(ratios),
-            "low": min(ratios), "high": max(ratios), "rounds": rounds}
+    c = interleaved(with_ids, without, rounds, calls)
+    return {"with_ids_ms": c.pop("a_ms"), "without_ms": c.pop("b_ms"), **c}
 
 
 def print_extremes_cost(c: dict, rows: int, cols: int) -> None:
