@@ -1,12 +1,13 @@
 """Node-level pre-aggregation: combiners forward each step in one call, results unchanged."""
 
+import numpy as np
 import pytest
 import ray
 
 import metricsvc
 from metricsvc.protocol import combiner_name
 from metricsvc.storage.journal import read_journal
-from tests.chaos.test_chaos import calls_for
+from tests.chaos.test_chaos import calls_for, rank_data
 from tests.helpers import pooled_ranks, wait_for_new_incarnation
 
 WORLD, STEPS = 8, 5
@@ -17,7 +18,26 @@ def run(cfg, via):
     ray.get([a.reset.remote(cfg.name, r, WORLD, via=via(r)) for r, a in enumerate(ranks)])
     ray.get([a.run.remote([], flush=False) for a in ranks])  # all registered
     for step in range(STEPS):
-        ray.get([a.run.remote(calls_for(7, step, r)) for r, a in enumerate(ranks)])
+        ray.get([a.run.remote(calls_for(7, step, r) + [_with_ids(step, r)])
+                 for r, a in enumerate(ranks)])
+
+
+def _with_ids(step, rank):
+    """The rank's values again, rounded (ties across ranks), with ids unique in the run."""
+    data = np.round(rank_data(7, step, rank))
+    return ("stat", (), {"ids": np.arange(len(data)) + 1000 * rank, "y": data})
+
+
+def _extremes_by_numpy(step):
+    """Where y's min and max are: numpy on the ranks' data concatenated in rank order."""
+    data = [np.round(rank_data(7, step, r)) for r in range(WORLD)]
+    where = [(r, i) for r in range(WORLD) for i in range(len(data[r]))]
+    flat = np.concatenate(data)
+    out = {}
+    for name, at in (("y/min", flat.argmin()), ("y/max", flat.argmax())):
+        r, i = where[int(at)]
+        out[name] = {"rank": r, "id": 1000 * r + i, "row": i, "col": 0, "call": 0}
+    return out
 
 
 @pytest.mark.slow
@@ -38,6 +58,11 @@ def test_two_fake_nodes_of_four_ranks_equal_the_flat_topology_exactly(make_worke
     lines = read_journal(f"{health['run_dir']}/metrics.jsonl")
     assert [r["step"] for r in lines] == list(range(STEPS))
     assert [r["metrics"] for r in lines] == [r["metrics"] for r in flat_lines]  # bit for bit
+    # where each min and max came from: the same through the combiners, and numpy's
+    assert [r["meta"]["extremes"] for r in lines] == [r["meta"]["extremes"] for r in flat_lines]
+    for r in lines:
+        assert {k: r["meta"]["extremes"][k] for k in ("y/min", "y/max")} == \
+            _extremes_by_numpy(r["step"])
     assert all(r["meta"]["ranks"] == list(range(WORLD)) for r in lines)
     # the singleton served one call per node per step, not one per rank
     assert health["calls"].get("submit", 0) == 0
