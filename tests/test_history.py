@@ -181,3 +181,36 @@ def test_a_rewind_before_a_description_keeps_it_in_the_latest_segment(make_worke
     journal = read_journal(Path(health["run_dir"]) / "metrics.jsonl")
     assert [r["metrics"]["twice"] for r in journal] == [20.0, 22.0]
     assert journal[0]["meta"]["descriptions"]["twice"] == {"help": "x doubled", "unit": "u"}
+
+
+@pytest.mark.parametrize("earlier", ["same second, another node", "a clock ahead"])
+def test_a_rerun_after_a_restart_wins_in_tensorboard_whatever_the_earlier_file_is_named(
+        tmp_path, earlier):
+    """TensorBoard reads a folder's event files in name order, and tensorboardX names a file
+    by its second and host: an incarnation restarted within the same second on a node whose
+    name sorts first, or after a node whose clock ran ahead, was read before the events it
+    supersedes, and the first run's values came back over the rerun (seen in CI)."""
+    from metricsvc.sinks.tensorboard import TensorboardSink
+
+    first = TensorboardSink()
+    first.open(tmp_path)
+    for step in range(8):
+        first.write(step, {"x": float(step)}, {})
+    first.close()
+    (old,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    stamp, host = old.name.split(".")[3:5]
+    if earlier == "a clock ahead":
+        stamp = f"{int(stamp) + 3600:010d}"
+    else:
+        host = "zzzz-another-node"
+    old.rename(old.with_name(f"events.out.tfevents.{stamp}.{host}.1.cafe"))
+    second = TensorboardSink()
+    second.open(tmp_path)
+    second.resume(3)
+    second.rewind(3)
+    for step in range(4, 8):
+        second.write(step, {"x": 100.0 + step}, {})
+    second.close()
+    board = readback.tensorboard_scalars(tmp_path / "tensorboard")
+    assert {s: m["x"] for s, m in board.items()} == {
+        **{s: float(s) for s in range(4)}, **{s: 100.0 + s for s in range(4, 8)}}

@@ -1,14 +1,19 @@
 """TensorBoard event files through tensorboardX (``pip install metricsvc[tensorboard]``).
 
-Events are written synchronously (tensorboardX's ``EventsWriter``, not its background
+Events are written synchronously (tensorboardX's ``RecordWriter``, not its background
 ``SummaryWriter`` queue), so ``commit`` knows they are on disk. A restarted service writes
 a new event file into the same folder and leaves out every (step, tag) the folder's event
 files already hold: each scalar appears once.
+
+TensorBoard reads a folder's event files in name order, and a restart marker supersedes
+only the events read before it; so a new file's name sorts after every file already there
+(its second is past theirs), whatever node or clock wrote them.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 import uuid
 from collections.abc import Mapping
@@ -33,6 +38,20 @@ class TensorboardSinkConfig(Strict):
     flush_every_step: bool = True
 
     _subdir = field_validator("subdir")(classmethod(lambda cls, v: plain(v, "subdir")))
+
+
+def event_file_name(logdir: Path) -> str:
+    """A tensorboardX-style name (``events.out.tfevents.<second>.<host>.<pid>.<tag>``) that
+    sorts after every event file in ``logdir``: its second is now, or one past the latest
+    second there (an earlier incarnation on a node whose clock ran ahead, or one within the
+    same second on a host whose name sorts later)."""
+    seconds = [int(time.time())]
+    for path in logdir.glob("events.out.tfevents.*"):
+        stamp = path.name.split(".")[3]
+        if stamp.isdigit():
+            seconds.append(int(stamp) + 1)
+    return (f"events.out.tfevents.{max(seconds):010d}.{socket.gethostname()}."
+            f"{os.getpid()}.{uuid.uuid4().hex[:8]}")
 
 
 def _histogram(tag: str, hist: Mapping[str, Any]) -> Any:
@@ -60,15 +79,18 @@ class TensorboardSink:
         self._dirty = False  # events written since the last flush
 
     def open(self, run_dir: Path) -> None:
-        from tensorboardX.event_file_writer import EventsWriter  # optional backend
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.record_writer import RecordWriter  # optional backend
 
         self.logdir = Path(run_dir) / self.config.subdir
         self.logdir.mkdir(parents=True, exist_ok=True)
-        # tensorboardX names a file by the second it was made: two incarnations within one
-        # second would share (and truncate) one. The suffix keeps them apart.
-        suffix = f".{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        self._writer = EventsWriter(str(self.logdir / "events"), suffix)
+        self._writer = RecordWriter(str(self.logdir / event_file_name(self.logdir)))
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
         self._last_flush = time.monotonic()
+
+    def _write(self, event: Any) -> None:
+        self._writer.write(event.SerializeToString())
+        self._dirty = True
 
     def resume(self, after: int | None) -> None:
         """Leave out of later writes every (step, tag) past ``after`` the folder holds in
@@ -98,14 +120,11 @@ class TensorboardSink:
         for tag, value in tagged(metrics).items():
             if tag not in held:
                 summary = scalar(tag, value, summary_description=about.get(tag, ""))
-                self._writer.write_event(Event(wall_time=now, step=step, summary=summary))
-                self._dirty = True
+                self._write(Event(wall_time=now, step=step, summary=summary))
         for name, hist in meta.get("histograms", {}).items():
             tag = safe_tag(name)
             if tag not in held:
-                self._writer.write_event(Event(wall_time=now, step=step,
-                                               summary=_histogram(tag, hist)))
-                self._dirty = True
+                self._write(Event(wall_time=now, step=step, summary=_histogram(tag, hist)))
         if self.config.flush_every_step or time.monotonic() - self._last_flush > \
                 self.config.flush_secs:
             self.commit()
@@ -117,9 +136,8 @@ class TensorboardSink:
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
         self._held = {s: tags for s, tags in self._held.items() if s <= to_step}
-        self._writer.write_event(Event(wall_time=time.time(), step=to_step + 1,
-                                       session_log=SessionLog(status=SessionLog.START)))
-        self._dirty = True
+        self._write(Event(wall_time=time.time(), step=to_step + 1,
+                          session_log=SessionLog(status=SessionLog.START)))
         self.commit()
 
     def commit(self) -> None:
@@ -132,6 +150,7 @@ class TensorboardSink:
 
     def close(self) -> None:
         if self._writer is not None:
+            self.commit()
             self._writer.close()
             self._writer = None
 
