@@ -9,6 +9,7 @@ import torch
 
 from metricsvc.client import MetricClient
 from metricsvc.client.metrics import validation_metrics
+from metricsvc.protocol import COUNT, SUM
 from tests.helpers import pooled_ranks
 
 WORLD = 4
@@ -467,3 +468,36 @@ def test_each_name_is_described_once_whatever_arrives_later_and_after_a_restart(
     live.forget_after(0)  # a rewind to step 0: step 1's description is given again
     assert live.learn({}, 1) == {"x": ["an x", ""]}
     assert live.of(["timing_s/gen", "x"], 1) == {"x": {"help": "an x", "unit": ""}}
+
+
+def test_data_metrics_on_the_host_and_on_an_accelerator_record_the_same_rows():
+    """The per-sequence values take numpy on the host and stay torch tensors on a device
+    (here the accelerator path on the CPU): the two record the same keys and rows, with
+    aborted, clipped, correct and wrong responses all present."""
+    from metricsvc.client.summarize import accelerator_path_on_cpu
+
+    batch = make_batch(7, 12)
+    for row, valid in ((0, 0), (1, 1)):  # an aborted response, one at the maximum length
+        batch["attention_mask"][row, P:] = valid
+        batch["response_mask"][row] = valid
+    batch["token_level_rewards"][2:5, 0] = 0.9  # some correct ones
+    batches = []
+    for device_path in (False, True):
+        c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+        if device_path:
+            with accelerator_path_on_cpu():
+                c.compute_local_data_metric(batch)
+        else:
+            c.compute_local_data_metric(batch)
+        batches.append(c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True))
+    host, device = batches
+    assert host.keys == device.keys and "response/length_non_aborted" in host.keys
+    rows = dict(zip(device.keys, device.data))
+    aborted = rows["response/aborted_ratio"]
+    assert aborted[SUM] == 1 and aborted[COUNT] == 12
+    assert rows["response/clip_ratio/mean"][SUM] >= 1
+    assert rows["response/correct_length"][COUNT] >= 3
+    for key, row in zip(host.keys, host.data):
+        if key.startswith("perf/process_cpu_mem"):
+            continue  # the process grew in between
+        np.testing.assert_allclose(row, rows[key], rtol=1e-13, atol=1e-300, err_msg=key)

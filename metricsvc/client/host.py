@@ -86,8 +86,10 @@ def stacked_rows(stacked: np.ndarray, valid: np.ndarray | None = None, locate: b
         dev = np.where(valid, dev, 0.0)
     squares = np.einsum("ij,ij->i", dev, dev)
     q = np.sqrt(squares)
-    for i in np.flatnonzero(squares < 1e-280):  # would square to nothing: scaled
-        q[i] = rss(dev[i])
+    tiny = np.flatnonzero(squares < 1e-280)  # would square to nothing: scaled, unless
+    if tiny.size:  # every deviation is 0 (a constant row: a clip flag, a fixed length)
+        for i in tiny[np.abs(dev[tiny]).max(1) > 0]:
+            q[i] = rss(dev[i])
     lows = z if valid is None else np.where(valid, z, np.inf)
     highs = z if valid is None else np.where(valid, z, -np.inf)
     at = None
@@ -289,6 +291,8 @@ class _HostPass:
         """``(sum(v - pivot), sum((v - pivot)**2))`` in float64, widened and centred a
         cache-sized chunk at a time (never a whole float64 copy)."""
         torch = _torch()
+        if v.dtype == torch.float64 and not pivot:  # already wide: no copy to make
+            return v.sum().item(), torch.dot(v, v).item()
         n = v.numel()
         wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
         total = squares = 0.0
