@@ -1,16 +1,20 @@
 """What a sink keeps in the run folder: its state, so that a restarted service continues
 it, and the dead letters of the steps it could not take.
 
-One small JSON file per sink, ``<run folder>/sinks/<name>.json``, replaced atomically:
-the dispatcher keeps the sink's watermark there (``durable_through``: the newest step
-the backend has made durable), and a sink may keep what it needs to continue the same
-backend run (wandb's run id, MLflow's run id).
+One small file of JSON lines per sink, ``<run folder>/sinks/<name>.json``: the dispatcher
+keeps the sink's watermark there (``durable_through``: the newest step the backend has
+made durable), and a sink may keep what it needs to continue the same backend run (wandb's
+run id, MLflow's run id). Each update is one appended line of the fields it sets (the
+watermark moves every step: a file replaced per step cost more than the step's merge);
+reading folds the lines in order, leaving out a line a crash tore. Past ``_COMPACT_BYTES``
+the file is replaced atomically by the one line of its folded record.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +28,8 @@ from metricsvc.storage.history import RunHistory
 
 log = logging.getLogger(__name__)
 
+_COMPACT_BYTES = 1 << 16  # about 1500 watermark lines
+
 
 class SinkState:
     """The durable record of sink ``name`` in ``run_dir``; read and written by its thread."""
@@ -32,18 +38,41 @@ class SinkState:
         self.path = Path(run_dir) / "sinks" / f"{safe_file_name(name)}.json"
 
     def load(self) -> dict[str, Any]:
-        """Return the record ({} when none was written or it cannot be read)."""
+        """Return the record: every line's fields, later lines over earlier ones ({} when
+        none was written or the file cannot be read; a torn or foreign line is skipped)."""
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            lines = self.path.read_bytes().splitlines()
+        except OSError:
             return {}
-        return data if isinstance(data, dict) else {}
+        data: dict[str, Any] = {}
+        for line in lines:
+            try:
+                part = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(part, dict):
+                data.update(part)
+        return data
 
     def update(self, **values: Any) -> None:
-        """Merge ``values`` into the record and replace the file whole."""
-        data = {**self.load(), **values}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.path, json.dumps(data))
+        """Merge ``values`` into the record: one appended line (on a line of its own after
+        a torn one), or the folded record written whole once the file is long."""
+        line = json.dumps(values).encode() + b"\n"
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the first update of this run folder
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            if end + len(line) <= _COMPACT_BYTES:
+                if end and os.pread(fd, 1, end - 1) != b"\n":
+                    line = b"\n" + line
+                os.write(fd, line)
+                return
+        finally:
+            os.close(fd)
+        write_atomic(self.path, json.dumps({**self.load(), **values}) + "\n")
 
 
 class Watermark:
