@@ -238,3 +238,25 @@ def test_large_host_rows_merged_over_ranks_are_exact_whichever_pass_they_take(dt
     assert abs(records.mean(row) - mean) <= 1e-12 * abs(mean) + 1e-14 * std
     ulp = 5e-324 * 4  # subnormals carry a few bits: rounding is to their grid
     assert abs(row[M2_ROOT] / math.sqrt(x.size) - std) <= 1e-12 * std + ulp
+
+
+@pytest.mark.parametrize("values", [
+    [0.0, 0, 0, 0, 0, 1, 1e308, -1e308],  # a sum left to right loses the 1 (the fuzz found it)
+    [1e308, 1, -1e308, 0, 0, 0, 0, 0],  # numpy's pairwise sum loses it
+    [3.0, 1e300, 2.0, -1e300, -5.0, 1e-300, 7.0],
+])
+def test_a_few_values_whose_huge_terms_cancel_keep_the_exact_sum(values):
+    """Sums of a few values (a small CPU tensor, a small array) are exact: huge terms that
+    cancel never take the small ones with them. (On an accelerator the sum is the device's
+    float64 reduction, as torch's own.)"""
+    exact = Fraction(0)
+    for v in values:
+        exact += Fraction(v)
+    want = float(exact / len(values))
+    rows = {"torch": summarize(torch.tensor(values, dtype=torch.float64)),
+            "numpy": records.summarize_array(np.array(values)),
+            "2-d": summarize(torch.tensor(values, dtype=torch.float64)[None])}
+    for where, row in rows.items():
+        row = np.asarray(row, dtype=np.float64)
+        assert records.mean(row) == pytest.approx(want, rel=1e-15), where
+        assert row[SUM] + row[SUM_LO] == float(exact), where

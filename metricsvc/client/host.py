@@ -33,6 +33,7 @@ from metricsvc.protocol import (
     SUM,
     SUM_LO,
     centred_exactly,
+    exact_sum,
     from_pivot,
     rss,
     summarize_array,
@@ -221,7 +222,7 @@ class _HostPass:
         (first of each) when locating."""
         values = [float(x) for x in v.tolist()]
         n = len(values)
-        plain = sum(values)
+        plain = exact_sum(values)
         c = plain / n
         dev = [x - c for x in values]
         q = math.hypot(*dev)  # no overflow or underflow of the squares

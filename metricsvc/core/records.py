@@ -271,11 +271,25 @@ def summarize_array(values: np.ndarray, mask: np.ndarray | None = None) -> np.nd
     return row
 
 
+EXACT_SUM_MAX = 256  # a few values (a small tensor or array): their sum is exact
+
+
+def exact_sum(values: Any) -> float:
+    """The sum of finite floats rounded once (``math.fsum``): huge terms that cancel keep
+    the small ones. Where the partial sums leave float64's range, or a value is not finite
+    (inf and -inf), the plain sum: inf or NaN, which the caller takes as a sum past
+    float64's range or as values to count and exclude."""
+    try:
+        return math.fsum(values)
+    except (OverflowError, ValueError):
+        return float(sum(values))
+
+
 def pivoted_row_fields(x: np.ndarray) -> tuple[float, float, float]:
     """Return ``(sum, sum_lo, m2_root)`` of finite float64 values (not empty)."""
     # Finite values may still sum past float64's range: that is flagged, not an error.
     with np.errstate(over="ignore", invalid="ignore"):
-        total = float(x.sum())
+        total = exact_sum(x) if x.size <= EXACT_SUM_MAX else float(x.sum())
         c = total / x.size
         if not math.isfinite(c):  # the sum overflowed; the mean need not
             c = float((x / x.size).sum())
