@@ -7,8 +7,6 @@ import resource
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from metricsvc.client.device import _on_host
 from metricsvc.client.metrics.batch import get, response_info
 from metricsvc.client.metrics.catalogue import Catalogue
@@ -75,11 +73,9 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     length, prompt_length = info.response_length, info.prompt_length
     # A value per sequence is a few dozen numbers: on the host, numpy's comparisons cost a
     # fraction of torch's per-call overhead (views, no copy); on a device they stay there.
-    host = all(_on_host(t, None) for t in (rewards, scores, length, prompt_length))
-    if host:
+    if all(_on_host(t, None) for t in (rewards, scores, length, prompt_length)):
         rewards, scores, length, prompt_length = (
             t.numpy() for t in (rewards, scores, length, prompt_length))
-    wide = _host_float if host else _device_float
     per_sequence = {"critic/score": scores, "critic/rewards": rewards,
                     "response/length": length, "prompt/length": prompt_length}
     turns = get(batch, "__num_turns__", get(batch, "num_turns"))
@@ -96,7 +92,7 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
         # Over the valid tokens only, in float64: a float32 difference would round.
         token_level["critic/__vf_explained_var/residual"] = Difference(returns, values)
     METRICS.stat(m, mask=info.response_mask, **token_level)
-    clipped = wide(length == info.max_response_length)
+    clipped = length == info.max_response_length  # flags: recorded as 0 and 1
     aborted = length == 0
     kept = ~aborted
     correct = rewards > 0.5
@@ -104,21 +100,13 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     # correct (or wrong) responses contributes nothing to their lengths: no 0 placeholder.
     METRICS.stat_each(m, **{key: (v, None) for key, v in per_sequence.items()}, **{
         "response/clip_ratio/mean": (clipped, None),
-        "prompt/clip_ratio/mean": (wide(prompt_length == info.max_prompt_length), None),
-        "response/aborted_ratio": (wide(aborted), None),
+        "prompt/clip_ratio/mean": (prompt_length == info.max_prompt_length, None),
+        "response/aborted_ratio": (aborted, None),
         "response/length_non_aborted": (length, kept),
         "response/clip_ratio_non_aborted/mean": (clipped, kept),
         "response/correct_length": (length, correct),
         "response/wrong_length": (length, ~correct),
     })
-
-
-def _host_float(flags: Any) -> Any:
-    return flags.astype(np.float64)
-
-
-def _device_float(flags: Any) -> Any:
-    return flags.double()
 
 
 _statm: list[int] = []  # (pid, fd) of this process's open /proc/self/statm
