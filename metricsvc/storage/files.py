@@ -47,6 +47,12 @@ class LineFile:
             os.ftruncate(self._fd, start)
             raise
 
+    def size(self) -> int:
+        """Return the file's length in bytes."""
+        if self._fd is None:
+            raise RuntimeError(f"{self.path} is closed")
+        return os.lseek(self._fd, 0, os.SEEK_END)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -59,19 +58,16 @@ class SinkState:
         a torn one), or the folded record written whole once the file is long."""
         line = json.dumps(values).encode() + b"\n"
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            file = LineFile(self.path)
         except FileNotFoundError:  # the first update of this run folder
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            file = LineFile(self.path)
         try:
-            end = os.lseek(fd, 0, os.SEEK_END)
-            if end + len(line) <= _COMPACT_BYTES:
-                if end and os.pread(fd, 1, end - 1) != b"\n":
-                    line = b"\n" + line
-                os.write(fd, line)
+            if file.size() + len(line) <= _COMPACT_BYTES:
+                file.append(line)
                 return
         finally:
-            os.close(fd)
+            file.close()
         write_atomic(self.path, json.dumps({**self.load(), **values}) + "\n")
 
 
