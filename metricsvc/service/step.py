@@ -152,7 +152,7 @@ class Collection:
         held = self._ordered
         if held is None or held[0] != len(self.parts):
             parts = sorted(self.parts, key=lambda p: p.order)
-            rows = np.concatenate([p.rows for p in parts]) if parts else np.zeros((0, 7))
+            rows = np.concatenate([p.rows for p in parts]) if parts else records.identity(0)
             idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
             held = self._ordered = (len(self.parts), parts, rows, idx)
         return held[1], held[2], held[3]
