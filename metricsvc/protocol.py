@@ -51,6 +51,7 @@ from metricsvc.core.keys import (
 from metricsvc.core.limits import RETRY_S, is_int
 from metricsvc.core.records import (
     COUNT,
+    EXACT_SUM_MAX,
     FIELDS,
     IDENTITY,
     M2_ROOT,
@@ -90,6 +91,7 @@ __all__ = [
     "next_pause",
     "AUTO",
     "COUNT",
+    "EXACT_SUM_MAX",
     "IDENTITY",
     "M2_ROOT",
     "MAX",

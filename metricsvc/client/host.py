@@ -24,6 +24,7 @@ from metricsvc.client.tensors import (
 )
 from metricsvc.protocol import (
     COUNT,
+    EXACT_SUM_MAX,
     M2_ROOT,
     MAX,
     MIN,
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 _SAFE_SQUARES = (1e-280, 1e280)  # sums of squares that neither underflowed nor overflowed
 _CHUNK = 1 << 16  # float64 accumulation in pieces of 512 KiB: no whole-tensor float64 copy
 _SMALL = 4096  # below this, numpy's per-call cost (~1 us) beats torch's (~5 us)
-_TINY = 256  # at most this, plain Python beats numpy's calls
+_TINY = EXACT_SUM_MAX  # at most this, plain Python beats numpy's calls (and sums exactly)
 
 
 def _min_max(v: Any, locate: bool) -> tuple[float, float, tuple[int, int] | None]:
