@@ -260,3 +260,26 @@ def test_a_few_values_whose_huge_terms_cancel_keep_the_exact_sum(values):
         row = np.asarray(row, dtype=np.float64)
         assert records.mean(row) == pytest.approx(want, rel=1e-15), where
         assert row[SUM] + row[SUM_LO] == float(exact), where
+
+
+def test_a_masks_positions_are_the_same_whether_picked_from_a_kept_arange_or_counted():
+    """A mask's valid positions come from a kept ``arange`` up to ``_ARANGE_MAX`` values and
+    from ``flatnonzero`` past it: the same positions, so the same rows, either way; a mask
+    changed in place is read again, and a larger mask grows the kept arange."""
+    from metricsvc.client import tensors
+    from metricsvc.client.summarize import summarize_many
+
+    g = torch.Generator().manual_seed(7)
+    cache = tensors.MaskCache()
+    for n in (1000, tensors._ARANGE_MAX + 1, 5000, tensors._ARANGE_MAX):
+        x = torch.randn(n, generator=g, dtype=torch.float64) * 1e3 + 7
+        mask = torch.rand(n, generator=g) < 0.3
+        for _ in range(2):  # the second time: the mask changed in place
+            picked = cache.index(mask)
+            assert torch.equal(picked, torch.nonzero(mask).reshape(-1)), n
+            row = summarize_many({"x": x}, mask, cache=cache)["x"]
+            kept = x.numpy()[mask.numpy()]
+            assert row[COUNT] == kept.size and row[MIN] == kept.min() and row[MAX] == kept.max()
+            assert math.isclose(row[SUM] + row[SUM_LO], math.fsum(kept), rel_tol=1e-15)
+            mask[: n // 2] = ~mask[: n // 2]
+    assert cache._arange.size == tensors._ARANGE_MAX  # grown to the largest mask under it

@@ -19,7 +19,6 @@ from metricsvc.client.tensors import (
     _identity_row,
     _memory,
     _numpy_dtypes,
-    _row_of,
     _torch,
 )
 from metricsvc.protocol import (
@@ -67,6 +66,15 @@ def _min_max(v: Any, locate: bool) -> tuple[float, float, tuple[int, int] | None
     return v[at[0]].item(), v[at[1]].item(), at
 
 
+def _host_row(total: float, n: float, low: float, high: float, root: float,
+              total_lo: float) -> Any:
+    """The record row of finite values (no non-finite count) as a CPU tensor."""
+    row = np.empty(NFIELDS)
+    row[SUM], row[COUNT], row[MIN], row[MAX] = total, n, low, high
+    row[M2_ROOT], row[NONFINITE], row[SUM_LO] = root, 0.0, total_lo
+    return _torch().from_numpy(row)
+
+
 def stacked_rows(stacked: np.ndarray, valid: np.ndarray | None = None, locate: bool = False
                  ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]] | None]:
     """Records of ``k`` same-length float64 vectors, one numpy pass per statistic over all
@@ -76,24 +84,13 @@ def stacked_rows(stacked: np.ndarray, valid: np.ndarray | None = None, locate: b
     excludes those, or sums them scaled). Deviations whose squares would vanish are summed
     scaled. ``at``, with ``locate``: each row's first min and max positions."""
     k, n = stacked.shape
-    z = stacked if valid is None else np.where(valid, stacked, 0.0)
-    ok = np.isfinite(z).all(1) & (np.abs(z).max(1, initial=0.0) < 1e150)
-    if not ok.all():  # the rows left to the caller weigh nothing here: no overflow, no warning
-        z = np.where(ok[:, None], z, 0.0)
-    count = np.full(k, float(n)) if valid is None else valid.sum(1).astype(np.float64)
-    plain = z.sum(1)
-    pivot = plain / np.maximum(count, 1.0)
-    dev = z - pivot[:, None]
-    if valid is not None:
-        dev = np.where(valid, dev, 0.0)
-    squares = np.einsum("ij,ij->i", dev, dev)
-    q = np.sqrt(squares)
-    tiny = np.flatnonzero(squares < 1e-280)  # would square to nothing: scaled, unless
-    if tiny.size:  # every deviation is 0 (a constant row: a clip flag, a fixed length)
-        for i in tiny[np.abs(dev[tiny]).max(1) > 0]:
-            q[i] = rss(dev[i])
-    lows = z if valid is None else np.where(valid, z, np.inf)
-    highs = z if valid is None else np.where(valid, z, -np.inf)
+    if valid is None:
+        z = lows = highs = stacked
+        count = np.full(k, float(n))
+    else:
+        z = np.where(valid, stacked, 0.0)
+        lows, highs = np.where(valid, stacked, np.inf), np.where(valid, stacked, -np.inf)
+        count = np.count_nonzero(valid, axis=1).astype(np.float64)
     at = None
     if locate:
         lo, hi = lows.argmin(1), highs.argmax(1)
@@ -102,6 +99,21 @@ def stacked_rows(stacked: np.ndarray, valid: np.ndarray | None = None, locate: b
         at = list(zip(lo.tolist(), hi.tolist()))
     else:
         low, high = lows.min(1, initial=np.inf), highs.max(1, initial=-np.inf)
+    # The extremes tell which rows are ok: NaN fails both tests, and an empty row passes
+    ok = (low > -1e150) & (high < 1e150)
+    if not ok.all():  # the rows left to the caller weigh nothing here: no overflow, no warning
+        z = np.where(ok[:, None], z, 0.0)
+    plain = z.sum(1)
+    pivot = plain / np.maximum(count, 1.0)
+    dev = z - pivot[:, None]
+    if valid is not None:
+        dev = np.where(valid, dev, 0.0)
+    squares = np.einsum("ij,ij->i", dev, dev)
+    q = np.sqrt(squares)
+    if squares.min() < 1e-280:  # would square to nothing: scaled, unless every deviation
+        tiny = np.flatnonzero(squares < 1e-280)  # is 0 (a constant row: a clip flag)
+        for i in tiny[np.abs(dev[tiny]).max(1) > 0]:
+            q[i] = rss(dev[i])
     rows = np.zeros((k, NFIELDS))
     rows[:, COUNT], rows[:, MIN], rows[:, MAX] = count, low, high
     rows[:, SUM], rows[:, SUM_LO], rows[:, M2_ROOT] = from_pivot(
@@ -232,8 +244,7 @@ class _HostPass:
             total, low_part, root = from_pivot(float(n), c, sum(dev), q, SCALARS, plain,
                                                centred_exactly(low, high, c))
             at = (values.index(low), values.index(high)) if self.locate else None
-            return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
-                           nonfinite=0.0, sum_lo=low_part), at
+            return _host_row(total, n, low, high, root, low_part), at
         return self._row_nonfinite(v)
 
     def _small_rows(self, group: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -286,8 +297,7 @@ class _HostPass:
                 q = rss(v.to(torch.float64).numpy() - pivot)
             total, total_lo, root = from_pivot(float(n), pivot, d1, q, SCALARS, total,
                                                centred_exactly(low, high, pivot))
-        return _row_of(sum=total, count=n, min=low, max=high, m2_root=root,
-                       nonfinite=0.0, sum_lo=total_lo), at
+        return _host_row(total, n, low, high, root, total_lo), at
 
     def _sums(self, v: Any, pivot: float) -> tuple[float, float]:
         """``(sum(v - pivot), sum((v - pivot)**2))`` in float64, widened and centred a
@@ -297,6 +307,11 @@ class _HostPass:
             return v.sum().item(), torch.dot(v, v).item()
         n = v.numel()
         wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
+        if n <= _CHUNK:  # one chunk (most tensors): no slicing
+            wide.copy_(v)  # exact widening
+            if pivot:
+                np.subtract(wide.numpy(), pivot, out=wide.numpy())
+            return wide.sum().item(), torch.dot(wide, wide).item()
         total = squares = 0.0
         for start in range(0, n, _CHUNK):
             piece = v[start:start + _CHUNK]

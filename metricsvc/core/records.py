@@ -136,6 +136,8 @@ def from_pivot(n: Any, c: Any, d1: Any, q: Any, xp: Any = np, total: Any = None,
             hi, lo = xp.where(exact, hi, total), xp.where(exact, lo, 0.0)
     r = abs(d1) / xp.sqrt(n + (n == 0))
     near = (q > 1e-150) * (q < 1e150)  # (q - r)(q + r) stays in range: one rounding less
+    if xp is np and np.all(near):  # the usual case: only the first form is needed
+        return hi, lo, np.sqrt(_half_plus((q - r) * (q + r)))
     root = xp.where(near, xp.sqrt(_half_plus((q - r) * (q + r))),
                     xp.sqrt(_half_plus(q - r)) * xp.sqrt(q + r))
     return hi, lo, root
