@@ -307,15 +307,11 @@ class _HostPass:
             return v.sum().item(), torch.dot(v, v).item()
         n = v.numel()
         wide = self.cache.buffer(torch.float64, "wide", min(n, _CHUNK))
-        if n <= _CHUNK:  # one chunk (most tensors): no slicing
-            wide.copy_(v)  # exact widening
-            if pivot:
-                np.subtract(wide.numpy(), pivot, out=wide.numpy())
-            return wide.sum().item(), torch.dot(wide, wide).item()
         total = squares = 0.0
         for start in range(0, n, _CHUNK):
-            piece = v[start:start + _CHUNK]
-            t = wide[: piece.numel()].copy_(piece)  # exact widening
+            piece = v if n <= _CHUNK else v[start:start + _CHUNK]  # one chunk: no slicing
+            t = wide if piece.numel() == wide.numel() else wide[: piece.numel()]
+            t.copy_(piece)  # exact widening
             if pivot:
                 np.subtract(t.numpy(), pivot, out=t.numpy())  # in cache: cheap
             total += t.sum().item()

@@ -143,12 +143,11 @@ def _identity_row(device: Any = "cpu") -> Any:
     return _torch().tensor(IDENTITY, dtype=_torch().float64, device=device)
 
 
-def _row_of(device: Any = None, **fields: Any) -> Any:
-    """Stack named fields (tensors or floats) into one record row, in ``FIELDS`` order."""
+def _row_of(device: Any, **fields: Any) -> Any:
+    """Stack named fields (tensors or floats) into one record row on ``device``, in
+    ``FIELDS`` order (host rows are built by ``host._host_row``)."""
     torch = _torch()
     cols = [fields[name] for name in FIELDS]
-    if device is None:
-        return torch.from_numpy(np.array([float(c) for c in cols], dtype=np.float64))
     return torch.stack([c.to(torch.float64) if is_tensor(c)
                         else torch.tensor(float(c), dtype=torch.float64, device=device)
                         for c in cols])
