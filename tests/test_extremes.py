@@ -248,3 +248,16 @@ def test_a_min_or_max_from_a_stream_names_the_stream(make_worker):
     # 0.5 ties between rank 1 and the stream: a rank comes before every stream
     assert meta["extremes"]["rollout/length/min"] == {"rank": 1}
     rec.close()
+
+
+def test_a_call_number_counts_plain_recordings_merged_before_it():
+    buf = RecordBuffer()
+    for value in (3.0, 2.0):  # calls 0 and 1: plain numbers, merged as one matrix
+        buf.record({"x": value, "y": 1.0}, None, ReduceType.AVG_MIN_MAX)
+    buf.record({"x": torch.tensor([0.5, 9.0])}, None, ReduceType.AVG_MIN_MAX,
+               torch.tensor([7, 8]))
+    batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    x = list(batch.keys).index("x")
+    assert batch.extreme_rows.tolist() == [x]
+    # min 0.5 and max 9.0 both from the third recording (call 2), rows 0 and 1
+    assert batch.extremes.tolist() == [[7.0, 2.0, 0.0, 0.0, 8.0, 2.0, 1.0, 0.0]]

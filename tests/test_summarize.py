@@ -1,6 +1,7 @@
 """Client-side summaries: masked, float64, non-finite excluded, no host transfer while recording."""
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -311,3 +312,62 @@ def test_each_tensor_of_a_call_is_gathered_once_whatever_it_is_recorded_as():
     np.testing.assert_array_equal(_host(rows["target"]), _host(rows["returns"]))
     ref = (ret.double() - val.double())[mask]
     assert _host(rows["residual"])[SUM] == pytest.approx(ref.sum().item(), rel=1e-12)
+
+
+def test_plain_dicts_recorded_again_in_a_step_merge_as_one_matrix_exactly(monkeypatch):
+    """Each micro-batch's dict of plain numbers merges into the step's records in one
+    vectorised merge (not one per key), bit for bit the merge of each key's rows in the
+    order recorded, and exact against the concatenated values."""
+    from metricsvc.client.buffer import RecordBuffer
+    from metricsvc.core import records
+    from metricsvc.protocol import AUTO
+
+    merges = []
+    real = records.merge_pair
+    monkeypatch.setattr(records, "merge_pair",
+                        lambda a, b, xp=np: merges.append(np.shape(a)) or real(a, b, xp))
+    rng = np.random.default_rng(11)
+    k = 200
+    keys = [f"train/group{i % 7}/value_{i}" for i in range(k)]
+    scale = 10.0 ** rng.uniform(-150, 150, k)  # far from 0, tiny, huge
+    offset = np.where(rng.random(k) < 0.3, 1e12, 0.0)  # means far from 0 next to the spread
+
+    def draw(names):
+        out = {}
+        for name in names:
+            i = keys.index(name)
+            x = offset[i] + scale[i] * rng.standard_normal()
+            kind = i % 4  # the types a training loop hands over
+            out[name] = (float(x), np.float64(x), np.float32(x) if abs(x) < 1e30 else x,
+                         int(x) if abs(x) < 1e15 else x)[kind]
+        return out
+
+    extra = [f"train/extra_{i}" for i in range(30)]
+    keys += extra
+    scale, offset = np.concatenate([scale, np.ones(30)]), np.concatenate([offset, np.zeros(30)])
+    calls = [draw(keys[:k]) for _ in range(4)]  # the same dict, micro-batch after micro-batch
+    calls.append(draw(keys[: k // 2] + extra))  # part of it, with keys new in this step
+    calls.append(draw(keys[:k]))
+    buf = RecordBuffer()
+    for n, values in enumerate(calls):
+        before = len(merges)
+        buf.record_plain(values, 0)
+        assert len(merges) - before == (0 if n == 0 else 1), "one merge per call"
+    batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    got = dict(zip(batch.keys, batch.data))
+    assert sorted(got) == sorted(keys)
+    for key in keys:
+        rows = [summarize_array(np.array([float(c[key])])) for c in calls if key in c]
+        folded = rows[0]
+        for row in rows[1:]:  # the old merge, one key at a time
+            folded = records.merge(folded, row)
+        np.testing.assert_array_equal(got[key], folded, err_msg=key)
+        x = np.array([float(c[key]) for c in calls if key in c])
+        row = got[key]
+        assert row[COUNT] == x.size and row[MIN] == x.min() and row[MAX] == x.max()
+        assert row[SUM] == math.fsum(x)
+        exact = [Fraction(v) for v in x]  # the spread in exact arithmetic
+        mean = sum(exact) / len(exact)
+        m2 = float(sum((v - mean) ** 2 for v in exact))
+        assert row[M2_ROOT] == pytest.approx(math.sqrt(m2), rel=1e-12, abs=1e-300)
+    assert all(code == AUTO for code in batch.kinds)

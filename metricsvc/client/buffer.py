@@ -36,6 +36,7 @@ from metricsvc.protocol import (
     dense_to_sparse,
     is_internal,
     kind_name,
+    merge,
     scalar_row,
     scalar_rows,
 )
@@ -63,6 +64,7 @@ class _Block:
     keys: tuple[str, ...]
     rows: np.ndarray  # [len(keys), NFIELDS]
     alive: np.ndarray | None = None  # which rows are still the block's (None: all)
+    calls: int = 1  # recordings of these keys merged into ``rows`` in this step
 
     def take(self, key: str) -> _Entry:
         """Hand ``key``'s record over to an entry of its own (the key is recorded again)."""
@@ -70,7 +72,7 @@ class _Block:
         if self.alive is None:
             self.alive = np.ones(len(self.keys), dtype=bool)
         self.alive[i] = False
-        return _Entry(self.code, self.expected, self.rows[i].copy())
+        return _Entry(self.code, self.expected, self.rows[i].copy(), calls=self.calls)
 
 
 def _plain_block(values: list[Any]) -> np.ndarray | None:
@@ -243,11 +245,17 @@ class RecordBuffer:
                       expected: int) -> None:
         with self.lock:
             entries = self._entries
+            held = entries.get(keys[0]) if keys else None
             if entries.keys().isdisjoint(keys):  # new in this step: kept as one block
                 self.names.claim(keys, code, entries)
                 block = _Block(code, expected, keys, rows)
                 entries.update(dict.fromkeys(keys, block))
                 self._blocks.append(block)
+            elif (held.__class__ is _Block and held.keys == keys and held.alive is None
+                  and held.code == code):  # the same dict again (a micro-batch): one merge
+                held.rows = merge(held.rows, rows)
+                held.calls += 1
+                held.expected = max(held.expected, expected)
             else:
                 self._merge_rows(dict(zip(keys, rows)), code, expected, None, {})
         if self.on_record is not None:
@@ -265,6 +273,7 @@ class RecordBuffer:
                     f"{self.label}; recording it as {kind_name(code)} would mix reductions"
                 )
         self.names.claim(rows, code, self._entries)
+        on_host: list[tuple[_Entry, Row]] = []  # host rows without sources: merged as one
         for key, row in rows.items():
             sk = None if sketches is None else sketches[key]
             src = sources.get(key)
@@ -277,11 +286,20 @@ class RecordBuffer:
             if src is not None or entry.sources is not None:
                 entry.sources = merge_row_sources(entry.row, row, entry.sources, src,
                                                   entry.calls)
+                entry.row = merge_rows(entry.row, row)
+            elif is_tensor(row) or is_tensor(entry.row):
+                entry.row = merge_rows(entry.row, row)  # on the device: no host copy
+            else:
+                on_host.append((entry, row))
             entry.calls += 1
-            entry.row = merge_rows(entry.row, row)
             entry.expected = max(entry.expected, expected)
             if sk is not None:
                 entry.sketch = sk if entry.sketch is None else add_sketches(entry.sketch, sk)
+        if on_host:
+            merged = merge(np.array([e.row for e, _ in on_host]),
+                           np.array([row for _, row in on_host]))
+            for (entry, _), row in zip(on_host, merged):
+                entry.row = row
 
     def keys(self) -> list[str]:
         """Return the keys recorded since the last flush."""
