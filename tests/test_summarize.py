@@ -1,6 +1,7 @@
 """Client-side summaries: masked, float64, non-finite excluded, no host transfer while recording."""
 
 import math
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -371,3 +372,65 @@ def test_plain_dicts_recorded_again_in_a_step_merge_as_one_matrix_exactly(monkey
         m2 = float(sum((v - mean) ** 2 for v in exact))
         assert row[M2_ROOT] == pytest.approx(math.sqrt(m2), rel=1e-12, abs=1e-300)
     assert all(code == AUTO for code in batch.kinds)
+
+
+def test_host_tensor_micro_batches_merge_as_one_matrix_exactly(monkeypatch):
+    """Masked CPU tensors recorded micro-batch after micro-batch: each call's records merge
+    with the step's in one numpy merge (a CPU row is a host row), bit for bit the merge of
+    each key's rows in the order recorded, and exact against the concatenated values; on
+    the accelerator path the rows stay tensors and merge there (no host copy)."""
+    from metricsvc.client.buffer import RecordBuffer
+    from metricsvc.core import records
+    from metricsvc.protocol import ReduceType
+
+    merges = []
+    real = records.merge_pair
+    def counted(a, b, xp=np):
+        merges.append(xp)
+        return real(a, b, xp)
+
+    client_summaries = sys.modules["metricsvc.client.summarize"]
+    monkeypatch.setattr(records, "merge_pair", counted)
+    monkeypatch.setattr(client_summaries, "merge_pair", counted)  # device rows merge there
+    g = torch.Generator().manual_seed(5)
+    keys = ["actor/kl", "actor/ratio", "actor/entropy", "actor/pg_loss"]
+    dtypes = (torch.float32, torch.bfloat16, torch.float64, torch.float16)
+    scale, offset = (1e30, 1e-20, 1.0, 1e2), (0.0, 0.0, 1e12, 0.0)  # huge, tiny, far from 0
+    calls = []
+    for micro in range(5):  # unequal micro-batches, magnitudes far apart, a key left out
+        rows = 3 + 2 * micro
+        mask = torch.rand(rows, 40, generator=g) < 0.6
+        values = {k: (torch.randn(rows, 40, generator=g, dtype=torch.float64) * scale[i]
+                      + offset[i]).to(dtypes[i]) for i, k in enumerate(keys)
+                  if not (micro == 3 and i == 1)}
+        calls.append((values, mask))
+    buf = RecordBuffer()
+    for n, (values, mask) in enumerate(calls):
+        before = len(merges)
+        buf.record(values, mask, ReduceType.AVG_MIN_MAX)
+        assert merges[before:] == ([] if n == 0 else [np]), "one numpy merge per call"
+    batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    got = dict(zip(batch.keys, batch.data))
+    for key in keys:
+        own = [_host(summarize_many(v, m)[key]) for v, m in calls if key in v]
+        folded = own[0]
+        for row in own[1:]:  # the merge of each call's row, one at a time
+            folded = records.merge(folded, row)
+        np.testing.assert_array_equal(got[key], folded, err_msg=key)
+        parts = [(v[key].double().numpy(), m.numpy()) for v, m in calls if key in v]
+        x = np.concatenate([v[m] for v, m in parts])
+        assert got[key][COUNT] == x.size and got[key][MIN] == x.min()
+        assert got[key][MAX] == x.max() and got[key][SUM] == math.fsum(x)
+        exact = [Fraction(float(v)) for v in x]
+        mean = sum(exact) / len(exact)
+        m2 = float(sum((v - mean) ** 2 for v in exact))
+        assert got[key][M2_ROOT] == pytest.approx(math.sqrt(m2), rel=1e-12)
+    with accelerator_path_on_cpu(), HostTransferCounter() as counter:
+        for values, mask in calls:
+            buf.record(values, mask, ReduceType.AVG_MIN_MAX)
+        assert counter.calls == [] and merges[-1] is torch
+        device = buf.take_batch(step=1, rank=0, world_size=1, seq=1, final=True)
+    for key, row in zip(device.keys, device.data):
+        assert row[COUNT] == got[key][COUNT] and row[MIN] == got[key][MIN]
+        assert row[MAX] == got[key][MAX]
+        assert row[SUM] + row[SUM_LO] == pytest.approx(got[key][SUM], rel=1e-15)

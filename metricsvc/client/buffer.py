@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.declarations import ClientDeclarations
+from metricsvc.client.device import _on_host
 from metricsvc.client.extremes import merge_row_sources, summarize_located
 from metricsvc.client.names import ExportedNames
 from metricsvc.client.summarize import (
@@ -84,6 +85,14 @@ def _plain_block(values: list[Any]) -> np.ndarray | None:
         return scalar_rows(np.array(values, dtype=np.float64))
     except OverflowError:
         return None
+
+
+def _host_view(row: Row) -> np.ndarray | None:
+    """A host row as numpy (a CPU tensor's row is a view of it, no copy); None for a row on
+    a device (or on the accelerator path), which merges where it is."""
+    if not is_tensor(row):
+        return row
+    return row.numpy() if _on_host(row, None) else None
 
 
 def _add_blocks(blocks: list[_Block], keys: list, data: list, kinds: list,
@@ -273,7 +282,7 @@ class RecordBuffer:
                     f"{self.label}; recording it as {kind_name(code)} would mix reductions"
                 )
         self.names.claim(rows, code, self._entries)
-        on_host: list[tuple[_Entry, Row]] = []  # host rows without sources: merged as one
+        on_host: list[tuple[_Entry, Row, Row]] = []  # host rows without sources: one merge
         for key, row in rows.items():
             sk = None if sketches is None else sketches[key]
             src = sources.get(key)
@@ -287,18 +296,20 @@ class RecordBuffer:
                 entry.sources = merge_row_sources(entry.row, row, entry.sources, src,
                                                   entry.calls)
                 entry.row = merge_rows(entry.row, row)
-            elif is_tensor(row) or is_tensor(entry.row):
-                entry.row = merge_rows(entry.row, row)  # on the device: no host copy
             else:
-                on_host.append((entry, row))
+                a, b = _host_view(entry.row), _host_view(row)
+                if a is None or b is None:
+                    entry.row = merge_rows(entry.row, row)  # on the device: no host copy
+                else:
+                    on_host.append((entry, a, b))
             entry.calls += 1
             entry.expected = max(entry.expected, expected)
             if sk is not None:
                 entry.sketch = sk if entry.sketch is None else add_sketches(entry.sketch, sk)
         if on_host:
-            merged = merge(np.array([e.row for e, _ in on_host]),
-                           np.array([row for _, row in on_host]))
-            for (entry, _), row in zip(on_host, merged):
+            merged = merge(np.array([a for _, a, _ in on_host]),
+                           np.array([b for _, _, b in on_host]))
+            for (entry, _, _), row in zip(on_host, merged):
                 entry.row = row
 
     def keys(self) -> list[str]:
