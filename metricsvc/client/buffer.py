@@ -75,6 +75,16 @@ class _Block:
         self.alive[i] = False
         return _Entry(self.code, self.expected, self.rows[i].copy(), calls=self.calls)
 
+    def merged(self, keys: tuple[str, ...], rows: np.ndarray, code: int, expected: int) -> bool:
+        """Merge ``rows`` in, one merge, if they are this block's keys again (a micro-batch's
+        same dict) with its kind; return whether they were."""
+        if keys != self.keys or self.alive is not None or code != self.code:
+            return False
+        self.rows = merge(self.rows, rows)
+        self.calls += 1
+        self.expected = max(self.expected, expected)
+        return True
+
 
 def _plain_block(values: list[Any]) -> np.ndarray | None:
     """The records of plain numbers, in one vectorised pass; None for anything else (or an
@@ -85,6 +95,14 @@ def _plain_block(values: list[Any]) -> np.ndarray | None:
         return scalar_rows(np.array(values, dtype=np.float64))
     except OverflowError:
         return None
+
+
+def _merge_on_host(pairs: list[tuple[_Entry, np.ndarray, np.ndarray]]) -> None:
+    """Merge each ``(entry, its row, a row recorded again)`` on the host, in one merge."""
+    if pairs:
+        merged = merge(np.array([a for _, a, _ in pairs]), np.array([b for _, _, b in pairs]))
+        for (entry, _, _), row in zip(pairs, merged):
+            entry.row = row
 
 
 def _host_view(row: Row) -> np.ndarray | None:
@@ -260,12 +278,7 @@ class RecordBuffer:
                 block = _Block(code, expected, keys, rows)
                 entries.update(dict.fromkeys(keys, block))
                 self._blocks.append(block)
-            elif (held.__class__ is _Block and held.keys == keys and held.alive is None
-                  and held.code == code):  # the same dict again (a micro-batch): one merge
-                held.rows = merge(held.rows, rows)
-                held.calls += 1
-                held.expected = max(held.expected, expected)
-            else:
+            elif not (held.__class__ is _Block and held.merged(keys, rows, code, expected)):
                 self._merge_rows(dict(zip(keys, rows)), code, expected, None, {})
         if self.on_record is not None:
             self.on_record()
@@ -306,11 +319,7 @@ class RecordBuffer:
             entry.expected = max(entry.expected, expected)
             if sk is not None:
                 entry.sketch = sk if entry.sketch is None else add_sketches(entry.sketch, sk)
-        if on_host:
-            merged = merge(np.array([a for _, a, _ in on_host]),
-                           np.array([b for _, _, b in on_host]))
-            for (entry, _, _), row in zip(on_host, merged):
-                entry.row = row
+        _merge_on_host(on_host)
 
     def keys(self) -> list[str]:
         """Return the keys recorded since the last flush."""
