@@ -171,3 +171,29 @@ def test_a_malformed_description_is_refused_naming_the_key_and_the_rule(about, r
         agg.submit(batch)
     assert rule in str(err.value) and next(iter(about)) in str(err.value)
     assert agg.last_emitted is None and agg.counts["rejected"] == 1
+
+
+def test_a_metric_declared_again_each_step_costs_no_check_and_a_changed_one_is_refused(
+        monkeypatch):
+    from metricsvc.client import MetricClient
+    from metricsvc.client.declarations import ClientDeclarations
+
+    c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+    ratio = Derived("train/ratio", "value(a) / value(b)", {"a": "train/a", "b": "train/b"})
+    c.declare(ratio)
+    checks = []
+    real = ClientDeclarations.declare
+    monkeypatch.setattr(ClientDeclarations, "declare",
+                        lambda self, *a: checks.append(a) or real(self, *a))
+    for _ in range(3):  # every step declares the same object again: nothing to check
+        c.declare(ratio)
+        c.buffer.discard()
+    assert checks == []
+    same = Derived("train/ratio", "value(a) / value(b)", {"a": "train/a", "b": "train/b"})
+    c.declare(same)  # an equal declaration, another object: checked, and harmless
+    assert len(checks) == 1
+    other = Derived("train/ratio", "value(b) / value(a)", {"a": "train/a", "b": "train/b"})
+    with pytest.raises(ValueError, match=r"'train/ratio' is declared with formula"):
+        c.declare(ratio, other)
+    with pytest.raises(TypeError, match=r"declare\(\) takes Derived metrics, got str"):
+        c.declare(ratio, "train/ratio")

@@ -193,6 +193,9 @@ class RecordBuffer:
             ValueError: a name declared before with another formula or inputs, or one a
                 key recorded in this step exports (the names are named).
         """
+        held = self.declarations.held
+        if all(held.get(getattr(d, "name", None)) is d for d in declarations):
+            return  # declared in an earlier step (each step declares again): nothing to do
         with self.lock:
             self.declarations.declare(declarations, self.names.owner, self.label)
 

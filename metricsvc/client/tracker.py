@@ -164,6 +164,11 @@ class Tracker:
             mask = denominator
         self.buffer.record(full, mask, kind, ids)
 
+    def _stat_as(self, kind: ReduceType, mask: Any, values: dict[str, Any]) -> None:
+        """``stat(mask=mask, reduce=kind, **values)`` for a caller whose arguments are
+        right by construction (a built-in family: a declared kind, values, a mask or None)."""
+        self.buffer.record(self._keys(values), mask, kind)
+
     def stat_each(self, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX, *,
                   kinds: dict[str, ReduceType | str] | None = None,
                   **values: tuple[Any, Any]) -> None:
@@ -192,7 +197,8 @@ class Tracker:
         """Declare derived metrics (names and inputs under this tracker's prefix and scopes);
         see ``RecordBuffer.declare``."""
         prefix = self.full_key("")
-        self.buffer.declare(*(d.under(prefix) for d in declarations))
+        self.buffer.declare(*(d.under(prefix) if isinstance(d, Derived) else d
+                              for d in declarations))  # the buffer names what is not one
 
     def scalar(self, **values: Any) -> None:
         """Record rank-identical numbers (e.g. a learning rate); mismatches are flagged.

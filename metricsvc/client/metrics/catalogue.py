@@ -51,7 +51,7 @@ class Catalogue:
         one ``stat`` call per kind, under ``mask``. A call's keys recur every step: which
         kind each has is worked out, and what each means described, once per client."""
         for kind, group in self._by_kind(m, values):
-            m.stat(mask=mask, reduce=kind, **group)
+            m._stat_as(kind, mask, group)
 
     def stat_each(self, m: Any, **values: tuple[Any, Any]) -> None:
         """Record ``{key: (value, mask)}`` on ``m``, each key under its own mask and with its
