@@ -185,19 +185,16 @@ class RecordBuffer:
     # -- declarations --------------------------------------------------------------------
     def declare(self, *declarations: Derived) -> None:
         """Declare derived metrics for every step: sent with each batch, evaluated by the
-        service over the merged records of their inputs. Declaring the same metric again
-        is harmless.
+        service over the merged records of their inputs (declaring one again: harmless).
 
         Raises:
             TypeError: not a ``Derived``.
             ValueError: a name declared before with another formula or inputs, or one a
                 key recorded in this step exports (the names are named).
         """
-        held = self.declarations.held
-        if all(held.get(getattr(d, "name", None)) is d for d in declarations):
-            return  # declared in an earlier step (each step declares again): nothing to do
-        with self.lock:
-            self.declarations.declare(declarations, self.names.owner, self.label)
+        if not self.declarations.holds(declarations):  # else: as each step declares again
+            with self.lock:
+                self.declarations.declare(declarations, self.names.owner, self.label)
 
     def describe(self, *metrics: Metric | Derived, under: Any = None) -> None:
         """Say what ``metrics`` mean: the help and unit of each go to the service with the

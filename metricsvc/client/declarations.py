@@ -19,6 +19,12 @@ class ClientDeclarations:
         self._described: set[str] = set()  # names whose meaning was given (describe)
         self._about: dict[str, list[str]] = {}  # what they mean, not sent yet: next batch
 
+    def holds(self, declarations: Iterable[Derived]) -> bool:
+        """Whether every one of ``declarations`` is held already, the same object (what a
+        family declares each step): then declaring them again has nothing to check."""
+        held = self.held
+        return all(held.get(getattr(d, "name", None)) is d for d in declarations)
+
     def declare(self, declarations: Iterable[Derived], key_names: Mapping[str, str],
                 label: str) -> None:
         """Hold ``declarations``; refuse one that changes a held name or exports a name a
