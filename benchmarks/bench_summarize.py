@@ -7,6 +7,13 @@ step records them. Rows:
                (on the CPU: the mask's positions found once, each value gathered once)
   (c) floor  — one plain x.sum() over the same bytes
 
+Then a step recorded as micro-batches (one process, no Ray): each micro-batch records 200
+plain numbers and 4 masked [8 x 512] float32 tensors, M = 1 and 8 micro-batches per step.
+  verl   — ``append_to_dict`` per micro-batch (a masked mean ``.item()`` per tensor), then
+           ``np.mean`` of each key's list at the step's end (a mean of means)
+  ours   — ``submit_metric`` + ``stat(mask=)`` per micro-batch: every key merged exactly
+           into the step's records (count-weighted, with min and max)
+
     python benchmarks/bench_summarize.py [--k 32] [--rows 256] [--cols 2048] [--repeats 7]
 """
 
@@ -18,8 +25,10 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from metricsvc.client import MetricClient
 from metricsvc.client.summarize import accelerator_path_on_cpu, summarize_many, to_host
 from tests.synccount import HostTransferCounter
 
@@ -65,6 +74,45 @@ def timed(fn, repeats: int) -> tuple[float, int]:
     return statistics.median(samples) * 1e3, syncs
 
 
+def micro_batches(repeats: int, steps: int = 20) -> dict:
+    """ms per step of a step recorded as M micro-batches, verl's pattern and ours, for M
+    = 1 and 8 (the patterns alternate, each the median of ``repeats`` runs of ``steps``)."""
+    g = torch.Generator().manual_seed(1)
+    plain = [f"actor/group{i % 9}/value_{i}" for i in range(200)]
+    names = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/ratio")
+    micro = [({k: float(torch.rand(1, generator=g)) for k in plain},
+              {k: torch.randn(8, 512, generator=g) for k in names},
+              torch.rand(8, 512, generator=g) < 0.7) for _ in range(8)]
+    client = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+
+    def verl(m: int) -> None:
+        lists: dict[str, list[float]] = {}
+        for numbers, tensors, mask in micro[:m]:
+            out = dict(numbers)
+            for k, x in tensors.items():
+                out[k] = ((x * mask).sum() / mask.sum()).item()
+            for k, v in out.items():  # verl's append_to_dict
+                lists.setdefault(k, []).append(v)
+        {k: float(np.mean(v)) for k, v in lists.items()}  # its reduce_metrics
+
+    def ours(m: int) -> None:
+        for numbers, tensors, mask in micro[:m]:
+            client.submit_metric(numbers)
+            client.stat(mask=mask, **tensors)
+        client.buffer.discard()
+
+    ms: dict[tuple[str, int], list[float]] = {}
+    for r in range(repeats):
+        for m in (1, 8):
+            for name, fn in (("verl", verl), ("ours", ours))[:: 1 if r % 2 else -1]:
+                fn(m)  # warm
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn(m)
+                ms.setdefault((name, m), []).append((time.perf_counter() - t0) / steps * 1e3)
+    return {f"{name}_m{m}": statistics.median(v) for (name, m), v in ms.items()}
+
+
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, default=32)
@@ -99,6 +147,13 @@ def main() -> dict:
     for name, (ms, syncs) in measured.items():
         print(f"| {name} | {ms:.2f} | {syncs} | {a_ms / ms:.2f}x faster | {ms / c_ms:.1f}x |")
     print(f"\na/b = {a_ms / b_ms:.2f}  (target >= 4)    b/c = {b_ms / c_ms:.1f}")
+    micro = micro_batches(args.repeats)
+    print("\nmicro-batches: 200 plain numbers + 4 masked [8 x 512] tensors each, one process")
+    print("| micro-batches per step | verl ms per step | ours ms per step | ours / verl |")
+    print("|---:|---:|---:|---:|")
+    for m in (1, 8):
+        v, o = micro[f"verl_m{m}"], micro[f"ours_m{m}"]
+        print(f"| {m} | {v:.2f} | {o:.2f} | {o / v:.2f}× |")
 
     figures = {
         "config": vars(args),
@@ -107,6 +162,7 @@ def main() -> dict:
         "host_syncs_per_flush": {name: s for name, (_, s) in measured.items()},
         "a_over_b": a_ms / b_ms,
         "b_over_c": b_ms / c_ms,
+        "micro_batches_ms": micro,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "summarize.json").write_text(json.dumps(figures, indent=2) + "\n")
