@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.summarize import (
     accelerator_path_on_cpu,
     merge_rows,
@@ -17,6 +18,7 @@ from metricsvc.client.summarize import (
     summarize_many,
     to_host,
 )
+from metricsvc.core import records
 from metricsvc.core.records import (
     COUNT,
     M2_ROOT,
@@ -28,7 +30,15 @@ from metricsvc.core.records import (
     SUM_LO,
     summarize_array,
 )
+from metricsvc.protocol import AUTO, ReduceType
 from tests.synccount import HostTransferCounter
+
+
+def _exact_root(x):
+    """sqrt(M2) of the values ``x``, their spread taken in exact arithmetic."""
+    exact = [Fraction(float(v)) for v in x]
+    mean = sum(exact) / len(exact)
+    return math.sqrt(float(sum((v - mean) ** 2 for v in exact)))
 
 
 def _host(row):
@@ -319,10 +329,6 @@ def test_plain_dicts_recorded_again_in_a_step_merge_as_one_matrix_exactly(monkey
     """Each micro-batch's dict of plain numbers merges into the step's records in one
     vectorised merge (not one per key), bit for bit the merge of each key's rows in the
     order recorded, and exact against the concatenated values."""
-    from metricsvc.client.buffer import RecordBuffer
-    from metricsvc.core import records
-    from metricsvc.protocol import AUTO
-
     merges = []
     real = records.merge_pair
     monkeypatch.setattr(records, "merge_pair",
@@ -367,10 +373,7 @@ def test_plain_dicts_recorded_again_in_a_step_merge_as_one_matrix_exactly(monkey
         row = got[key]
         assert row[COUNT] == x.size and row[MIN] == x.min() and row[MAX] == x.max()
         assert row[SUM] == math.fsum(x)
-        exact = [Fraction(v) for v in x]  # the spread in exact arithmetic
-        mean = sum(exact) / len(exact)
-        m2 = float(sum((v - mean) ** 2 for v in exact))
-        assert row[M2_ROOT] == pytest.approx(math.sqrt(m2), rel=1e-12, abs=1e-300)
+        assert row[M2_ROOT] == pytest.approx(_exact_root(x), rel=1e-12, abs=1e-300)
     assert all(code == AUTO for code in batch.kinds)
 
 
@@ -379,10 +382,6 @@ def test_host_tensor_micro_batches_merge_as_one_matrix_exactly(monkeypatch):
     with the step's in one numpy merge (a CPU row is a host row), bit for bit the merge of
     each key's rows in the order recorded, and exact against the concatenated values; on
     the accelerator path the rows stay tensors and merge there (no host copy)."""
-    from metricsvc.client.buffer import RecordBuffer
-    from metricsvc.core import records
-    from metricsvc.protocol import ReduceType
-
     merges = []
     real = records.merge_pair
     def counted(a, b, xp=np):
@@ -421,10 +420,7 @@ def test_host_tensor_micro_batches_merge_as_one_matrix_exactly(monkeypatch):
         x = np.concatenate([v[m] for v, m in parts])
         assert got[key][COUNT] == x.size and got[key][MIN] == x.min()
         assert got[key][MAX] == x.max() and got[key][SUM] == math.fsum(x)
-        exact = [Fraction(float(v)) for v in x]
-        mean = sum(exact) / len(exact)
-        m2 = float(sum((v - mean) ** 2 for v in exact))
-        assert got[key][M2_ROOT] == pytest.approx(math.sqrt(m2), rel=1e-12)
+        assert got[key][M2_ROOT] == pytest.approx(_exact_root(x), rel=1e-12)
     with accelerator_path_on_cpu(), HostTransferCounter() as counter:
         for values, mask in calls:
             buf.record(values, mask, ReduceType.AVG_MIN_MAX)

@@ -272,14 +272,15 @@ class RecordBuffer:
                       expected: int) -> None:
         with self.lock:
             entries = self._entries
-            held = entries.get(keys[0]) if keys else None
             if entries.keys().isdisjoint(keys):  # new in this step: kept as one block
                 self.names.claim(keys, code, entries)
                 block = _Block(code, expected, keys, rows)
                 entries.update(dict.fromkeys(keys, block))
                 self._blocks.append(block)
-            elif not (held.__class__ is _Block and held.merged(keys, rows, code, expected)):
-                self._merge_rows(dict(zip(keys, rows)), code, expected, None, {})
+            else:  # recorded before in this step: the same dict again is one merge
+                held = entries[keys[0]]
+                if not (held.__class__ is _Block and held.merged(keys, rows, code, expected)):
+                    self._merge_rows(dict(zip(keys, rows)), code, expected, None, {})
         if self.on_record is not None:
             self.on_record()
 
@@ -295,7 +296,7 @@ class RecordBuffer:
                     f"{self.label}; recording it as {kind_name(code)} would mix reductions"
                 )
         self.names.claim(rows, code, self._entries)
-        on_host: list[tuple[_Entry, Row, Row]] = []  # host rows without sources: one merge
+        on_host: list[tuple[_Entry, Row, Row]] = []  # the host rows: merged as one
         for key, row in rows.items():
             sk = None if sketches is None else sketches[key]
             src = sources.get(key)
@@ -305,16 +306,14 @@ class RecordBuffer:
             if entry is None:
                 entries[key] = _Entry(code, expected, row, sk, src)
                 continue
-            if src is not None or entry.sources is not None:
+            if src is not None or entry.sources is not None:  # from the rows before merging
                 entry.sources = merge_row_sources(entry.row, row, entry.sources, src,
                                                   entry.calls)
-                entry.row = merge_rows(entry.row, row)
+            a, b = _host_view(entry.row), _host_view(row)
+            if a is None or b is None:
+                entry.row = merge_rows(entry.row, row)  # on the device: no host copy
             else:
-                a, b = _host_view(entry.row), _host_view(row)
-                if a is None or b is None:
-                    entry.row = merge_rows(entry.row, row)  # on the device: no host copy
-                else:
-                    on_host.append((entry, a, b))
+                on_host.append((entry, a, b))
             entry.calls += 1
             entry.expected = max(entry.expected, expected)
             if sk is not None:
