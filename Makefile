@@ -22,7 +22,8 @@ test: $(STAMP)
 	@# Compiled once here: every Ray worker and child process the tests start imports the
 	@# package, and where PYTHONDONTWRITEBYTECODE is set none would write its bytecode.
 	$(PY) -m compileall -q metricsvc examples tests benchmarks > /dev/null
-	$(PY) -m pytest -q
+	@# Two pytest-xdist workers, a file at a time each, on one Ray cluster (tests/conftest.py).
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(PY) -m ruff check metricsvc tests examples benchmarks

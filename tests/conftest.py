@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 import pytest
@@ -46,10 +47,9 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
+def _start_cluster():
     """Start a real multi-node Ray cluster on this machine (Ray's own ``Cluster``: a head
-    and two more raylets) for the whole session; yield it (tests may add and remove nodes)."""
+    and two more raylets) and return it."""
     from ray._private.authentication.authentication_token_setup import (
         enable_token_auth_by_default,
         ensure_token_if_auth_enabled,
@@ -64,7 +64,7 @@ def ray_cluster():
     # Each node's metrics agent serves Ray's Prometheus export on a port the tests know
     # (METRICS_PORTS), reporting every second (Ray's default: 10 s).
     ports = _free_ports(1 + len(NODES))
-    METRICS_PORTS.extend(ports)
+    METRICS_PORTS[:] = ports
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 4, "include_dashboard": False,
                                       "metrics_export_port": ports[0],
@@ -72,15 +72,72 @@ def ray_cluster():
     for name, port in zip(NODES, ports[1:]):
         cluster.add_node(num_cpus=2, resources={name: 1000}, metrics_export_port=port)
     cluster.wait_for_nodes()
+    return cluster
+
+
+# ``make test`` runs the tests in two pytest-xdist workers, a file at a time each, on ONE
+# cluster: the controlling process starts it (before it starts the workers, which inherit
+# this variable) and stops it at the end. Two clusters on two cores would double the CPU
+# that Ray itself spends; one shared cluster lets a test that waits leave the cores to the
+# other worker's test.
+_SHARED = "METRICSVC_TEST_CLUSTER"
+_controller_cluster: list = []
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        cluster = _start_cluster()
+        _controller_cluster.append(cluster)
+        os.environ[_SHARED] = json.dumps({"address": cluster.address, "ports": METRICS_PORTS})
+
+
+def pytest_unconfigure(config):
+    while _controller_cluster:
+        _controller_cluster.pop().shutdown()
+
+
+def _joined_cluster(address: str):
+    """The shared cluster as a worker sees it: its address, and nodes this worker adds and
+    removes itself (Ray's ``Cluster`` with the running head in place of one of its own)."""
+    from types import SimpleNamespace
+
+    from ray.cluster_utils import Cluster
+
+    class Joined(Cluster):
+        def wait_for_nodes(self, timeout: float = 30) -> None:
+            for node in self.worker_nodes:  # the nodes this worker added (the rest run)
+                self._wait_for_node(node, timeout)
+
+    cluster = Joined()
+    cluster.head_node = SimpleNamespace(gcs_address=address, redis_address=None)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(worker_id):
+    """The session's real multi-node Ray cluster (a head and two more raylets); yield it
+    (tests may add and remove nodes of their own). Each xdist worker has a namespace of its
+    own on the shared cluster, so tests' fixed actor names never meet."""
+    shared = os.environ.get(_SHARED)
+    if shared:
+        info = json.loads(shared)
+        METRICS_PORTS[:] = info["ports"]
+        cluster = _joined_cluster(info["address"])
+    else:
+        cluster = _start_cluster()
     ray.init(
         address=cluster.address,
-        namespace="metricsvc-tests",
+        namespace=f"metricsvc-tests-{worker_id}",
         log_to_driver=False,
         configure_logging=False,
     )
     yield cluster
     ray.shutdown()
-    cluster.shutdown()
+    if shared:
+        for node in list(cluster.worker_nodes):
+            cluster.remove_node(node)
+    else:
+        cluster.shutdown()
 
 
 _joined = itertools.count()
