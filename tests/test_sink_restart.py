@@ -82,7 +82,12 @@ def test_a_kill_while_a_sink_is_writing_loses_and_doubles_nothing(make_worker):
         if step == stall:
             run_dir = Path(ray.get(handle.health.remote())["run_dir"])
             deadline = time.monotonic() + 60
-            while not (run_dir / "stalling.started").exists():  # the sink is mid-write
+            # The sink is mid-write, and the journal (a delivery of its own, beside the
+            # sinks) holds the step: the next incarnation replays it from the journal.
+            # (Killed before the journal has it, the ranks resend it instead.)
+            journal = run_dir / "metrics.jsonl"
+            while not ((run_dir / "stalling.started").exists() and journal.exists()
+                       and stall in {r["step"] for r in read_journal(journal)}):
                 assert time.monotonic() < deadline, "the stalling sink never started step 3"
                 time.sleep(0.02)
             sigkill(handle)

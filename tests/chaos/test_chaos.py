@@ -50,7 +50,10 @@ def test_a_dead_rank_makes_later_steps_partial_within_the_timeout(make_worker):
     results = [ray.get(handle.wait_final.remote(s, 30)) for s in range(steps)]
     for step, result in enumerate(results):
         meta = result["meta"]
-        assert meta["age_s"] <= timeout + 1.0, (step, meta["age_s"])
+        # Published by the straggler timer (the dead rank never comes back): the timeout
+        # and what a loaded 2-core machine adds to a timer thread's wake-up (seconds, at
+        # worst, with the other test worker busy), far below the 30 s wait.
+        assert meta["age_s"] <= timeout + 3.0, (step, meta["age_s"])
         assert meta["partial"] is (step >= 10)
         assert meta["missing_ranks"] == ([victim] if step >= 10 else [])
         expected = expected_for(1, step, range(world) if step < 10 else alive)
