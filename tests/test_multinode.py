@@ -100,3 +100,14 @@ def test_a_removed_node_makes_its_ranks_steps_partial_and_the_others_never_notic
     for a in survivors.values():
         ray.kill(a)
     assert np.isfinite(health["uptime_s"])
+
+
+def test_the_singleton_runs_on_the_node_of_the_driver_that_starts_it(make_worker):
+    """Its run folder is then on the driver's disk, where the driver resolved it, and a node
+    that an autoscaler (or another test) removes never takes the service with it. Ray
+    spreads a zero-CPU actor over the nodes by itself: five services would all land on the
+    driver's node by chance about once in a hundred runs."""
+    here = ray.get_runtime_context().get_node_id()
+    handles = [make_worker()[0] for _ in range(5)]
+    nodes = [h["node_id"] for h in ray.get([handle.health.remote() for handle in handles])]
+    assert nodes == [here] * 5

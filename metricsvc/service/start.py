@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config, new_trial
 from metricsvc.core.keys import default_namespace
@@ -86,8 +87,15 @@ def start_metric_worker(
     if cfg.run.trial is None:
         # Fixed here, not in the actor: a restarted actor must find the same run folder.
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"trial": new_trial()})})
+    # On the starting driver's node: the run folder is then on the disk where the driver
+    # resolved it, and a node that an autoscaler removes does not take the service with it
+    # (left to itself, Ray spreads a zero-CPU actor over any node; a soft affinity too,
+    # where the node is busy starting workers). The actor is the driver's: it ends with
+    # the driver, so no restart ever needs another node.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     handle = actor_class(cfg.max_readers).options(
         name=cfg.name,
+        scheduling_strategy=here,
         namespace=cfg.namespace,
         get_if_exists=True,
         max_restarts=cfg.max_restarts,
