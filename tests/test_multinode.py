@@ -111,3 +111,26 @@ def test_the_singleton_runs_on_the_node_of_the_driver_that_starts_it(make_worker
     handles = [make_worker()[0] for _ in range(5)]
     nodes = [h["node_id"] for h in ray.get([handle.health.remote() for handle in handles])]
     assert nodes == [here] * 5
+
+
+def test_a_node_removed_while_the_service_starts_gets_no_combiner_and_stops_no_start(
+        make_worker, ray_cluster):
+    """``per_node`` starts a combiner on each node ``ray.nodes()`` lists; a node an
+    autoscaler (or another test worker of the shared cluster) removes before its combiner
+    is placed has no ranks to serve: the start goes on without it (it raised Ray's
+    ActorUnschedulableError, and make test failed so). A node named by hand that is gone
+    is refused naming it."""
+    from metricsvc.service.combiner import start_combiner, start_node_combiners
+
+    gone = ray_cluster.add_node(num_cpus=1, resources={"node_gone": 1})
+    ray_cluster.wait_for_nodes()
+    gone_id = gone.node_id
+    ray_cluster.remove_node(gone)  # still in the listing a starting service just read
+    here = ray.get_runtime_context().get_node_id()
+    handle, cfg = make_worker(world_size=1)
+    started = start_node_combiners(cfg, [here, gone_id])
+    assert sorted(started) == [here]
+    assert ray.get(started[here].health.remote())["node"] == here
+    with pytest.raises(ValueError, match=f"node {gone_id}.*is not alive"):
+        start_combiner(cfg, gone_id, node_id=gone_id)
+    ray.get(handle.close.remote())

@@ -240,17 +240,51 @@ def start_combiner(config: ConfigSource, label: str, *, node_id: str | None = No
 
     With ``node_id`` the combiner is pinned to that node; ranks there find it by
     their node id. Without, it is a logical group: ranks name it with ``via=label``.
+    A ``node_id`` that is not (or no longer) an alive node is refused naming it.
     """
     cfg = load_config(config)
+    handle = _create(cfg, label, node_id)
+    try:
+        ray.get(handle.health.remote())
+    except (ray.exceptions.ActorUnschedulableError, ray.exceptions.RayActorError):
+        if node_id is None or _alive(node_id):
+            raise
+        raise ValueError(
+            f"combiner {label!r}: node {node_id} is not alive (removed from the cluster?); "
+            f"start combiners on the nodes ray.nodes() lists alive") from None
+    _started[combiner_name(cfg.name, label)] = handle
+    return handle
+
+
+def start_node_combiners(cfg: ServiceConfig, node_ids: list[str]) -> dict[str, Any]:
+    """Start a combiner on each of ``node_ids`` (all created at once, then waited for) and
+    return them by node id. A node that is gone by the time its combiner is placed (an
+    autoscaler removed it after the listing was read) runs no rank: it is left out."""
+    handles = {node: _create(cfg, node, node) for node in node_ids}
+    started = {}
+    for node, handle in handles.items():
+        try:
+            ray.get(handle.health.remote())
+        except (ray.exceptions.ActorUnschedulableError, ray.exceptions.RayActorError):
+            if _alive(node):
+                raise
+            ray.kill(handle)
+            continue
+        started[node] = _started[combiner_name(cfg.name, node)] = handle
+    return started
+
+
+def _create(cfg: ServiceConfig, label: str, node_id: str | None) -> Any:
     options: dict[str, Any] = {}
     if node_id is not None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    handle = Combiner.options(  # type: ignore[attr-defined]
+    return Combiner.options(  # type: ignore[attr-defined]
         name=combiner_name(cfg.name, label), namespace=cfg.namespace, get_if_exists=True,
         **options,
     ).remote(cfg.model_dump(), label)
-    ray.get(handle.health.remote())
-    _started[combiner_name(cfg.name, label)] = handle
-    return handle
+
+
+def _alive(node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())

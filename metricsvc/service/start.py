@@ -104,11 +104,9 @@ def start_metric_worker(
     ).remote(cfg.model_dump())
     ray.get(handle.health.remote())  # surfaces a failing __init__ here, not later
     if cfg.topology == "per_node":
-        from metricsvc.service.combiner import start_combiner
+        from metricsvc.service.combiner import start_node_combiners
 
-        for node in ray.nodes():
-            if node.get("Alive"):
-                start_combiner(cfg, node["NodeID"], node_id=node["NodeID"])
+        start_node_combiners(cfg, [n["NodeID"] for n in ray.nodes() if n.get("Alive")])
     # Registered after ray.init's own exit hook, so it runs first, while Ray still answers:
     # a driver that ends without close() must not lose what the sinks buffer.
     atexit.register(_close_at_exit, handle)
