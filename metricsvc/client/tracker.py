@@ -169,6 +169,13 @@ class Tracker:
         right by construction (a built-in family: a declared kind, values, a mask or None)."""
         self.buffer.record(self._keys(values), mask, kind)
 
+    def _stat_each_as(self, kinds: tuple[ReduceType, ...],
+                      values: dict[str, tuple[Any, Any]]) -> None:
+        """``stat_each`` for a caller whose arguments are right by construction (a built-in
+        family: ``(value, mask)`` pairs, each key's declared kind in ``kinds``, in order)."""
+        full = self._keys(values)
+        self.buffer.record_each(full, dict(zip(full, kinds)))
+
     def stat_each(self, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX, *,
                   kinds: dict[str, ReduceType | str] | None = None,
                   **values: tuple[Any, Any]) -> None:

@@ -135,7 +135,9 @@ def from_pivot(n: Any, c: Any, d1: Any, q: Any, xp: Any = np, total: Any = None,
         if total is not None:
             hi, lo = xp.where(exact, hi, total), xp.where(exact, lo, 0.0)
     r = abs(d1) / xp.sqrt(n + (n == 0))
-    near = (q > 1e-150) * (q < 1e150)  # (q - r)(q + r) stays in range: one rounding less
+    # (q - r)(q + r) stays in range: one rounding less. q == 0 (every value the pivot: a
+    # constant row, a flag never set) has d1 == r == 0, and the product is exactly 0 too.
+    near = ((q > 1e-150) | (q == 0)) & (q < 1e150)
     if xp is np and np.all(near):  # the usual case: only the first form is needed
         return hi, lo, np.sqrt(_half_plus((q - r) * (q + r)))
     root = xp.where(near, xp.sqrt(_half_plus((q - r) * (q + r))),

@@ -14,7 +14,7 @@ from metricsvc.client.tensors import is_tensor
 class ResponseInfo:
     """Masks and lengths of the prompt and response parts of a batch."""
 
-    prompt_mask: Any  # [B, P] bool
+    prompt_mask: Any  # [B, P], as the attention mask holds it
     response_mask: Any  # [B, R] bool
     prompt_length: Any  # [B] float64
     response_length: Any  # [B] float64
@@ -72,7 +72,11 @@ def _response_info(attention: Any, response_mask: Any, max_response: int) -> Res
     torch = __import__("torch")
     if response_mask is None:
         response_mask = attention[:, -max_response:]
-    prompt_mask = attention[:, :-max_response].bool()
+    prompt_mask = attention[:, :-max_response]
+    # The prompt length is the mask's sum, as siiRL's and verl's ``_compute_response_info``
+    # (a bool copy first would cost a pass over the mask more); the response length counts
+    # the valid tokens the token-level metrics count (their bool mask: the same number for
+    # a 0/1 mask).
     response_mask = response_mask.bool()
     return ResponseInfo(
         prompt_mask=prompt_mask,

@@ -50,19 +50,21 @@ class Catalogue:
         """Record ``values`` on ``m`` (a client or tracker), each with its declared kind:
         one ``stat`` call per kind, under ``mask``. A call's keys recur every step: which
         kind each has is worked out, and what each means described, once per client."""
-        for kind, group in self._by_kind(m, values):
-            m._stat_as(kind, mask, group)
+        plan = self._plan(m, values)[0]
+        if len(plan) == 1:
+            m._stat_as(plan[0][0], mask, values)
+            return
+        for kind, keys in plan:
+            m._stat_as(kind, mask, {key: values[key] for key in keys})
 
     def stat_each(self, m: Any, **values: tuple[Any, Any]) -> None:
         """Record ``{key: (value, mask)}`` on ``m``, each key under its own mask and with its
         declared kind (``Tracker.stat_each``: per-sequence values in one pass)."""
-        groups = self._by_kind(m, values)
-        kinds = {key: kind for kind, group in groups for key in group}
-        m.stat_each(kinds=kinds, **values)
+        m._stat_each_as(self._plan(m, values)[1], values)
 
-    def _by_kind(self, m: Any, values: dict[str, Any]) -> list[tuple[ReduceType, dict]]:
-        """``values`` grouped by declared kind; worked out (and what each key means
-        described) once per client and call."""
+    def _plan(self, m: Any, values: dict[str, Any]) -> tuple[list, tuple[ReduceType, ...]]:
+        """``values``' keys grouped by declared kind, and each key's kind in order; worked
+        out (and what each key means described) once per client and call."""
         plans = self._plans.get(m.buffer)
         if plans is None:
             plans = self._plans[m.buffer] = {}
@@ -74,7 +76,6 @@ class Catalogue:
             m.buffer.describe(*entries, under=m.full_key)  # sent once, shown by sinks
             for key, entry in zip(values, entries):
                 groups.setdefault(entry.kind, []).append(key)
-            plan = plans[known] = [(kind, tuple(keys)) for kind, keys in groups.items()]
-        if len(plan) == 1:
-            return [(plan[0][0], values)]
-        return [(kind, {key: values[key] for key in keys}) for kind, keys in plan]
+            plan = plans[known] = ([(kind, tuple(keys)) for kind, keys in groups.items()],
+                                   tuple(entry.kind for entry in entries))
+        return plan

@@ -81,9 +81,13 @@ def record_timing_metrics(
     step time; ``reduce`` overrides it) and ``timing_per_token_ms/<stage>`` = 1000 * sum
     of times / sum of tokens over ranks."""
     info = response_info(batch)
-    response = info.response_length.sum()
-    tokens = {"response": plain_if_host(response),
-              "overall": plain_if_host(response + info.prompt_length.sum())}
+    lengths = info.response_length, info.prompt_length
+    if all(t.device.type == "cpu" for t in lengths):  # a few dozen numbers: numpy's sums
+        response, prompt = (float(t.numpy().sum()) for t in lengths)
+        tokens = {"response": response, "overall": response + prompt}
+    else:
+        response = info.response_length.sum()
+        tokens = {"response": response, "overall": response + info.prompt_length.sum()}
     # Plain numbers stay plain (one vectorised call for every stage); the two token counts
     # are plain on the host and stay on their device elsewhere (no sync), shared by the
     # stages that divide by them.
