@@ -17,8 +17,11 @@ learning rates, counters), then closes the step. Patterns, all in the same run:
 
 ``siirl``: siiRL's own batch per rank (``responses`` [64 x 1024], ``attention_mask``
 [64 x 1536] with unequal valid tokens per rank, scores, rewards, advantages, returns,
-values, 13 timing stages, 200 plain scalars) and siiRL's metric functions rebuilt in
-``benchmarks/baselines/siirl_metrics.py`` (one reduction and ``.item()`` per number):
+values, 13 timing stages, 200 plain scalars; two such batches, taken in turn, so each step
+reads a batch it did not read the step before, as in training) and siiRL's metric
+functions rebuilt in ``benchmarks/baselines/siirl_metrics.py`` (what siiRL's
+``compute_data_metric`` and its timing and throughput functions compute: one reduction and
+``.item()`` per number):
 
   siirl_4call   its real client: compute_local_data_metric, ..._timing_..., ..._throughout_...,
                 submit_metric as four calls, then wait_submit
@@ -94,7 +97,7 @@ class RankBody:
         rmask = torch.arange(response)[None, :] < rlen[:, None]
         scores = torch.zeros(b, response)
         scores[torch.arange(b), rlen - 1] = torch.rand(b, generator=g)
-        self.batch = {
+        batch = {
             "responses": torch.randint(0, 32000, (b, response), generator=g),
             "attention_mask": torch.cat([pmask, rmask], dim=1).long(),
             "token_level_scores": scores, "token_level_rewards": scores.clone(),
@@ -102,6 +105,9 @@ class RankBody:
             "returns": torch.randn(b, response, generator=g),
             "values": torch.randn(b, response, generator=g),
         }
+        # A step's batch is new to it (training hands each step a new one: nothing the
+        # step before read of it is cached): two batches, taken in turn.
+        self.batches = (batch, {k: v.clone() for k, v in batch.items()})
         self.response_mask = rmask
         self.timing = {s: 0.5 + 0.01 * i for i, s in enumerate(STAGES)}
         self.plain = [f"custom/group{i % 7}/value_{i}" for i in range(200)]
@@ -149,7 +155,7 @@ class RankBody:
 
     def _siirl_step(self) -> dict[str, float]:
         plain = self._plain()
-        batch, timing, c = self.batch, self.timing, self.client
+        batch, timing, c = self.batches[self.step_no % 2], self.timing, self.client
         t0 = time.perf_counter()
         p = self.pattern
         if p in ("siirl_4call", "siirl_1call"):
@@ -220,32 +226,60 @@ def run(pattern: str, ranks, steps: int, warmup: int, index: int, workload: str)
             "total_ms": total}
 
 
-def compat_compute(rounds: int = 9, calls: int = 20) -> dict:
+def compat_compute(rounds: int = 15, steps: int = 20) -> dict:
     """Ours over siiRL's compute on siiRL's batch, in this process (no Ray, no send):
     ``compute_local_data_metric`` + ``..._timing_..`` + ``..._throughput_..`` +
-    ``submit_metric`` of 200 scalars against siiRL's three functions and its dict, in
-    interleaved rounds (the order alternates), each the mean of ``calls`` steps."""
+    ``submit_metric`` of 200 scalars against siiRL's three functions and its one dict.
+    Each step runs both on the step's batch (the two batches taken in turn), in turns
+    (which goes first alternates), timed in this thread's CPU time (what the rank spends;
+    a core taken by another process does not count); a round is ``steps`` such steps, its
+    ratio ours' CPU time over siiRL's."""
     torch.set_num_threads(1)
     rank = RankBody(0, 1, 1, 1, "siirl")
     rank.setup("ours_compat", None, "bench-compat")
-    batch, timing, client = rank.batch, rank.timing, rank.client
+    timing, client = rank.timing, rank.client
     plain = rank._plain()
 
-    def ours() -> None:
+    def ours(batch) -> None:
         client.compute_local_data_metric(batch)
         client.compute_local_timing_metrics(batch, timing)
         client.compute_local_throughput_metrics(batch, timing, 1)
         client.submit_metric(plain)
         client.buffer.discard()
 
-    def theirs() -> None:
+    def theirs(batch) -> None:
         dicts = [siirl_metrics.compute_data_metric(batch),
                  siirl_metrics.compute_timing_metrics(batch, timing),
                  siirl_metrics.compute_throughput_metrics(batch, timing, 1), plain]
         {k: v for d in dicts for k, v in d.items()}
 
-    c = interleaved(ours, theirs, rounds, calls)
+    c = paired(ours, theirs, rank.batches, rounds, steps)
     return {"ours_ms": c.pop("a_ms"), "siirl_ms": c.pop("b_ms"), **c}
+
+
+def paired(a, b, batches, rounds: int, steps: int) -> dict:
+    """``a``'s CPU time over ``b``'s, both run each step on that step's batch (in turns:
+    which goes first alternates), after four warm-up steps: the medians per step in ms,
+    and the median and range of the rounds' ratios."""
+    clock = time.thread_time
+    for i in range(4):
+        a(batches[i % 2])
+        b(batches[i % 2])
+    ratios, ms = [], {a: [], b: []}
+    for r in range(rounds):
+        took = {a: 0.0, b: 0.0}
+        for i in range(steps):
+            batch = batches[i % 2]
+            for f in ((a, b) if (r * steps + i) % 2 else (b, a)):
+                start = clock()
+                f(batch)
+                spent = clock() - start
+                took[f] += spent
+                ms[f].append(spent * 1e3)
+        ratios.append(took[a] / took[b])
+    return {"a_ms": statistics.median(ms[a]), "b_ms": statistics.median(ms[b]),
+            "ratio": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
+            "rounds": rounds}
 
 
 def interleaved(a, b, rounds: int, calls: int) -> dict:
@@ -363,7 +397,8 @@ def main() -> list[dict]:
                   f"{one['total_ms'] / flush['total_ms']:.2f}×")
             c = compat_compute()
             rows.append({"workload": "siirl", "pattern": "compat_compute", **c})
-            print(f"\ncompat compute in one process ({c['rounds']} interleaved rounds): ours "
+            print(f"\ncompat compute in one process, CPU time per step ({c['rounds']} rounds of "
+                  f"paired steps): ours "
                   f"{c['ours_ms']:.2f} ms, siiRL {c['siirl_ms']:.2f} ms")
             print("| compute | ours / siiRL (median) | range |")
             print("|---|---:|---:|")
