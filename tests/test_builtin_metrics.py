@@ -300,15 +300,18 @@ def test_siirl_methods_read_each_token_tensor_once_without_float64_copies():
         META = {"__get__", "numel", "detach", "data_ptr", "stride", "is_floating_point",
                 "reshape", "numpy", "item", "dim", "size", "__len__"}
 
-        def __init__(self):
+        def __init__(self, attention):
             super().__init__()
-            self.calls, self.widened = [], 0
+            self.calls, self.widened, self.attention = [], 0, attention
+            self.whole_mask_reads = 0  # passes over the whole attention mask
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = getattr(func, "__name__", str(func))
             if name not in self.META:
                 self.calls.append(name)
+                self.whole_mask_reads += (name != "__getitem__" and bool(args)
+                                          and args[0] is self.attention)
             if (isinstance(out, torch.Tensor) and out.dtype == torch.float64
                     and out.numel() >= 64 * 1024 // 2):
                 # A new float64 tensor as large as half a token tensor (views and in-place
@@ -335,7 +338,7 @@ def test_siirl_methods_read_each_token_tensor_once_without_float64_copies():
     c.compute_local_data_metric(batch)  # the first step makes the scratch buffers it keeps
     c.buffer.discard()
     batch = {k: v.clone() for k, v in batch.items()}  # the next step's batch
-    with Ops() as ops:
+    with Ops(batch["attention_mask"]) as ops:
         c.compute_local_data_metric(batch)
         c.compute_local_timing_metrics(batch, timing)
         c.compute_local_throughout_metrics(batch, timing, 1)
@@ -344,7 +347,34 @@ def test_siirl_methods_read_each_token_tensor_once_without_float64_copies():
     assert len(ops.calls) <= 75, sorted(ops.calls)
     assert ops.calls.count("index_select") == 3  # advantages, returns, values: once each
     assert ops.widened == 0 and "nonzero" not in ops.calls
+    # The prompt and response parts are each read for their lengths; the throughput's
+    # token count is their sum, not another pass over the whole mask.
+    assert ops.whole_mask_reads == 0
     assert len(c.pending_keys()) >= 20
+
+
+@pytest.mark.parametrize("own_response_mask", [False, True])
+@pytest.mark.parametrize("data_first", [False, True])
+def test_the_throughput_counts_the_attention_masks_tokens_whatever_was_recorded_first(
+        own_response_mask, data_first):
+    """With the data metrics recorded first in the step the token count comes from their
+    prompt and response lengths (the mask's two parts); with a response mask of its own
+    (multi-turn: tool output is no response token) or alone, from the mask itself."""
+    batch = make_batch(3, 6)
+    if not own_response_mask:
+        del batch["response_mask"]
+    tokens = float(batch["attention_mask"].sum())
+    assert own_response_mask is (batch.get("response_mask") is not None)
+    if own_response_mask:  # a response token the response mask leaves out
+        batch["response_mask"][0, 0] = 0
+    timing = {"gen": 1.0, "step": 2.0}
+    c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+    if data_first:
+        c.compute_local_data_metric(batch)
+    c.compute_local_throughput_metrics(batch, timing, 1)
+    sent = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    row = sent.data[sent.keys.index("perf/total_num_tokens")]
+    assert row[SUM] == tokens and row[COUNT] == 1
 
 
 def test_every_built_in_family_records_exactly_what_it_declares():

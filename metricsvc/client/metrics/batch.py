@@ -20,6 +20,9 @@ class ResponseInfo:
     response_length: Any  # [B] float64
     max_prompt_length: int
     max_response_length: int
+    # The response part is the attention mask's own (no response_mask of its own): the
+    # two lengths then sum to the attention mask's tokens.
+    of_attention: bool = True
 
 
 def get(batch: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -54,37 +57,57 @@ def response_info(batch: Mapping[str, Any]) -> ResponseInfo:
                 f"batch[{key!r}] is a {type(value).__module__}.{type(value).__name__}: the "
                 f"built-in recorders read a verl/siiRL batch of torch tensors (pip install "
                 f"'metricsvc[torch]'); record other arrays with stat(), as any metric")
-    versions = (attention._version, None if given is None else given._version, max_response)
-    held = _last_info[0] if _last_info else None
-    if (held is not None and held[0]() is attention and held[1]() is given
-            and held[2] == versions):
-        return held[3]
+    held = held_response_info(batch, attention, given, max_response)
+    if held is not None:
+        return held
     info = _response_info(attention, given, max_response)
+    versions = (attention._version, None if given is None else given._version, max_response)
     _last_info[:] = [(weakref.ref(attention), _ref(given), versions, info)]
     return info
+
+
+def held_response_info(batch: Mapping[str, Any], attention: Any = None, given: Any = None,
+                       max_response: int | None = None) -> ResponseInfo | None:
+    """The response info of ``batch`` if this step worked it out already (its masks the
+    same tensors, unchanged since), else None."""
+    held = _last_info[0] if _last_info else None
+    if held is None:
+        return None
+    if max_response is None:
+        attention, given = get(batch, "attention_mask"), get(batch, "response_mask")
+        responses = get(batch, "responses")
+        if (attention is None or responses is None or not is_tensor(attention)
+                or (given is not None and not is_tensor(given))):
+            return None
+        max_response = int(responses.shape[-1])
+    versions = (attention._version, None if given is None else given._version, max_response)
+    if held[0]() is attention and held[1]() is given and held[2] == versions:
+        return held[3]
+    return None
 
 
 def _ref(t: Any) -> Any:
     return (lambda: None) if t is None else weakref.ref(t)
 
 
-def _response_info(attention: Any, response_mask: Any, max_response: int) -> ResponseInfo:
+def _response_info(attention: Any, given: Any, max_response: int) -> ResponseInfo:
     torch = __import__("torch")
+    response_mask = given
     if response_mask is None:
         response_mask = attention[:, -max_response:]
     prompt_mask = attention[:, :-max_response]
-    # The prompt length is the mask's sum, as siiRL's and verl's ``_compute_response_info``
-    # (a bool copy first would cost a pass over the mask more); the response length counts
-    # the valid tokens the token-level metrics count (their bool mask: the same number for
-    # a 0/1 mask).
-    response_mask = response_mask.bool()
+    # The lengths are the masks' sums, as siiRL's and verl's ``_compute_response_info``
+    # take them; then the token-level metrics' valid tokens as bool, read while the
+    # response mask is in cache from its sum.
+    response_length = response_mask.sum(-1).to(torch.float64)
     return ResponseInfo(
         prompt_mask=prompt_mask,
-        response_mask=response_mask,
+        response_mask=response_mask.bool(),
         prompt_length=prompt_mask.sum(-1).to(torch.float64),
-        response_length=response_mask.sum(-1).to(torch.float64),
+        response_length=response_length,
         max_prompt_length=int(prompt_mask.shape[-1]),
         max_response_length=max_response,
+        of_attention=given is None,
     )
 
 

@@ -6,7 +6,12 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from metricsvc.client.metrics.batch import get, plain_if_host, response_info
+from metricsvc.client.metrics.batch import (
+    get,
+    held_response_info,
+    plain_if_host,
+    response_info,
+)
 from metricsvc.client.metrics.catalogue import Catalogue
 from metricsvc.protocol import Derived, Metric, ReduceType, is_int
 
@@ -80,14 +85,7 @@ def record_timing_metrics(
     """Record ``timing_s/<stage>`` (as declared, MAX across ranks: the slowest rank sets the
     step time; ``reduce`` overrides it) and ``timing_per_token_ms/<stage>`` = 1000 * sum
     of times / sum of tokens over ranks."""
-    info = response_info(batch)
-    lengths = info.response_length, info.prompt_length
-    if all(t.device.type == "cpu" for t in lengths):  # a few dozen numbers: numpy's sums
-        response, prompt = (float(t.numpy().sum()) for t in lengths)
-        tokens = {"response": response, "overall": response + prompt}
-    else:
-        response = info.response_length.sum()
-        tokens = {"response": response, "overall": response + info.prompt_length.sum()}
+    tokens = _tokens(response_info(batch))
     # Plain numbers stay plain (one vectorised call for every stage); the two token counts
     # are plain on the host and stay on their device elsewhere (no sync), shared by the
     # stages that divide by them.
@@ -128,6 +126,17 @@ def record_throughput_metrics(
                        "perf/time_per_step": seconds})
 
 
+def _tokens(info: Any) -> dict[str, Any]:
+    """The response's and the whole batch's tokens: plain on the host (numpy's sums of a
+    few dozen lengths), on their device elsewhere (no sync)."""
+    lengths = info.response_length, info.prompt_length
+    if all(t.device.type == "cpu" for t in lengths):
+        response, prompt = (float(t.numpy().sum()) for t in lengths)
+        return {"response": response, "overall": response + prompt}
+    response = info.response_length.sum()
+    return {"response": response, "overall": response + info.prompt_length.sum()}
+
+
 def _token_count(batch: Mapping[str, Any]) -> Any:
     """This rank's tokens: ``global_token_num`` where the batch has it, else the mask's."""
     counts = get(batch, "global_token_num")
@@ -135,6 +144,9 @@ def _token_count(batch: Mapping[str, Any]) -> Any:
         if get(batch, "attention_mask") is None:
             raise KeyError("batch has neither 'global_token_num' nor 'attention_mask'; "
                            "throughput metrics need one")
+        info = held_response_info(batch)
+        if info is not None and info.of_attention:  # the mask's two parts, summed already
+            return _tokens(info)["overall"]
         return plain_if_host(batch["attention_mask"].sum())
     counts = getattr(counts, "data", counts)  # a tensordict NonTensorData holds a list
     if hasattr(counts, "sum") and not isinstance(counts, (list, tuple)):
