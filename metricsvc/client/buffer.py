@@ -153,13 +153,12 @@ class RecordBuffer:
     # -- recording -----------------------------------------------------------------------
     def record_plain(self, metrics: Mapping[str, Any], expected: int) -> None:
         """Record a plain dict whose reductions the service takes from the key names."""
-        if self._good_keys.issuperset(metrics):
-            keys = list(metrics)  # every name checked in an earlier step
-        else:
-            keys = [self.checked(k) for k in metrics]
+        keys = tuple(metrics)
+        if not self._good_keys.issuperset(keys):  # else every name was checked before
+            keys = tuple(self.checked(k) for k in keys)
         block = _plain_block(list(metrics.values()))  # the common case: a dict of floats
         if block is not None:
-            return self._record_block(tuple(keys), block, AUTO, expected)
+            return self._record_block(keys, block, AUTO, expected)
         rows = [summarize(v, key=k, compile=self.compile) for k, v in metrics.items()]
         self._record_all(dict(zip(keys, rows)), AUTO, expected)
 
@@ -261,7 +260,7 @@ class RecordBuffer:
             entries = self._entries
             if sketches is None and sources is None and entries.keys().isdisjoint(rows):
                 # Keys new in this step (the common case): nothing to merge with.
-                self.names.claim(rows, code, self._entries)
+                self.names.claim(rows, code, self._entries, fresh=True)
                 entries.update(zip(rows, [_Entry(code, expected, row) for row in rows.values()]))
             else:
                 self._merge_rows(rows, code, expected, sketches, sources or {})
@@ -273,7 +272,7 @@ class RecordBuffer:
         with self.lock:
             entries = self._entries
             if entries.keys().isdisjoint(keys):  # new in this step: kept as one block
-                self.names.claim(keys, code, entries)
+                self.names.claim(keys, code, entries, fresh=True)
                 block = _Block(code, expected, keys, rows)
                 entries.update(dict.fromkeys(keys, block))
                 self._blocks.append(block)

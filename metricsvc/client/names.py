@@ -27,16 +27,17 @@ class ExportedNames:
         # What a call's keys claimed (by keys, code and declarations held), reused
         self._claims: dict[tuple, dict[str, str]] = {}
 
-    def claim(self, rows: Mapping[str, Any], code: int, recorded: Mapping[str, Any]) -> None:
+    def claim(self, rows: Mapping[str, Any], code: int, recorded: Mapping[str, Any],
+              fresh: bool = False) -> None:
         """Own the names new keys export; refuse one that another key of the step exports
-        (``recorded``: the keys recorded in the step so far). A call with the keys of an
-        earlier one (every step's same dict) reuses what that one claimed, once no name of
-        it is taken in this step."""
+        (``recorded``: the keys recorded in the step so far; ``fresh``: the caller found
+        none of ``rows`` among them). A call with the keys of an earlier one (every step's
+        same dict) reuses what that one claimed, once no name of it is taken in this step."""
         names = self.owner
         known = (tuple(rows), code, len(self.buffer.declarations.held))
         claimed = self._claims.get(known)
         if claimed is not None and names.keys().isdisjoint(claimed) \
-                and recorded.keys().isdisjoint(rows):
+                and (fresh or recorded.keys().isdisjoint(rows)):
             names.update(claimed)
             return
         new = [key for key in rows if key not in recorded]

@@ -25,7 +25,13 @@ def summarize_each(values: Mapping[str, tuple[Any, Any]], *, compile: bool | Non
     vectors: dict[int, dict[str, tuple[np.ndarray, Any]]] = {}  # length -> {key: (x, mask)}
     rest = {}
     for key, (v, m) in values.items():
-        pair = _host_vector(v, m, compile)
+        # numpy vectors of numbers under a numpy bool mask or none (the built-in families'
+        # per-sequence values): taken as they are; anything else is checked
+        pair = (v, m) if (type(v) is np.ndarray and v.ndim == 1 and v.dtype.kind in "biuf"
+                          and 0 < v.size <= _LONGEST
+                          and (m is None or (type(m) is np.ndarray and m.dtype == np.bool_
+                                             and m.shape == v.shape))) \
+            else _host_vector(v, m, compile)
         if pair is None:
             rest[key] = prepare(v, m, key=key)
         else:
