@@ -377,6 +377,34 @@ def test_the_throughput_counts_the_attention_masks_tokens_whatever_was_recorded_
     assert row[SUM] == tokens and row[COUNT] == 1
 
 
+def test_a_family_call_of_several_kinds_is_one_record_whose_keys_keep_their_kinds():
+    """The throughput's three numbers (two SUM, one MAX) are one record of the buffer (one
+    block); recorded again they merge as each key's kind says, a key taken out of the block
+    keeps its kind, and recording it with another kind is refused naming both."""
+    from metricsvc.protocol import MAX as MAX_FIELD
+    from metricsvc.protocol import ReduceType
+
+    batch = make_batch(3, 6)
+    tokens = float(batch["attention_mask"].sum())
+    c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+    c.compute_local_throughput_metrics(batch, {"step": 2.0}, 1)
+    assert len(c.buffer._blocks) == 1
+    c.compute_local_throughput_metrics(batch, {"step": 3.0}, 1)  # a micro-batch: merged
+    assert len(c.buffer._blocks) == 1
+    c.stat(reduce="max", **{"perf/time_per_step": 2.5})  # out of the block, still MAX
+    with pytest.raises(ValueError, match=r"'perf/time_per_step' was recorded as MAX.*as SUM"):
+        c.stat(reduce="sum", **{"perf/time_per_step": 1.0})
+    sent = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    got = {k: (int(code), row) for k, code, row in zip(sent.keys, sent.kinds, sent.data)}
+    assert got["perf/total_num_tokens"][0] == ReduceType.SUM
+    assert got["perf/total_num_tokens"][1][SUM] == 2 * tokens
+    assert got["__perf/throughput/gpus"][0] == ReduceType.SUM
+    assert got["__perf/throughput/gpus"][1][SUM] == 2.0
+    assert got["perf/time_per_step"][0] == ReduceType.MAX
+    assert got["perf/time_per_step"][1][MAX_FIELD] == 3.0
+    assert got["perf/time_per_step"][1][COUNT] == 3
+
+
 def test_every_built_in_family_records_exactly_what_it_declares():
     """The family declarations (name, kind, help) are the source of truth: every key a
     recorder records matches one declared Metric of its family, with that kind, and every
@@ -418,12 +446,14 @@ def test_every_built_in_family_records_exactly_what_it_declares():
         c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
         record(c)
         used = set()
-        for key, entry in c.buffer._entries.items():
+        names = c.buffer.declared
+        sent = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+        for key, code in zip(sent.keys, sent.kinds):  # each key's kind as the wire has it
             found = [d for d in declared if isinstance(d, Metric) and d.matches(key)]
             assert len(found) == 1, (family, key, found)
-            assert int(found[0].kind) == entry.code, (family, key)
+            assert int(found[0].kind) == code, (family, key)
             used.add(found[0].name)
-        for name in c.buffer.declared:
+        for name in names:
             found = [d for d in declared if isinstance(d, Derived) and d.matches(name)]
             assert len(found) == 1, (family, name)
             used.add(found[0].name)

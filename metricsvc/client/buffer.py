@@ -60,7 +60,7 @@ class _Entry:
 class _Block:
     """The plain numbers of one call (a dict of floats): a record per key, as one matrix."""
 
-    code: int
+    code: int | tuple[int, ...]  # the keys' kind; a tuple, each key's (a call of several)
     expected: int
     keys: tuple[str, ...]
     rows: np.ndarray  # [len(keys), NFIELDS]
@@ -73,9 +73,14 @@ class _Block:
         if self.alive is None:
             self.alive = np.ones(len(self.keys), dtype=bool)
         self.alive[i] = False
-        return _Entry(self.code, self.expected, self.rows[i].copy(), calls=self.calls)
+        return _Entry(self.code_of(i), self.expected, self.rows[i].copy(), calls=self.calls)
 
-    def merged(self, keys: tuple[str, ...], rows: np.ndarray, code: int, expected: int) -> bool:
+    def code_of(self, i: int) -> int:
+        """The kind of key ``i``."""
+        return self.code[i] if self.code.__class__ is tuple else self.code  # type: ignore[index]
+
+    def merged(self, keys: tuple[str, ...], rows: np.ndarray, code: int | tuple[int, ...],
+               expected: int) -> bool:
         """Merge ``rows`` in, one merge, if they are this block's keys again (a micro-batch's
         same dict) with its kind; return whether they were."""
         if keys != self.keys or self.alive is not None or code != self.code:
@@ -121,7 +126,8 @@ def _add_blocks(blocks: list[_Block], keys: list, data: list, kinds: list,
         names = b.keys if b.alive is None else [n for n, a in zip(b.keys, b.alive) if a]
         keys.extend(names)
         data.append(b.rows if b.alive is None else b.rows[b.alive])
-        kinds.extend([b.code] * len(names))
+        codes = b.code if b.code.__class__ is tuple else [b.code] * len(b.keys)
+        kinds.extend(codes if b.alive is None else [c for c, a in zip(codes, b.alive) if a])
         expected.extend([b.expected] * len(names))
 
 
@@ -224,6 +230,19 @@ class RecordBuffer:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
         self._record_all(rows, int(kind), 0, sketches, sources)
 
+    def record_kinds(self, values: Mapping[str, Any], kinds: tuple[ReduceType, ...]) -> None:
+        """``record`` of ``{full key: value}``, each key with its kind in ``kinds`` (a built-in
+        family's call of several kinds): plain numbers in one block, else a record per kind."""
+        block = None if any(KINDS[k].sketch for k in kinds) \
+            else _plain_block(list(values.values()))
+        if block is not None:
+            return self._record_block(tuple(values), block, tuple(map(int, kinds)), 0)
+        groups: dict[ReduceType, dict[str, Any]] = {}
+        for (key, value), kind in zip(values.items(), kinds):
+            groups.setdefault(kind, {})[key] = value
+        for kind, group in groups.items():
+            self.record(group, None, kind)
+
     def record_each(self, values: Mapping[str, tuple[Any, Any]],
                     kinds: Mapping[str, ReduceType]) -> None:
         """Summarise ``{full key: (value, mask)}``, each key under its own mask and with its
@@ -267,8 +286,8 @@ class RecordBuffer:
         if self.on_record is not None:
             self.on_record()
 
-    def _record_block(self, keys: tuple[str, ...], rows: np.ndarray, code: int,
-                      expected: int) -> None:
+    def _record_block(self, keys: tuple[str, ...], rows: np.ndarray,
+                      code: int | tuple[int, ...], expected: int) -> None:
         with self.lock:
             entries = self._entries
             if entries.keys().isdisjoint(keys):  # new in this step: kept as one block
@@ -278,7 +297,15 @@ class RecordBuffer:
                 self._blocks.append(block)
             else:  # recorded before in this step: the same dict again is one merge
                 held = entries[keys[0]]
-                if not (held.__class__ is _Block and held.merged(keys, rows, code, expected)):
+                if held.__class__ is _Block and held.merged(keys, rows, code, expected):
+                    pass
+                elif code.__class__ is tuple:  # a kind at a time, as calls of one kind each
+                    groups: dict[int, dict[str, Row]] = {}
+                    for key, c, row in zip(keys, code, rows):  # type: ignore[call-overload]
+                        groups.setdefault(c, {})[key] = row
+                    for c, group in groups.items():
+                        self._merge_rows(group, c, expected, None, {})
+                else:
                     self._merge_rows(dict(zip(keys, rows)), code, expected, None, {})
         if self.on_record is not None:
             self.on_record()
@@ -289,9 +316,13 @@ class RecordBuffer:
         # Check every key before touching the buffer: a bad call records nothing.
         for key in rows:
             entry = entries.get(key)
-            if entry is not None and entry.code != code:
+            if entry is None:
+                continue
+            held = entry.code if entry.__class__ is _Entry else \
+                entry.code_of(entry.keys.index(key))  # type: ignore[union-attr]
+            if held != code:
                 raise ValueError(
-                    f"key {key!r} was recorded as {kind_name(entry.code)} in "
+                    f"key {key!r} was recorded as {kind_name(held)} in "
                     f"{self.label}; recording it as {kind_name(code)} would mix reductions"
                 )
         self.names.claim(rows, code, self._entries)

@@ -27,8 +27,8 @@ class ExportedNames:
         # What a call's keys claimed (by keys, code and declarations held), reused
         self._claims: dict[tuple, dict[str, str]] = {}
 
-    def claim(self, rows: Mapping[str, Any], code: int, recorded: Mapping[str, Any],
-              fresh: bool = False) -> None:
+    def claim(self, rows: Mapping[str, Any], code: int | tuple[int, ...],
+              recorded: Mapping[str, Any], fresh: bool = False) -> None:
         """Own the names new keys export; refuse one that another key of the step exports
         (``recorded``: the keys recorded in the step so far; ``fresh``: the caller found
         none of ``rows`` among them). A call with the keys of an earlier one (every step's
@@ -43,18 +43,20 @@ class ExportedNames:
         new = [key for key in rows if key not in recorded]
         claimed = {}
         declared = self.buffer.declarations.names
+        each = dict(zip(rows, code)) if code.__class__ is tuple else None  # a kind per key
         for key in new:
-            for name in _exported(key, code):
+            kind = code if each is None else each[key]
+            for name in _exported(key, kind):  # type: ignore[arg-type]
                 if name in declared:
                     raise ValueError(
-                        f"key {key!r} ({kind_name(code)}) would export {name!r}, which the "
+                        f"key {key!r} ({kind_name(kind)}) would export {name!r}, which the "
                         f"derived metric {declared[name]!r} declared in this client exports: "
                         f"one exported name, one source (rename one of them)"
                     )
                 owner = names.get(name, claimed.get(name, key))
                 if owner != key:
                     raise ValueError(
-                        f"key {key!r} ({kind_name(code)}) would export {name!r}, which key "
+                        f"key {key!r} ({kind_name(kind)}) would export {name!r}, which key "
                         f"{owner!r} already exports in {self.buffer.label}: one exported name, one "
                         f"source (rename one of them)"
                     )

@@ -169,6 +169,12 @@ class Tracker:
         right by construction (a built-in family: a declared kind, values, a mask or None)."""
         self.buffer.record(self._keys(values), mask, kind)
 
+    def _stat_kinds_as(self, kinds: tuple[ReduceType, ...], values: dict[str, Any]) -> None:
+        """``stat`` of ``values`` with each key's kind in ``kinds``, in order, for a caller
+        whose arguments are right by construction (a built-in family's call of several
+        kinds, no mask): plain numbers are one record of the buffer."""
+        self.buffer.record_kinds(self._keys(values), kinds)
+
     def _stat_each_as(self, kinds: tuple[ReduceType, ...],
                       values: dict[str, tuple[Any, Any]]) -> None:
         """``stat_each`` for a caller whose arguments are right by construction (a built-in

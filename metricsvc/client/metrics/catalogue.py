@@ -50,9 +50,12 @@ class Catalogue:
         """Record ``values`` on ``m`` (a client or tracker), each with its declared kind:
         one ``stat`` call per kind, under ``mask``. A call's keys recur every step: which
         kind each has is worked out, and what each means described, once per client."""
-        plan = self._plan(m, values)[0]
+        plan, kinds = self._plan(m, values)
         if len(plan) == 1:
             m._stat_as(plan[0][0], mask, values)
+            return
+        if mask is None:  # plain numbers of several kinds: one record (a block) for all
+            m._stat_kinds_as(kinds, values)
             return
         for kind, keys in plan:
             m._stat_as(kind, mask, {key: values[key] for key in keys})

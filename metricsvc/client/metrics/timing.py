@@ -90,19 +90,18 @@ def record_timing_metrics(
     # are plain on the host and stay on their device elsewhere (no sync), shared by the
     # stages that divide by them.
     times = {f"timing_s/{stage}": float(s) for stage, s in timing_raw.items()}
-    if reduce is None:
-        METRICS.stat(m, **times)
-    else:
+    if reduce is not None:
         m.stat(reduce=reduce, **times)
+        times = {}
     per_token = [(stage, TOKENS_OF_STAGE[stage]) for stage in timing_raw
                  if stage in TOKENS_OF_STAGE]
     if per_token:
         m.declare(PER_TOKEN_MS)
-        ratios = {}
         for stage, which in per_token:
-            ratios[f"__timing_per_token_ms/{stage}/ms"] = 1000.0 * float(timing_raw[stage])
-            ratios[f"__timing_per_token_ms/{stage}/tokens"] = tokens[which]
-        METRICS.stat(m, **ratios)
+            times[f"__timing_per_token_ms/{stage}/ms"] = 1000.0 * float(timing_raw[stage])
+            times[f"__timing_per_token_ms/{stage}/tokens"] = tokens[which]
+    if times:  # the stage times and the per-token inputs: one record of the buffer
+        METRICS.stat(m, **times)
 
 
 def record_throughput_metrics(
