@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from metricsvc.client.blocks import _plain_block, by_code, code_of
 from metricsvc.client.declarations import ClientDeclarations
 from metricsvc.client.device import _on_host
 from metricsvc.client.extremes import merge_row_sources, summarize_located
@@ -39,11 +40,7 @@ from metricsvc.protocol import (
     kind_name,
     merge,
     scalar_row,
-    scalar_rows,
 )
-
-_PLAIN_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64,
-                            np.int32, np.int16, np.int8, np.uint8, np.bool_})
 
 
 @dataclass(slots=True)
@@ -89,17 +86,6 @@ class _Block:
         self.calls += 1
         self.expected = max(self.expected, expected)
         return True
-
-
-def _plain_block(values: list[Any]) -> np.ndarray | None:
-    """The records of plain numbers, in one vectorised pass; None for anything else (or an
-    int past float64, which the per-key path names)."""
-    if not _PLAIN_NUMBERS.issuperset(map(type, values)):
-        return None
-    try:
-        return scalar_rows(np.array(values, dtype=np.float64))
-    except OverflowError:
-        return None
 
 
 def _merge_on_host(pairs: list[tuple[_Entry, np.ndarray, np.ndarray]]) -> None:
@@ -230,19 +216,6 @@ class RecordBuffer:
             sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
         self._record_all(rows, int(kind), 0, sketches, sources)
 
-    def record_kinds(self, values: Mapping[str, Any], kinds: tuple[ReduceType, ...]) -> None:
-        """``record`` of ``{full key: value}``, each key with its kind in ``kinds`` (a built-in
-        family's call of several kinds): plain numbers in one block, else a record per kind."""
-        block = None if any(KINDS[k].sketch for k in kinds) \
-            else _plain_block(list(values.values()))
-        if block is not None:
-            return self._record_block(tuple(values), block, tuple(map(int, kinds)), 0)
-        groups: dict[ReduceType, dict[str, Any]] = {}
-        for (key, value), kind in zip(values.items(), kinds):
-            groups.setdefault(kind, {})[key] = value
-        for kind, group in groups.items():
-            self.record(group, None, kind)
-
     def record_each(self, values: Mapping[str, tuple[Any, Any]],
                     kinds: Mapping[str, ReduceType]) -> None:
         """Summarise ``{full key: (value, mask)}``, each key under its own mask and with its
@@ -297,16 +270,10 @@ class RecordBuffer:
                 self._blocks.append(block)
             else:  # recorded before in this step: the same dict again is one merge
                 held = entries[keys[0]]
-                if held.__class__ is _Block and held.merged(keys, rows, code, expected):
-                    pass
-                elif code.__class__ is tuple:  # a kind at a time, as calls of one kind each
-                    groups: dict[int, dict[str, Row]] = {}
-                    for key, c, row in zip(keys, code, rows):  # type: ignore[call-overload]
-                        groups.setdefault(c, {})[key] = row
-                    for c, group in groups.items():
+                if not (held.__class__ is _Block and held.merged(keys, rows, code, expected)):
+                    for c, group in (by_code(keys, code, rows) if code.__class__ is tuple
+                                     else {code: dict(zip(keys, rows))}).items():  # kind by kind
                         self._merge_rows(group, c, expected, None, {})
-                else:
-                    self._merge_rows(dict(zip(keys, rows)), code, expected, None, {})
         if self.on_record is not None:
             self.on_record()
 
@@ -315,12 +282,8 @@ class RecordBuffer:
         entries = self._entries
         # Check every key before touching the buffer: a bad call records nothing.
         for key in rows:
-            entry = entries.get(key)
-            if entry is None:
-                continue
-            held = entry.code if entry.__class__ is _Entry else \
-                entry.code_of(entry.keys.index(key))  # type: ignore[union-attr]
-            if held != code:
+            held = code_of(entries.get(key), key)
+            if held is not None and held != code:
                 raise ValueError(
                     f"key {key!r} was recorded as {kind_name(held)} in "
                     f"{self.label}; recording it as {kind_name(code)} would mix reductions"
@@ -404,3 +367,4 @@ class RecordBuffer:
         self.names.owner = {}
         for tracker in self._attached:
             tracker.end_step()
+

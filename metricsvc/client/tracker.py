@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from metricsvc.client.blocks import record_kinds
 from metricsvc.client.tensors import is_tensor
 from metricsvc.protocol import KINDS, Derived, ReduceType, check_key
 
@@ -173,7 +174,7 @@ class Tracker:
         """``stat`` of ``values`` with each key's kind in ``kinds``, in order, for a caller
         whose arguments are right by construction (a built-in family's call of several
         kinds, no mask): plain numbers are one record of the buffer."""
-        self.buffer.record_kinds(self._keys(values), kinds)
+        record_kinds(self.buffer, self._keys(values), kinds)
 
     def _stat_each_as(self, kinds: tuple[ReduceType, ...],
                       values: dict[str, tuple[Any, Any]]) -> None:
