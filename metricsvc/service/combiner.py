@@ -244,14 +244,10 @@ def start_combiner(config: ConfigSource, label: str, *, node_id: str | None = No
     """
     cfg = load_config(config)
     handle = _create(cfg, label, node_id)
-    try:
-        ray.get(handle.health.remote())
-    except (ray.exceptions.ActorUnschedulableError, ray.exceptions.RayActorError):
-        if node_id is None or _alive(node_id):
-            raise
+    if not _placed(handle, node_id):
         raise ValueError(
             f"combiner {label!r}: node {node_id} is not alive (removed from the cluster?); "
-            f"start combiners on the nodes ray.nodes() lists alive") from None
+            f"start combiners on the nodes ray.nodes() lists alive")
     _started[combiner_name(cfg.name, label)] = handle
     return handle
 
@@ -263,15 +259,23 @@ def start_node_combiners(cfg: ServiceConfig, node_ids: list[str]) -> dict[str, A
     handles = {node: _create(cfg, node, node) for node in node_ids}
     started = {}
     for node, handle in handles.items():
-        try:
-            ray.get(handle.health.remote())
-        except (ray.exceptions.ActorUnschedulableError, ray.exceptions.RayActorError):
-            if _alive(node):
-                raise
+        if _placed(handle, node):
+            started[node] = _started[combiner_name(cfg.name, node)] = handle
+        else:
             ray.kill(handle)
-            continue
-        started[node] = _started[combiner_name(cfg.name, node)] = handle
     return started
+
+
+def _placed(handle: Any, node_id: str | None) -> bool:
+    """Wait for a created combiner to answer: True once it does, False where its node is
+    gone (it can never be placed); anything else raises."""
+    try:
+        ray.get(handle.health.remote())
+    except (ray.exceptions.ActorUnschedulableError, ray.exceptions.RayActorError):
+        if node_id is None or _alive(node_id):
+            raise
+        return False
+    return True
 
 
 def _create(cfg: ServiceConfig, label: str, node_id: str | None) -> Any:
