@@ -25,13 +25,7 @@ def summarize_each(values: Mapping[str, tuple[Any, Any]], *, compile: bool | Non
     vectors: dict[int, dict[str, tuple[np.ndarray, Any]]] = {}  # length -> {key: (x, mask)}
     rest = {}
     for key, (v, m) in values.items():
-        # numpy vectors of numbers under a numpy bool mask or none (the built-in families'
-        # per-sequence values): taken as they are; anything else is checked
-        pair = (v, m) if (type(v) is np.ndarray and v.ndim == 1 and v.dtype.kind in "biuf"
-                          and 0 < v.size <= _LONGEST
-                          and (m is None or (type(m) is np.ndarray and m.dtype == np.bool_
-                                             and m.shape == v.shape))) \
-            else _host_vector(v, m, compile)
+        pair = _host_vector(v, m, compile)
         if pair is None:
             rest[key] = prepare(v, m, key=key)
         else:
@@ -47,6 +41,13 @@ def summarize_each(values: Mapping[str, tuple[Any, Any]], *, compile: bool | Non
 def _host_vector(v: Any, m: Any, compile: bool | None) -> tuple[np.ndarray, Any] | None:
     """``(v, m)`` as 1-D numpy views if ``v`` is a short host vector of numbers and ``m``
     None or a bool mask of its shape; else None (``prepare`` then checks them)."""
+    # numpy first: the built-in families' per-sequence values are numpy views already
+    if isinstance(v, np.ndarray):
+        if not (v.ndim == 1 and v.dtype.kind in "biuf" and 0 < v.size <= _LONGEST):
+            return None
+        if m is None or (isinstance(m, np.ndarray) and m.dtype == np.bool_
+                         and m.shape == v.shape):
+            return v, m
     torch = _torch()
     if is_tensor(v):
         if (v.ndim != 1 or not _on_host(v, compile) or v.dtype not in _numpy_dtypes(torch)
