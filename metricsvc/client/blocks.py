@@ -1,17 +1,64 @@
-"""A call's plain numbers as one block of records, and the kinds of a block's keys (a call
-of several kinds keeps each key's)."""
+"""The records of a client's open step: an entry per key, or a block for a call's plain
+numbers (one matrix; a call of several kinds keeps each key's kind)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from metricsvc.protocol import KINDS, ReduceType, scalar_rows
+from metricsvc.client.tensors import Row
+from metricsvc.protocol import KINDS, ReduceType, merge, scalar_rows
 
 _PLAIN_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64,
                             np.int32, np.int16, np.int8, np.uint8, np.bool_})
+
+
+@dataclass(slots=True)
+class _Entry:
+    code: int
+    expected: int
+    row: Row
+    sketch: Row | None = None
+    sources: Row | None = None  # where its min and max came from (``stat(ids=)``), or None
+    calls: int = 1  # recordings merged into ``row`` in this step
+
+
+@dataclass(slots=True)
+class _Block:
+    """The plain numbers of one call (a dict of floats): a record per key, as one matrix."""
+
+    code: int | tuple[int, ...]  # the keys' kind; a tuple, each key's (a call of several)
+    expected: int
+    keys: tuple[str, ...]
+    rows: np.ndarray  # [len(keys), NFIELDS]
+    alive: np.ndarray | None = None  # which rows are still the block's (None: all)
+    calls: int = 1  # recordings of these keys merged into ``rows`` in this step
+
+    def take(self, key: str) -> _Entry:
+        """Hand ``key``'s record over to an entry of its own (the key is recorded again)."""
+        i = self.keys.index(key)
+        if self.alive is None:
+            self.alive = np.ones(len(self.keys), dtype=bool)
+        self.alive[i] = False
+        return _Entry(self.code_of(i), self.expected, self.rows[i].copy(), calls=self.calls)
+
+    def code_of(self, i: int) -> int:
+        """The kind of key ``i``."""
+        return self.code[i] if self.code.__class__ is tuple else self.code  # type: ignore[index]
+
+    def merged(self, keys: tuple[str, ...], rows: np.ndarray, code: int | tuple[int, ...],
+               expected: int) -> bool:
+        """Merge ``rows`` in, one merge, if they are this block's keys again (a micro-batch's
+        same dict) with its kind; return whether they were."""
+        if keys != self.keys or self.alive is not None or code != self.code:
+            return False
+        self.rows = merge(self.rows, rows)
+        self.calls += 1
+        self.expected = max(self.expected, expected)
+        return True
 
 
 def _plain_block(values: list[Any]) -> np.ndarray | None:
@@ -24,6 +71,7 @@ def _plain_block(values: list[Any]) -> np.ndarray | None:
     except OverflowError:
         return None
 
+
 def by_code(keys: tuple[str, ...], codes: tuple, values: Any) -> dict[Any, dict[str, Any]]:
     """``{code: {key: value}}`` of keys each with its code."""
     groups: dict[Any, dict[str, Any]] = {}
@@ -34,7 +82,7 @@ def by_code(keys: tuple[str, ...], codes: tuple, values: Any) -> dict[Any, dict[
 
 def code_of(entry: Any, key: str) -> int | None:
     """The kind ``key`` is recorded as (None: not recorded in this step)."""
-    if entry is None or not hasattr(entry, "code_of"):  # none, or an entry of its own
+    if entry is None or entry.__class__ is _Entry:
         return None if entry is None else entry.code
     return entry.code_of(entry.keys.index(key))
 

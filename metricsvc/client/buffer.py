@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from metricsvc.client.blocks import _plain_block, by_code, code_of
+from metricsvc.client.blocks import _Block, _Entry, _plain_block, by_code, code_of
 from metricsvc.client.declarations import ClientDeclarations
 from metricsvc.client.device import _on_host
 from metricsvc.client.extremes import merge_row_sources, summarize_located
@@ -41,51 +40,6 @@ from metricsvc.protocol import (
     merge,
     scalar_row,
 )
-
-
-@dataclass(slots=True)
-class _Entry:
-    code: int
-    expected: int
-    row: Row
-    sketch: Row | None = None
-    sources: Row | None = None  # where its min and max came from (``stat(ids=)``), or None
-    calls: int = 1  # recordings merged into ``row`` in this step
-
-
-@dataclass(slots=True)
-class _Block:
-    """The plain numbers of one call (a dict of floats): a record per key, as one matrix."""
-
-    code: int | tuple[int, ...]  # the keys' kind; a tuple, each key's (a call of several)
-    expected: int
-    keys: tuple[str, ...]
-    rows: np.ndarray  # [len(keys), NFIELDS]
-    alive: np.ndarray | None = None  # which rows are still the block's (None: all)
-    calls: int = 1  # recordings of these keys merged into ``rows`` in this step
-
-    def take(self, key: str) -> _Entry:
-        """Hand ``key``'s record over to an entry of its own (the key is recorded again)."""
-        i = self.keys.index(key)
-        if self.alive is None:
-            self.alive = np.ones(len(self.keys), dtype=bool)
-        self.alive[i] = False
-        return _Entry(self.code_of(i), self.expected, self.rows[i].copy(), calls=self.calls)
-
-    def code_of(self, i: int) -> int:
-        """The kind of key ``i``."""
-        return self.code[i] if self.code.__class__ is tuple else self.code  # type: ignore[index]
-
-    def merged(self, keys: tuple[str, ...], rows: np.ndarray, code: int | tuple[int, ...],
-               expected: int) -> bool:
-        """Merge ``rows`` in, one merge, if they are this block's keys again (a micro-batch's
-        same dict) with its kind; return whether they were."""
-        if keys != self.keys or self.alive is not None or code != self.code:
-            return False
-        self.rows = merge(self.rows, rows)
-        self.calls += 1
-        self.expected = max(self.expected, expected)
-        return True
 
 
 def _merge_on_host(pairs: list[tuple[_Entry, np.ndarray, np.ndarray]]) -> None:
@@ -367,4 +321,3 @@ class RecordBuffer:
         self.names.owner = {}
         for tracker in self._attached:
             tracker.end_step()
-
