@@ -61,8 +61,8 @@ def response_info(batch: Mapping[str, Any]) -> ResponseInfo:
     if held is not None:
         return held
     info = _response_info(attention, given, max_response)
-    versions = (attention._version, None if given is None else given._version, max_response)
-    _last_info[:] = [(weakref.ref(attention), _ref(given), versions, info)]
+    _last_info[:] = [(weakref.ref(attention), _ref(given), _versions(attention, given,
+                                                                    max_response), info)]
     return info
 
 
@@ -80,10 +80,15 @@ def held_response_info(batch: Mapping[str, Any], attention: Any = None, given: A
                 or (given is not None and not is_tensor(given))):
             return None
         max_response = int(responses.shape[-1])
-    versions = (attention._version, None if given is None else given._version, max_response)
-    if held[0]() is attention and held[1]() is given and held[2] == versions:
+    if (held[0]() is attention and held[1]() is given
+            and held[2] == _versions(attention, given, max_response)):
         return held[3]
     return None
+
+
+def _versions(attention: Any, given: Any, max_response: int) -> tuple:
+    """What tells the masks changed since: their version counters, and the response width."""
+    return attention._version, None if given is None else given._version, max_response
 
 
 def _ref(t: Any) -> Any:

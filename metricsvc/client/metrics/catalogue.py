@@ -48,7 +48,8 @@ class Catalogue:
 
     def stat(self, m: Any, mask: Any = None, **values: Any) -> None:
         """Record ``values`` on ``m`` (a client or tracker), each with its declared kind:
-        one ``stat`` call per kind, under ``mask``. A call's keys recur every step: which
+        under ``mask``, one ``stat`` call per kind; plain numbers without a mask, one record
+        whatever their kinds. A call's keys recur every step: which
         kind each has is worked out, and what each means described, once per client."""
         plan, kinds = self._plan(m, values)
         if len(plan) == 1:
