@@ -123,10 +123,13 @@ def stacked_rows(stacked: np.ndarray, valid: np.ndarray | None = None, locate: b
 class _HostPass:
     """CPU summaries of the values of one call under one mask.
 
-    The mask's valid positions are found once per step (``MaskCache``); each distinct
-    tensor is gathered once per call (a tensor passed under two keys, or inside a
-    ``Difference``, is read once) into a scratch buffer no larger than itself, shared
-    by the values of the call one at a time (kept only for a ``Difference``). Small values (a
+    The mask is read once per step (``MaskCache``: flat, with its count of valid
+    positions); each distinct tensor is gathered once per call (a tensor passed under two
+    keys, or inside a ``Difference``, is read once) by numpy's pick by that bool mask, a
+    fresh array no larger than itself, summarised before the next is gathered (kept only
+    for a ``Difference``). Picking by the mask reads a byte per position where a gather by
+    index reads 8 (torch's ``index_select``: only for dtypes numpy has not, into a scratch
+    buffer kept across steps). Small values (a
     value per sequence, say) are then summarised together, one numpy pass per statistic
     over all of them stacked; a large one takes four passes of its own: the float64 sum
     and sum of squares (widened in cache-sized chunks, never a whole float64 copy), and
@@ -137,7 +140,9 @@ class _HostPass:
 
     def __init__(self, mask: Any, cache: MaskCache, locate: bool = False) -> None:
         self.cache = cache
-        self.index = None if mask is None else cache.index(mask)
+        self.mask = mask
+        # the mask's valid positions: flat bool and their count (found once per step)
+        self.valid, self.n = (None, 0) if mask is None else cache.valid(mask)
         self._kept: dict[tuple, tuple[Any, Any]] = {}  # memory -> (tensor, its valid values)
         # With ``locate``: each key's min and max positions, flat in its value
         self.locate = locate
@@ -189,7 +194,7 @@ class _HostPass:
             out[key] = out[first].clone()
             found[key] = found.get(first)
         if self.locate:
-            index = self.index
+            index = None if self.mask is None else self.cache.index(self.mask)
             for key, at in found.items():
                 if at is not None:
                     n = (values[key].a if isinstance(values[key], Difference)
@@ -199,23 +204,23 @@ class _HostPass:
         return out
 
     def _gather(self, x: Any, where: tuple, keep: bool) -> Any:
-        """The valid values of ``x``, flat: a view when all are valid; fresh when few
-        (under ``_SMALL``); else in the shared scratch buffer, or a kept one."""
+        """The valid values of ``x``, flat: a view when all are valid; else picked by the
+        bool mask, fresh (a dtype numpy has not: by index, into a scratch buffer when many,
+        the shared one or a kept one)."""
         held = self._kept.get(where)
         if held is not None:
             return held[1]
         torch = _torch()
         flat = x.reshape(-1)
-        if self.index is not None and self.index.numel() != flat.numel():
-            n = self.index.numel()
-            if n < _SMALL:
-                flat = (torch.from_numpy(flat.numpy()[self.index.numpy()])
-                        if flat.dtype in _numpy_dtypes(torch)
-                        else torch.index_select(flat, 0, self.index))
+        if self.valid is not None and self.n != flat.numel():
+            if flat.dtype in _numpy_dtypes(torch):  # numpy picks by the bool mask itself
+                flat = torch.from_numpy(flat.numpy()[self.valid])
             else:
-                slot = f"kept{len(self._kept)}" if keep else "gathered"
-                flat = torch.index_select(flat, 0, self.index,
-                                          out=self.cache.buffer(flat.dtype, slot, n))
+                index = self.cache.index(self.mask)
+                flat = (torch.index_select(flat, 0, index) if self.n < _SMALL else
+                        torch.index_select(flat, 0, index, out=self.cache.buffer(
+                            flat.dtype, f"kept{len(self._kept)}" if keep else "gathered",
+                            self.n)))
         if keep:
             self._kept[where] = (x, flat)  # x is held: its memory cannot be reused meanwhile
         return flat

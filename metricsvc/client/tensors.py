@@ -81,9 +81,10 @@ _ARANGE_MAX = 1 << 20  # masks up to this size pick their positions from a kept 
 
 
 class MaskCache:
-    """The valid positions of the masks a client used this step, found once per mask, and
-    the scratch buffers of the CPU summaries, kept across steps (fresh multi-MB buffers
-    every step cost more in page faults than the arithmetic).
+    """The masks a client used this step (flat, with their count of valid positions; their
+    positions made on first ask), found once per mask, and the scratch buffers of the CPU
+    summaries, kept across steps (fresh multi-MB buffers every step cost more in page
+    faults than the arithmetic).
 
     A mask entry holds its mask (so its memory cannot be reused by another mask meanwhile)
     and the mask's version counter (so an in-place change is noticed). ``clear`` it when
@@ -96,24 +97,35 @@ class MaskCache:
         self._buffers: dict[tuple[Any, str], Any] = {}
         self._arange = np.arange(0)  # positions to pick a mask's valid ones from
 
+    def valid(self, mask: Any) -> tuple[np.ndarray, int]:
+        """Return ``(flat, n)``: ``mask`` (a CPU bool tensor) as a flat numpy bool array and
+        its count of True, found once per mask and step."""
+        return self._entry(mask)[:2]
+
     def index(self, mask: Any) -> Any:
         """Return the flat indices (an int64 CPU tensor) where ``mask`` (a CPU bool tensor)
-        is True."""
-        for held, version, index in self._entries:
+        is True (made on first ask: a gather picks by the bool mask itself)."""
+        entry = self._entry(mask)
+        if entry[2] is None:
+            flat = entry[0]
+            # picking from a kept ``arange`` is faster than ``flatnonzero`` counting them
+            if flat.size <= _ARANGE_MAX:
+                if self._arange.size < flat.size:
+                    self._arange = np.arange(flat.size)
+                entry[2] = _torch().from_numpy(self._arange[: flat.size][flat])
+            else:
+                entry[2] = _torch().from_numpy(np.flatnonzero(flat))
+        return entry[2]
+
+    def _entry(self, mask: Any) -> list:
+        for held, version, entry in self._entries:
             if (held.data_ptr() == mask.data_ptr() and held.shape == mask.shape
                     and held.stride() == mask.stride() and mask._version == version):
-                return index
-        # numpy finds the positions several times faster than torch's nonzero on the CPU,
-        # and picking them from a kept ``arange`` faster than ``flatnonzero`` counts them.
+                return entry
         flat = mask.numpy().reshape(-1)
-        if flat.size <= _ARANGE_MAX:
-            if self._arange.size < flat.size:
-                self._arange = np.arange(flat.size)
-            index = _torch().from_numpy(self._arange[: flat.size][flat])
-        else:
-            index = _torch().from_numpy(np.flatnonzero(flat))
-        self._entries = [(mask, mask._version, index), *self._entries][: self.size]
-        return index
+        entry = [flat, int(np.count_nonzero(flat)), None]
+        self._entries = [(mask, mask._version, entry), *self._entries][: self.size]
+        return entry
 
     def buffer(self, dtype: Any, role: str, n: int) -> Any:
         """Return a 1-D CPU scratch tensor of ``n`` elements of ``dtype`` for ``role``."""
