@@ -79,6 +79,32 @@ def test_finalize_exports_names_per_kind_and_omits_empty_populations():
                    "e": 0.0, "f": 2.0}
 
 
+def test_every_rows_mean_at_once_is_each_rows_mean_bit_for_bit():
+    """``finalize`` takes every record's mean in one numpy pass: the same float operations
+    as ``records.mean`` of each row, across magnitudes (far from 0, tiny, huge), with the
+    double-double low part, fractional weights and empty rows among them."""
+    from metricsvc.core.reduce import means
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for _ in range(400):
+        n = int(rng.integers(1, 50))
+        scale = 10.0 ** rng.uniform(-300, 300)
+        x = scale * (rng.normal(size=n) + rng.choice([0.0, 1e8, -1e12]))
+        rows.append(records.summarize_array(x))
+    data = np.stack(rows + [records.identity(1)[0]])
+    merged = records.merge(data[:200], data[200:400])  # low parts from exact merges
+    data = np.concatenate([data, merged])
+    data[::7, records.COUNT] *= 0.37  # weights (AVG of fractional counts)
+    got = means(data)
+    for row, m in zip(data, got):
+        if row[records.COUNT] > 0:
+            assert m == records.mean(row) or (math.isnan(m) and math.isnan(records.mean(row)))
+    out = finalize([f"k{i}" for i in range(len(data))], [ReduceType.AVG] * len(data), data)
+    assert [out.get(f"k{i}") for i in range(len(data))] == [
+        records.mean(row) if row[records.COUNT] > 0 else None for row in data]
+
+
 def test_std_is_population_std_of_all_values():
     x = np.array([0.5, 1.5, 2.0, 9.0, -3.0])
     out = finalize(["s"], [ReduceType.STD], _rows(x))
@@ -107,7 +133,7 @@ def test_a_kinds_table_entry_is_the_one_place_a_kind_is_defined(monkeypatch):
 
     clear()
     monkeypatch.setitem(reduce.KINDS, reduce.ReduceType.STD, reduce.Kind(
-        lambda r: ("sd",), lambda row, _, r: (reduce.population_var(row),)))
+        lambda r: ("sd",), lambda row, m, _, r: (reduce.population_var(row),)))
     try:
         row = summarize_array(np.array([1.0, 3.0]))
         assert reduce.output_names("k", reduce.ReduceType.STD) == ("k/sd",)

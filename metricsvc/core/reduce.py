@@ -20,7 +20,17 @@ from typing import Literal
 
 import numpy as np
 
-from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, mean
+from metricsvc.core.records import (
+    COUNT,
+    M2_ROOT,
+    MAX,
+    MIN,
+    NONFINITE,
+    SUM,
+    SUM_LO,
+    mean,
+    mean_parts,
+)
 from metricsvc.core.sketch import Sketch, SketchSpec, quantile_name, quantiles
 
 
@@ -156,6 +166,22 @@ class Renamer:
     def __init__(self, renames: Mapping[str, str] | None = None) -> None:
         # Longest prefix first so that nested prefixes rename predictably.
         self._pairs = sorted((renames or {}).items(), key=lambda kv: -len(kv[0]))
+        self._names: tuple[OutputRules | None, dict] = (None, {})
+
+    def names(self, rules: OutputRules) -> dict[tuple[str, ReduceType], tuple[str, ...]]:
+        """``{(key, kind): renamed output names}`` under ``rules`` worked out so far, kept
+        while the rules are the same (keys recur every step; ``exported`` adds one)."""
+        if self._names[0] is not rules:
+            self._names = (rules, {})
+        return self._names[1]
+
+    def exported(self, key: str, kind: ReduceType, rules: OutputRules) -> tuple[str, ...]:
+        """The names a key recorded with ``kind`` is exported as, renamed."""
+        names = self.names(rules)
+        got = names.get((key, kind))
+        if got is None:
+            got = names[(key, kind)] = tuple(self(n) for n in output_names(key, kind, rules))
+        return got
 
     def __call__(self, key: str) -> str:
         for old, new in self._pairs:
@@ -185,10 +211,13 @@ def population_var(row: np.ndarray) -> float:
     return float(row[M2_ROOT]) ** 2 / float(row[COUNT])
 
 
-Finalise = Callable[[np.ndarray, "Sketch | None", OutputRules], "tuple[float, ...] | None"]
+# ``finalise(row, mean, sketch, rules)``: a merged record's exported values (its mean given)
+Finalise = Callable[[np.ndarray, float, "Sketch | None", OutputRules],
+                    "tuple[float, ...] | None"]
 
 
-def _quantiles(row: np.ndarray, sketch: Sketch | None, rules: OutputRules) -> tuple | None:
+def _quantiles(row: np.ndarray, m: float, sketch: Sketch | None,
+               rules: OutputRules) -> tuple | None:
     if sketch is None:
         return None
     qs = quantiles(*sketch, rules.quantiles, rules.sketch, float(row[MIN]), float(row[MAX]))
@@ -221,17 +250,18 @@ class Kind:
 
 KINDS: dict[ReduceType, Kind] = {
     ReduceType.AVG_MIN_MAX: Kind(lambda r: (r.mean_suffix, "min", "max"),
-                                 lambda row, _, r: (mean(row), float(row[MIN]),
-                                                    float(row[MAX])), extremes=("min", "max")),
-    ReduceType.AVG: Kind(lambda r: ("",), lambda row, _, r: (mean(row),), weighted=True),
-    ReduceType.SUM: Kind(lambda r: ("",), lambda row, _, r: (float(row[SUM]),), empty=(0.0,)),
-    ReduceType.MIN: Kind(lambda r: ("",), lambda row, _, r: (float(row[MIN]),),
+                                 lambda row, m, _, r: (m, float(row[MIN]), float(row[MAX])),
+                                 extremes=("min", "max")),
+    ReduceType.AVG: Kind(lambda r: ("",), lambda row, m, _, r: (m,), weighted=True),
+    ReduceType.SUM: Kind(lambda r: ("",), lambda row, m, _, r: (float(row[SUM]),),
+                         empty=(0.0,)),
+    ReduceType.MIN: Kind(lambda r: ("",), lambda row, m, _, r: (float(row[MIN]),),
                          extremes=("min",)),
-    ReduceType.MAX: Kind(lambda r: ("",), lambda row, _, r: (float(row[MAX]),),
+    ReduceType.MAX: Kind(lambda r: ("",), lambda row, m, _, r: (float(row[MAX]),),
                          extremes=("max",)),
-    ReduceType.SCALAR: Kind(lambda r: ("",), lambda row, _, r: (mean(row),),
+    ReduceType.SCALAR: Kind(lambda r: ("",), lambda row, m, _, r: (m,),
                             flag=("scalar_mismatch", lambda row: row[MIN] != row[MAX])),
-    ReduceType.STD: Kind(lambda r: ("std",), lambda row, _, r: (population_std(row),)),
+    ReduceType.STD: Kind(lambda r: ("std",), lambda row, m, _, r: (population_std(row),)),
     ReduceType.QUANTILES: Kind(lambda r: tuple(quantile_name(q) for q in r.quantiles),
                                _quantiles, sketch=True, suffixes_vary=True),
 }
@@ -247,12 +277,14 @@ def output_names(key: str, kind: ReduceType, rules: OutputRules = OutputRules())
 
 
 def finalize_row(
-    row: np.ndarray,
+    row: Sequence[float],
     kind: ReduceType,
     sketch: Sketch | None = None,
     rules: OutputRules = OutputRules(),
+    m: float | None = None,
 ) -> tuple[float, ...] | None:
-    """Return the exported values of one merged record, or None for an empty population.
+    """Return the exported values of one merged record (a row, or its fields as a list),
+    or None for an empty population. ``m``: its mean, if worked out already (``means``).
 
     SUM of an empty population is 0 (the empty sum); every other kind omits it.
     With ``rules.nonfinite == "propagate"`` a key that saw NaN/inf exports NaN.
@@ -262,7 +294,16 @@ def finalize_row(
         return (math.nan,) * len(spec.suffixes(rules))
     if row[COUNT] <= 0:
         return spec.empty
-    return spec.finalise(row, sketch, rules)
+    return spec.finalise(row, mean(row) if m is None else m, sketch, rules)
+
+
+def means(data: np.ndarray) -> list[float]:
+    """Each merged record's mean from its double-double sum, every row in one numpy pass:
+    the same float operations as ``mean`` of each row (bit for bit); an empty row's is not
+    a number, never read."""
+    with np.errstate(all="ignore"):
+        m, r = mean_parts(data[:, SUM], data[:, SUM_LO], data[:, COUNT], np)
+        return np.where(np.isfinite(r), m + r, m).tolist()
 
 
 def finalize(
@@ -285,12 +326,14 @@ def finalize(
     sketches = sketches or {}
     out: dict[str, float] = {}
     source: dict[str, str] = {}
-    for i, (key, kind, row) in enumerate(zip(keys, kinds, data)):
-        values = finalize_row(row, kind, sketches.get(i), rules)
+    names = rename.names(rules)
+    # Python floats, read once: a numpy scalar per field and key cost more than the values
+    for i, (key, kind, row, m) in enumerate(zip(keys, kinds, data.tolist(), means(data))):
+        values = finalize_row(row, kind, sketches.get(i), rules, m)
         if values is None:
             continue
-        for name, value in zip(output_names(key, kind, rules), values):
-            name = rename(name)
+        exported = names.get((key, kind)) or rename.exported(key, kind, rules)
+        for name, value in zip(exported, values):
             held = source.get(name)
             if held is not None:
                 if collisions is not None:

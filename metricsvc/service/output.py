@@ -28,7 +28,6 @@ from metricsvc.core.reduce import (
     Renamer,
     finalize,
     is_approximate_plain_key,
-    output_names,
 )
 from metricsvc.core.sketch import histogram
 from metricsvc.core.step_result import StepResult
@@ -47,6 +46,7 @@ class StepOutput:
         self.output = output
         self.resolver = KindResolver(reduce_rules)
         self.rename = Renamer(renames)
+        self._tags: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
         self.deriver = deriver
         self.declarations = declarations
         self.descriptions = Descriptions()
@@ -92,13 +92,20 @@ class StepOutput:
                     collisions.setdefault(name, [name]).append(f"derived {key}")
                 else:
                     metrics[name] = value
-        by_tag: dict[str, list[str]] = {}
-        for name in metrics:  # what sinks that sanitise names would merge
-            by_tag.setdefault(safe_tag(name), []).append(name)
-        for tag, names in by_tag.items():
-            if len(names) > 1:  # the first is the one sinks show (``tag_order``)
-                collisions[tag] = sorted(names, key=lambda n, t=tag: tag_order(n, t))
+        for tag, names in self._tag_collisions(tuple(metrics)).items():
+            collisions[tag] = list(names)
         return metrics
+
+    def _tag_collisions(self, names: tuple[str, ...]) -> dict[str, list[str]]:
+        """``{sink tag: the names sinks that sanitise names would merge under it}``, the
+        first the one they show (``tag_order``); kept while steps export the same names."""
+        if self._tags[0] != names:
+            by_tag: dict[str, list[str]] = {}
+            for name in names:
+                by_tag.setdefault(safe_tag(name), []).append(name)
+            self._tags = (names, {tag: sorted(same, key=lambda n, t=tag: tag_order(n, t))
+                                  for tag, same in by_tag.items() if len(same) > 1})
+        return self._tags[1]
 
     def finish(self, p: PendingStep, lagging: list[int]) -> StepResult:
         kinds = [self.resolver.resolve(k, int(c)) for k, c in zip(p.keys, p.codes)]
@@ -169,10 +176,9 @@ class StepOutput:
         found = p.extremes(data)
         out: dict[str, dict[str, Any]] = {}
         for i in rows:
-            names = output_names(p.keys[i], kinds[i], self.output)
+            names = self.rename.exported(p.keys[i], kinds[i], self.output)
             sides = KINDS[kinds[i]].extremes
             for side, name in zip(sides, names[-len(sides):]):
-                name = self.rename(name)
                 part_of, parts, src = found[SIDE[side]]
                 if name not in metrics or name in out or part_of[i] < 0:
                     continue
