@@ -50,16 +50,21 @@ def call(worker: Callable[[], Any], method: str, *args: Any, retry_s: float,
 
 
 class Issued:
-    """A call made: ``ready()`` says whether its answer is in (never waits), calling it
-    waits for the answer and returns it (or raises what the call raised)."""
+    """A call made: ``poll()`` returns its answer if it is in (never waits), calling it
+    waits for the answer and returns it; both raise what the call raised."""
 
     __slots__ = ("ref",)
 
     def __init__(self, ref: Any) -> None:
         self.ref = ref
 
-    def ready(self) -> bool:
-        return bool(ray.wait([self.ref], timeout=0, fetch_local=False)[0])
+    def poll(self) -> Any:
+        """The answer if it is in, else None (an ack is a dict): one look (``ray.get``
+        with timeout 0, no ``ray.wait`` first)."""
+        try:
+            return ray_get(self.ref, timeout=0)
+        except ray.exceptions.GetTimeoutError:
+            return None
 
     def __call__(self) -> Any:
         return ray_get(self.ref)

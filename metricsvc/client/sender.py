@@ -3,7 +3,7 @@ the restart protocol (``metricsvc.core.resend``).
 
 A blocking ``send`` runs on the caller's thread (``wait_submit``); ``hand_over`` (``flush``)
 makes the call itself when nothing is in flight, and its answer is read at the caller's
-next call if it is in by then (``ray.wait`` with no timeout: the common case, no thread
+next call if it is in by then (``ray.get`` with timeout 0: the common case, no thread
 wakes); one that is not, and batches handed over meanwhile, go to the sender thread, which
 waits for them, and whose answers the caller reads later. Either way
 one delivery runs at a time, so steps reach the service in order (Ray does not promise to
@@ -25,7 +25,7 @@ from metricsvc.protocol import ACTOR_ERRORS, Batch, Outbox, Refused, deliver, is
 # ``call(payload, epoch, timeout_s) -> ack``: one actor call carrying a batch's bytes
 Call = Callable[[bytes, "str | None", "float | None"], dict[str, Any]]
 # ``start(payload, epoch) -> wait``: the same call issued now; ``wait()`` returns its ack,
-# ``wait.ready()`` whether it is in
+# ``wait.poll()`` the ack if it is in, else None (``client.rpc.Issued``)
 Start = Callable[[bytes, "str | None"], Any]
 Answer = tuple[Batch, "dict[str, Any] | None", "BaseException | None"]
 
@@ -143,19 +143,17 @@ class Sender:
             if self._pending is None:
                 return
             batch, blob, issued = self._pending
-            here = issued.ready()
             self._pending = None
             answer = issued
-            if here:
-                try:
-                    got = issued()
-                except ACTOR_ERRORS:
-                    here = False
-                except BaseException:  # noqa: BLE001  a refusal: ``send`` raises it again
-                    pass
-                else:
-                    here = got.get("status") != "epoch_changed"
-                    answer = lambda: got  # noqa: E731  read once: ``send`` takes it as is
+            try:
+                got = issued.poll()
+            except ACTOR_ERRORS:
+                here = False
+            except BaseException:  # noqa: BLE001  a refusal: ``send`` raises it again
+                here = True
+            else:
+                here = got is not None and got.get("status") != "epoch_changed"
+                answer = lambda: got  # noqa: E731  read once: ``send`` takes it as is
             if not here:
                 self._to_thread((batch, blob, issued), first=True)
                 return
