@@ -32,9 +32,13 @@ functions rebuilt in ``benchmarks/baselines/siirl_metrics.py`` (what siiRL's
   floor         one plain sum() over the same tensors (compute only, nothing sent)
 
 Reported per pattern: median rank-side milliseconds per step spent recording (compute) and
-closing (send + wait), and their sum, over ranks and measured steps.
+closing (send + wait), and their sum, over ranks and measured steps; the patterns run in
+turns, a round of ``--steps`` steps each (the order reversed every other round), and the
+table gives the median of the rounds' medians; the whole step with ``flush()`` against
+siiRL's one call is paired round by round (median and range).
 
-    python -m benchmarks.bench_rank [--workload ppo300|siirl] [--ranks 4] [--steps 30]
+    python -m benchmarks.bench_rank [--workload ppo300|siirl] [--ranks 4] [--steps 20]
+        [--rounds 5]
 """
 
 from __future__ import annotations
@@ -226,6 +230,19 @@ def run(pattern: str, ranks, steps: int, warmup: int, index: int, workload: str)
             "total_ms": total}
 
 
+def over_rounds(got: dict[str, list[dict]]) -> list[dict]:
+    """One row per pattern: the medians over its rounds (each round's row under
+    ``rounds``, to pair patterns round by round)."""
+    out = []
+    for rounds in got.values():
+        row = dict(rounds[0])
+        for k in ("compute_ms", "close_ms", "total_ms"):
+            row[k] = statistics.median(r[k] for r in rounds)
+        row["steps"] = sum(r["steps"] for r in rounds)
+        out.append({**row, "rounds": rounds})
+    return out
+
+
 def compat_compute(rounds: int = 15, steps: int = 20) -> dict:
     """Ours over siiRL's compute on siiRL's batch, in this process (no Ray, no send):
     ``compute_local_data_metric`` + ``..._timing_..`` + ``..._throughput_..`` +
@@ -350,7 +367,10 @@ def main() -> list[dict]:
     parser.add_argument("--workload", choices=sorted([*PATTERNS, "extremes"]), nargs="+",
                         default=["ppo300", "siirl", "extremes"])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per round")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds; each runs every pattern once, in turns (the order "
+                             "reversed every other round)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--cols", type=int, default=2048)
@@ -365,9 +385,14 @@ def main() -> list[dict]:
     for workload in args.workload:
         ranks = [Rank.remote(r, args.ranks, args.rows, args.cols, workload)
                  for r in range(args.ranks)]
-        for pattern in PATTERNS[workload]:
-            rows.append(run(pattern, ranks, args.steps, args.warmup, index, workload))
-            index += 1
+        got: dict[str, list[dict]] = {p: [] for p in PATTERNS[workload]}
+        for r in range(args.rounds):  # the load on a shared machine changes: in turns
+            order = PATTERNS[workload] if r % 2 == 0 else PATTERNS[workload][::-1]
+            for pattern in order:
+                got[pattern].append(run(pattern, ranks, args.steps, args.warmup, index,
+                                        workload))
+                index += 1
+        rows.extend(over_rounds(got))
         for r in ranks:
             ray.kill(r)
     for workload in args.workload:
@@ -381,7 +406,8 @@ def main() -> list[dict]:
             print(f"bench_rank siirl: {args.ranks} rank actors, siiRL's batch (responses "
                   f"[64 x 1024], attention_mask [64 x 1536], 13 timing stages, 200 scalars)",
                   end="")
-        print(f", median of {args.steps} steps x ranks, {os.cpu_count()} cores, "
+        print(f", {args.rounds} rounds of {args.steps} steps x ranks in turns, "
+              f"{os.cpu_count()} cores, "
               f"torch {torch.__version__}")
         print("| pattern | compute ms | send + wait ms | rank-side total ms | "
               "siiRL 4-call / this | siiRL 1-call / this |")
@@ -392,9 +418,12 @@ def main() -> list[dict]:
                   f"{base['siirl_4call']['total_ms'] / r['total_ms']:.2f}× | "
                   f"{base['siirl_1call']['total_ms'] / r['total_ms']:.2f}× |")
         if workload == "siirl":
-            flush, one = base["ours_compat_flush"], base["siirl_1call"]
+            whole = [one["total_ms"] / flush["total_ms"] for one, flush in
+                     zip(base["siirl_1call"]["rounds"], base["ours_compat_flush"]["rounds"])]
+            base["ours_compat_flush"]["whole_step_ratio"] = statistics.median(whole)
             print(f"\nwhole step with flush: siiRL 1-call / ours_compat_flush = "
-                  f"{one['total_ms'] / flush['total_ms']:.2f}×")
+                  f"{statistics.median(whole):.2f}× (median of {len(whole)} rounds; "
+                  f"{min(whole):.2f}–{max(whole):.2f}×)")
             c = compat_compute()
             rows.append({"workload": "siirl", "pattern": "compat_compute", **c})
             print(f"\ncompat compute in one process, CPU time per step ({c['rounds']} rounds of "
