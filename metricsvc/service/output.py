@@ -47,6 +47,7 @@ class StepOutput:
         self.resolver = KindResolver(reduce_rules)
         self.rename = Renamer(renames)
         self._tags: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
+        self._held_kinds: tuple = ([], b"", [], [])  # keys, codes, their kinds, internal rows
         self.deriver = deriver
         self.declarations = declarations
         self.descriptions = Descriptions()
@@ -55,6 +56,15 @@ class StepOutput:
     def kinds(self, keys: Sequence[str], codes: Sequence[int]) -> list[ReduceType]:
         """Return the kind of each key sent with its wire code."""
         return [self.resolver.resolve(k, int(c)) for k, c in zip(keys, codes)]
+
+    def _kinds(self, keys: list[str], codes: np.ndarray) -> tuple[list[ReduceType], list[int]]:
+        """Each key's kind (``kinds``) and the rows of internal keys, kept while steps
+        bring the same keys with the same codes (they recur every step)."""
+        held = self._held_kinds
+        if held[0] != keys or held[1] != codes.tobytes():
+            kinds = [self.resolver.resolve(k, c) for k, c in zip(keys, codes.tolist())]
+            held = self._held_kinds = (list(keys), codes.tobytes(), kinds, internal_rows(keys))
+        return list(held[2]), list(held[3])
 
     def preview(self, window: Any) -> dict[str, float]:
         """Return what a stream window holds, as metrics (no derivation): what
@@ -73,13 +83,16 @@ class StepOutput:
         tag) keeps its first source and is listed in ``collisions``.
         """
         data, _, sketches = merged
-        public = np.setdiff1d(np.arange(len(keys)), internal)
         collisions = {} if collisions is None else collisions
+        shown = (keys, kinds, data, sketches)  # the public keys: all but the internal ones
+        if internal:
+            left_out = set(internal)
+            public = [i for i in range(len(keys)) if i not in left_out]
+            shown = ([keys[i] for i in public], [kinds[i] for i in public], data[public],
+                     {j: sketches[i] for j, i in enumerate(public) if i in sketches})
         metrics = finalize(
-            [keys[i] for i in public],
-            [kinds[i] for i in public],
-            data[public],
-            sketches={j: sketches[i] for j, i in enumerate(public) if i in sketches},
+            *shown[:3],
+            sketches=shown[3],
             rules=self.output,
             rename=self.rename,
             collisions=collisions,
@@ -108,9 +121,8 @@ class StepOutput:
         return self._tags[1]
 
     def finish(self, p: PendingStep, lagging: list[int]) -> StepResult:
-        kinds = [self.resolver.resolve(k, int(c)) for k, c in zip(p.keys, p.codes)]
+        kinds, internal = self._kinds(p.keys, p.codes)
         merged = p.merged()
-        internal = internal_rows(p.keys)
         collisions: dict[str, list[str]] = {}
         declared = self.declarations.of(p.declared)
         metrics = self.metrics(merged, p.keys, kinds, internal, declared,
