@@ -72,6 +72,37 @@ def _plain_block(values: list[Any]) -> np.ndarray | None:
         return None
 
 
+def own_entries(entries: Mapping[str, Any], blocks: list[_Block]) -> list[tuple[str, _Entry]]:
+    """The keys with an entry of their own (not a block's row), in the order recorded:
+    none without a look at each key when the blocks hold every key."""
+    in_blocks = sum(len(b.keys) if b.alive is None else int(b.alive.sum()) for b in blocks)
+    if in_blocks == len(entries):
+        return []
+    return [(k, e) for k, e in entries.items() if e.__class__ is _Entry]
+
+
+def columns(entries: list[_Entry], blocks: list[_Block], keys: list,
+            data: list) -> tuple[np.ndarray, np.ndarray]:
+    """Append the blocks' keys and rows to ``keys`` and ``data`` (after the entries': each
+    call's plain numbers in the order recorded, without the keys an entry of their own
+    took over); return every key's kind and expected ranks, as the wire's arrays."""
+    kinds = [np.array([e.code for e in entries], dtype=np.int8)]
+    expected = [np.array([e.expected for e in entries], dtype=np.int32)]
+    for b in blocks:
+        codes = (np.array(b.code, dtype=np.int8) if b.code.__class__ is tuple
+                 else np.full(len(b.keys), b.code, dtype=np.int8))
+        if b.alive is None:
+            keys.extend(b.keys)
+            data.append(b.rows)
+        else:
+            keys.extend(name for name, a in zip(b.keys, b.alive) if a)
+            data.append(b.rows[b.alive])
+            codes = codes[b.alive]
+        kinds.append(codes)
+        expected.append(np.full(len(codes), b.expected, dtype=np.int32))
+    return np.concatenate(kinds), np.concatenate(expected)
+
+
 def by_code(keys: tuple[str, ...], codes: tuple, values: Any) -> dict[Any, dict[str, Any]]:
     """``{code: {key: value}}`` of keys each with its code."""
     groups: dict[Any, dict[str, Any]] = {}

@@ -8,7 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.client.blocks import _Block, _Entry, _plain_block, by_code, code_of
+from metricsvc.client.blocks import (
+    _Block,
+    _Entry,
+    _plain_block,
+    by_code,
+    code_of,
+    columns,
+    own_entries,
+)
 from metricsvc.client.declarations import ClientDeclarations
 from metricsvc.client.device import _on_host
 from metricsvc.client.extremes import merge_row_sources, summarize_located
@@ -56,19 +64,6 @@ def _host_view(row: Row) -> np.ndarray | None:
     if not is_tensor(row):
         return row
     return row.numpy() if _on_host(row, None) else None
-
-
-def _add_blocks(blocks: list[_Block], keys: list, data: list, kinds: list,
-                expected: list) -> None:
-    """Append the blocks' keys and columns, after the entries: each call's plain numbers in
-    the order recorded (without the keys an entry of their own took over)."""
-    for b in blocks:
-        names = b.keys if b.alive is None else [n for n, a in zip(b.keys, b.alive) if a]
-        keys.extend(names)
-        data.append(b.rows if b.alive is None else b.rows[b.alive])
-        codes = b.code if b.code.__class__ is tuple else [b.code] * len(b.keys)
-        kinds.extend(codes if b.alive is None else [c for c, a in zip(codes, b.alive) if a])
-        expected.extend([b.expected] * len(names))
 
 
 class RecordBuffer:
@@ -279,7 +274,7 @@ class RecordBuffer:
                    final: bool) -> Batch:
         """Return everything recorded as one wire batch (one host copy) and start afresh."""
         with self.lock:
-            held = [(k, e) for k, e in self._entries.items() if e.__class__ is _Entry]
+            held = own_entries(self._entries, self._blocks)
             entries = [e for _, e in held]
             dense = [i for i, e in enumerate(entries)
                      if e.sketch is not None and is_tensor(e.sketch)]
@@ -296,8 +291,7 @@ class RecordBuffer:
             start = k + len(dense)
             extremes = {i: parts[start + j] for j, i in enumerate(located)}
             keys, data = [k for k, _ in held], [np.reshape(parts[:k], (k, NFIELDS))]
-            kinds, expected = [e.code for e in entries], [e.expected for e in entries]
-            _add_blocks(self._blocks, keys, data, kinds, expected)
+            kinds, expected = columns(entries, self._blocks, keys, data)
             batch = Batch.build(
                 step=step, rank=rank, world_size=world_size, seq=seq, final=final,
                 keys=keys, data=np.concatenate(data), kinds=kinds, expected=expected,
