@@ -102,6 +102,26 @@ def test_group_inputs_read_every_key_they_match_within_one_segment():
                     ("max_over_ideal", 2 / 1.5))}  # two declarations, every layer and expert
 
 
+def test_one_deriver_over_steps_whose_keys_and_declarations_change_derives_each_afresh():
+    """The service's deriver keeps what it works out from a step's keys while they recur:
+    a step with more, fewer or other keys, or other declarations, derives as a new deriver
+    would (layers appearing and going, a declaration dropped)."""
+    from metricsvc.client.metrics.moe import moe_balance
+
+    declared = moe_balance("moe")
+    ratio = Derived("r", "sum(a) / sum(b)", {"a": "x/a", "b": "x/b"})
+    other = Derived("q", "sum(b) / sum(a)", {"a": "x/a", "b": "x/b"})
+    layers = [(0,), (0, 7), (0, 7), (7,), (7,), ()]
+    kept = Deriver()
+    for step, held in enumerate(layers):
+        recs = {f"moe/layer_{layer}/expert_{e}/tokens": rec([1.0 + e + step])
+                for layer in held for e in range(2)}
+        recs.update({"x/a": rec([3.0 + step]), "x/b": rec([2.0])})
+        # the same declarations two steps running, then others (more, then as many)
+        decls = [declared, [*declared, ratio], [*declared, other]][step // 2]
+        assert derive(kept, decls, recs) == derive(Deriver(), decls, recs), step
+
+
 def test_a_templated_declaration_binds_its_placeholders_from_the_recorded_keys():
     from metricsvc.client.metrics.timing import PER_TOKEN_MS
 

@@ -44,6 +44,7 @@ class Deriver:
         self.undefined: dict[str, str] = {}  # the last step's omitted metrics -> why
         self.max_outputs, self.max_reads = max_outputs, max_reads
         self.limited: dict[str, Any] = {}  # the last step's budget, if it ran out
+        self._held_plan: tuple = ((), (), [], {})  # declarations, keys, plan, limited
 
     def derive(self, declared: Mapping[str, Derived], keys: Sequence[str],
                kinds: Sequence[ReduceType], data: np.ndarray,
@@ -57,22 +58,43 @@ class Deriver:
         self.undefined, self.limited = {}, {}
         if not declared:
             return {}
-        index = KeyIndex(keys)
+        plan, limited = self._plan(declared, keys)
         out: dict[str, float] = {}
-        outputs = reads = 0
-        for decl in declared.values():
+        for name, decl, found in plan:
+            self._evaluate(name, decl, found, kinds, data, rules, out)
+        self.limited = dict(limited)
+        return out
+
+    def _plan(self, declared: Mapping[str, Derived], keys: Sequence[str]
+              ) -> tuple[list[tuple[str, Derived, dict[str, Any]]], dict[str, Any]]:
+        """What ``derive`` evaluates over ``keys``: ``(name, declaration, its inputs'
+        rows)`` within the budget, and what ``limited`` says (empty: within it); kept
+        while steps bring the same keys and declarations (they recur every step)."""
+        decls, keys = tuple(declared.values()), tuple(keys)
+        held = self._held_plan
+        if (len(held[0]) == len(decls) and all(a is b for a, b in zip(held[0], decls))
+                and held[1] == keys):
+            return held[2], held[3]
+        index = KeyIndex(keys)
+        plan: list[tuple[str, Derived, dict[str, Any]]] = []
+        limited: dict[str, Any] = {}
+        reads = 0
+        for decl in decls:
             for name, inputs in instances(decl, index):
                 found = {s: index.resolve(k) for s, k in inputs.items()}
                 cost = sum(len(f) if isinstance(f, list) else 1 for f in found.values())
-                if outputs >= self.max_outputs or reads + cost > self.max_reads:
-                    self.limited = {
-                        "limit": ("limits.max_derived_outputs" if outputs >= self.max_outputs
+                if len(plan) >= self.max_outputs or reads + cost > self.max_reads:
+                    limited = {
+                        "limit": ("limits.max_derived_outputs" if len(plan) >= self.max_outputs
                                   else "limits.max_derived_reads"),
-                        "evaluated": outputs, "first_left_out": name}
-                    return out
-                outputs, reads = outputs + 1, reads + cost
-                self._evaluate(name, decl, found, kinds, data, rules, out)
-        return out
+                        "evaluated": len(plan), "first_left_out": name}
+                    break
+                reads += cost
+                plan.append((name, decl, found))
+            if limited:
+                break
+        self._held_plan = (decls, keys, plan, limited)
+        return plan, limited
 
     def cost(self, declared: Iterable[Derived], keys: Iterable[str]) -> tuple[int, int]:
         """Return ``(outputs, reads)`` the declarations would cost over ``keys`` (counting
