@@ -233,3 +233,24 @@ def test_a_rerun_of_an_old_final_step_is_refused_never_a_silent_duplicate():
         agg.submit(batch(2, 0, world_size=1, seq=1, x=99.0))
     with pytest.raises(BatchRejected, match=r"step 2: conflict.*rewind"):
         agg.submit(sent[2])  # without a journal to read it back, not provably a resend
+
+
+def test_a_step_with_other_keys_kinds_or_tag_clashes_is_finished_as_a_new_service_would():
+    """The service keeps what it works out from a step's keys (their kinds, renamed names,
+    sink-tag clashes) while they recur: a step bringing other keys, the same keys under
+    other kinds, or a clash that comes and goes, publishes what a fresh aggregator does."""
+    steps = [
+        (AUTO, {"a": 1.0, "b/c": 2.0}),
+        (AUTO, {"a": 1.5, "b/c": 2.5}),  # the same keys again
+        (AUTO, {"a": 1.0, "acc rate": 1.0, "acc_rate": 2.0}),  # a clash appears
+        (int(ReduceType.AVG_MIN_MAX), {"a": 1.0, "acc rate": 1.0, "acc_rate": 2.0}),
+        (int(ReduceType.MAX), {"a": 3.0, "acc rate": 1.0, "acc_rate": 2.0}),
+        (AUTO, {"a": 1.0, "b/c": 2.0}),  # the clash gone
+    ]
+    kept = Aggregator(world_size=1)
+    for step, (kind, values) in enumerate(steps):
+        (got,) = kept.submit(batch(step, 0, world_size=1, kind=kind, **values)).finished
+        (want,) = Aggregator(world_size=1).submit(
+            batch(0, 0, world_size=1, kind=kind, **values)).finished
+        assert got.metrics == want.metrics, step
+        assert got.meta.get("collisions") == want.meta.get("collisions"), step
