@@ -62,8 +62,8 @@ class StepOutput:
         bring the same keys with the same codes (they recur every step)."""
         held = self._held_kinds
         if held[0] != keys or held[1] != codes.tobytes():
-            kinds = [self.resolver.resolve(k, c) for k, c in zip(keys, codes.tolist())]
-            held = self._held_kinds = (list(keys), codes.tobytes(), kinds, internal_rows(keys))
+            held = self._held_kinds = (list(keys), codes.tobytes(), self.kinds(keys, codes),
+                                       internal_rows(keys))
         return list(held[2]), list(held[3])
 
     def preview(self, window: Any) -> dict[str, float]:
@@ -84,15 +84,19 @@ class StepOutput:
         """
         data, _, sketches = merged
         collisions = {} if collisions is None else collisions
-        shown = (keys, kinds, data, sketches)  # the public keys: all but the internal ones
+        # the public keys: all but the internal ones
+        public_keys, public_kinds, public_data, public_sketches = keys, kinds, data, sketches
         if internal:
             left_out = set(internal)
             public = [i for i in range(len(keys)) if i not in left_out]
-            shown = ([keys[i] for i in public], [kinds[i] for i in public], data[public],
-                     {j: sketches[i] for j, i in enumerate(public) if i in sketches})
+            public_keys, public_kinds = [keys[i] for i in public], [kinds[i] for i in public]
+            public_data = data[public]
+            public_sketches = {j: sketches[i] for j, i in enumerate(public) if i in sketches}
         metrics = finalize(
-            *shown[:3],
-            sketches=shown[3],
+            public_keys,
+            public_kinds,
+            public_data,
+            sketches=public_sketches,
             rules=self.output,
             rename=self.rename,
             collisions=collisions,
