@@ -194,13 +194,15 @@ class _HostPass:
             out[key] = out[first].clone()
             found[key] = found.get(first)
         if self.locate:
-            index = None if self.mask is None else self.cache.index(self.mask)
             for key, at in found.items():
                 if at is not None:
                     n = (values[key].a if isinstance(values[key], Difference)
                          else values[key]).numel()
-                    full = index is None or index.numel() == n  # gathered = flat positions
-                    self.at[key] = at if full else (int(index[at[0]]), int(index[at[1]]))
+                    if self.valid is None or self.n == n:  # gathered = flat positions
+                        self.at[key] = at
+                    else:  # the mask's positions, made once per step on first ask
+                        index = self.cache.index(self.mask)
+                        self.at[key] = (int(index[at[0]]), int(index[at[1]]))
         return out
 
     def _gather(self, x: Any, where: tuple, keep: bool) -> Any:
