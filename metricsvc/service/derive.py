@@ -35,6 +35,17 @@ def instances(decl: Derived, index: KeyIndex) -> Iterator[tuple[str, dict[str, s
         yield fill(decl.name, binding), {s: fill(k, binding) for s, k in decl.inputs.items()}
 
 
+def resolved(declared: Iterable[Derived], index: KeyIndex
+             ) -> Iterator[tuple[str, Derived, dict[str, Any], int]]:
+    """Each instance of each declaration over ``index``, in order: ``(name, declaration,
+    its inputs' rows, how many rows it reads)`` (what the budget counts)."""
+    for decl in declared:
+        for name, inputs in instances(decl, index):
+            found = {s: index.resolve(k) for s, k in inputs.items()}
+            yield name, decl, found, sum(len(f) if isinstance(f, list) else 1
+                                         for f in found.values())
+
+
 class Deriver:
     """Evaluate a step's declared derived metrics; keep the runs' running totals."""
 
@@ -75,39 +86,29 @@ class Deriver:
         if (len(held[0]) == len(decls) and all(a is b for a, b in zip(held[0], decls))
                 and held[1] == keys):
             return held[2], held[3]
-        index = KeyIndex(keys)
         plan: list[tuple[str, Derived, dict[str, Any]]] = []
         limited: dict[str, Any] = {}
         reads = 0
-        for decl in decls:
-            for name, inputs in instances(decl, index):
-                found = {s: index.resolve(k) for s, k in inputs.items()}
-                cost = sum(len(f) if isinstance(f, list) else 1 for f in found.values())
-                if len(plan) >= self.max_outputs or reads + cost > self.max_reads:
-                    limited = {
-                        "limit": ("limits.max_derived_outputs" if len(plan) >= self.max_outputs
-                                  else "limits.max_derived_reads"),
-                        "evaluated": len(plan), "first_left_out": name}
-                    break
-                reads += cost
-                plan.append((name, decl, found))
-            if limited:
+        for name, decl, found, cost in resolved(decls, KeyIndex(keys)):
+            if len(plan) >= self.max_outputs or reads + cost > self.max_reads:
+                limited = {
+                    "limit": ("limits.max_derived_outputs" if len(plan) >= self.max_outputs
+                              else "limits.max_derived_reads"),
+                    "evaluated": len(plan), "first_left_out": name}
                 break
+            reads += cost
+            plan.append((name, decl, found))
         self._held_plan = (decls, keys, plan, limited)
         return plan, limited
 
     def cost(self, declared: Iterable[Derived], keys: Iterable[str]) -> tuple[int, int]:
         """Return ``(outputs, reads)`` the declarations would cost over ``keys`` (counting
         stops once past the limits: a hostile declaration is not worked through)."""
-        index = KeyIndex(keys)
         outputs = reads = 0
-        for decl in declared:
-            for _, inputs in instances(decl, index):
-                outputs += 1
-                reads += sum(len(f) if isinstance(f, list) else 1
-                             for f in map(index.resolve, inputs.values()))
-                if outputs > self.max_outputs or reads > self.max_reads:
-                    return outputs, reads
+        for *_, cost in resolved(declared, KeyIndex(keys)):
+            outputs, reads = outputs + 1, reads + cost
+            if outputs > self.max_outputs or reads > self.max_reads:
+                return outputs, reads
         return outputs, reads
 
     def _evaluate(self, name: str, decl: Derived, found: Mapping[str, Any],
