@@ -39,7 +39,8 @@ def journal(health):
 def test_a_dead_rank_makes_later_steps_partial_within_the_timeout(make_worker):
     # A live rank must never be the one missing: 2 s of straggler timeout leaves room for a
     # rank process the loaded 2-core machine did not run for a second (1 s once published
-    # a step without live rank 7 during `make test`); 8 steps after the death cost 16 s.
+    # a step without live rank 7 during `make test`). The 8 partial steps after the death
+    # wait out their timers side by side: the ranks do not wait for finals.
     timeout, world, steps, victim = 2.0, 8, 18, 5
     handle, cfg = make_worker(straggler_timeout_s=timeout)
     ranks = [RankActor.remote(cfg.name, r, world) for r in range(world)]
