@@ -1,6 +1,7 @@
 """Where each min and max came from (``stat(ids=)`` -> ``meta["extremes"]``), against numpy's
 ``argmin`` / ``argmax`` on the ranks' data concatenated in rank order."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -261,3 +262,22 @@ def test_a_call_number_counts_plain_recordings_merged_before_it():
     assert batch.extreme_rows.tolist() == [x]
     # min 0.5 and max 9.0 both from the third recording (call 2), rows 0 and 1
     assert batch.extremes.tolist() == [[7.0, 2.0, 0.0, 0.0, 8.0, 2.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_a_later_recording_without_ids_that_wins_leaves_its_side_unknown_not_refused(
+        accelerator):
+    """A key recorded with ids, then again without (another micro-batch): where the later
+    recording's max lies is not known, so that side says nothing of a position (the
+    service names the rank), and the batch stays one the service takes."""
+    buf = RecordBuffer()
+    with accelerator_path_on_cpu() if accelerator else contextlib.nullcontext():
+        buf.record({"x": torch.tensor([[3.0, 1.0], [2.0, 4.0]])}, None, ReduceType.AVG_MIN_MAX,
+                   torch.tensor([70, 80]))
+        buf.record({"x": torch.tensor([[9.0, 2.0]])}, None, ReduceType.AVG_MIN_MAX)  # no ids
+        batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    src = batch.extremes.tolist()[0]
+    assert src[:4] == [70.0, 0.0, 0.0, 1.0]  # min 1.0: call 0, row 0, col 1, id 70
+    assert all(np.isnan(src[4:])), src  # max 9.0: from the recording without ids
+    back = check_batch(decode(encode(batch)))  # what the service runs on every batch
+    np.testing.assert_array_equal(back.extremes, batch.extremes)

@@ -97,13 +97,18 @@ def _device_sources(where: Any, inner: int, ids: Any) -> Any:
 def merge_row_sources(a_row: Row, b_row: Row, a_src: Row | None, b_src: Row | None,
                       call: int) -> Row:
     """Return where the merge of ``a_row`` (recorded first) and ``b_row`` (the key's
-    ``call``-th recording) has its min and max (``core.extremes``); None for unknown.
+    ``call``-th recording) has its min and max (``core.extremes``); None for unknown. A side
+    won by a recording that was not located stays unknown, every field of it (its call
+    with it: the service takes a position whole or not at all).
     On the device of either, as ``merge_rows``."""
     tensors = [x for x in (a_row, b_row, a_src, b_src) if is_tensor(x)]
     if not tensors:
         a_src = _unknown_sources() if a_src is None else a_src
-        b_src = _unknown_sources() if b_src is None else b_src.copy()
-        b_src[[MIN_CALL, MAX_CALL]] = call
+        if b_src is None:  # not located: a side it wins is unknown, its call too
+            b_src = _unknown_sources()
+        else:
+            b_src = b_src.copy()
+            b_src[[MIN_CALL, MAX_CALL]] = call
         return merge_sources(a_row, b_row, a_src, b_src)
     torch = _torch()
     device = tensors[0].device
@@ -115,8 +120,11 @@ def merge_row_sources(a_row: Row, b_row: Row, a_src: Row | None, b_src: Row | No
             return torch.as_tensor(x, device=device)
         return x if x.device == device else x.to(device)
 
-    b_src = on(b_src).clone()
-    b_src[[MIN_CALL, MAX_CALL]] = float(call)
+    if b_src is None:
+        b_src = on(None)
+    else:
+        b_src = on(b_src).clone()
+        b_src[[MIN_CALL, MAX_CALL]] = float(call)
     return merge_sources(on(a_row), on(b_row), on(a_src), b_src, torch)
 
 
