@@ -566,3 +566,25 @@ def test_data_metrics_on_the_host_and_on_an_accelerator_record_the_same_rows():
         if key.startswith("perf/process_cpu_mem"):
             continue  # the process grew in between
         np.testing.assert_allclose(row, rows[key], rtol=1e-13, atol=1e-300, err_msg=key)
+
+
+@pytest.mark.parametrize("response_mask", [True, False])
+def test_siirl_methods_on_an_accelerator_read_nothing_back_until_the_flush(response_mask):
+    """siiRL's data, timing and throughput methods on a device batch (here the accelerator
+    path on the CPU) record without one host read, whether the batch has its own response
+    mask or takes it from the attention mask: the flush's one copy is the only one."""
+    from metricsvc.client.summarize import accelerator_path_on_cpu
+    from tests.synccount import HostTransferCounter
+
+    batch = make_batch(3, 9)
+    if not response_mask:
+        del batch["response_mask"]
+    timing = {"gen": 0.5, "update_actor": 0.25, "step": 1.0}
+    c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+    with accelerator_path_on_cpu(), HostTransferCounter() as counter:
+        c.compute_local_data_metric(batch)
+        c.compute_local_timing_metrics(batch, timing)
+        c.compute_local_throughput_metrics(batch, timing, n_gpus=1)
+        recorded = list(counter.calls)
+        c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    assert recorded == [] and counter.count == 1, counter.calls

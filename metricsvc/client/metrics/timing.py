@@ -6,6 +6,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from metricsvc.client.device import _on_host
 from metricsvc.client.metrics.batch import (
     get,
     held_response_info,
@@ -129,7 +130,7 @@ def _tokens(info: Any) -> dict[str, Any]:
     """The response's and the whole batch's tokens: plain on the host (numpy's sums of a
     few dozen lengths), on their device elsewhere (no sync)."""
     lengths = info.response_length, info.prompt_length
-    if all(t.device.type == "cpu" for t in lengths):
+    if all(_on_host(t, None) for t in lengths):
         response, prompt = (float(t.numpy().sum()) for t in lengths)
         return {"response": response, "overall": response + prompt}
     response = info.response_length.sum()
