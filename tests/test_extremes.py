@@ -14,7 +14,7 @@ import torch
 
 from metricsvc.client import MetricClient
 from metricsvc.client.buffer import RecordBuffer
-from metricsvc.client.device import _kernel
+from metricsvc.client.device import _kernel_located
 from metricsvc.client.extremes import summarize_located
 from metricsvc.client.summarize import accelerator_path_on_cpu
 from metricsvc.core.batch import Batch
@@ -178,10 +178,10 @@ def test_sources_on_the_accelerator_path_match_the_host_and_read_nothing_back():
         np.testing.assert_array_equal(np.asarray(host_src["k"]), dev_src["k"].numpy())
         for field in (MIN, MAX, COUNT):  # the same values the sources point at
             assert host_rows["k"][field] == dev_rows["k"][field]
-        row, at = _kernel(v.reshape(-1), mask.reshape(-1), True)  # the compiled kernel's body
+        rows, at = _kernel_located(v.reshape(1, -1), mask.reshape(1, -1))  # fused, eager
         flat = np.where(mask.numpy() & np.isfinite(v.numpy()), v.numpy(), np.inf).ravel()
-        assert at.tolist()[0] == int(flat.argmin())
-        assert row[MIN] == flat.min()
+        assert at.tolist()[0][0] == int(flat.argmin())
+        assert rows[0][MIN] == flat.min()
 
 
 def test_a_flush_with_sources_on_the_accelerator_path_is_still_one_host_copy():

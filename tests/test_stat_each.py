@@ -1,6 +1,7 @@
 """``stat_each``: each key under its own mask, the short host vectors in one pass; the same
 records as one ``stat`` call per key, and numpy's figures on the valid values."""
 
+import contextlib
 import math
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from metricsvc.client import MetricClient
-from metricsvc.client.summarize import summarize
+from metricsvc.client.summarize import accelerator_path_on_cpu, summarize
 from metricsvc.client.vectors import summarize_each
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, SUM_LO
 
@@ -36,14 +37,20 @@ def _vectors(rng):
     return out
 
 
-def test_every_row_equals_numpy_on_the_valid_values_and_the_single_key_path():
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_every_row_equals_numpy_on_the_valid_values_and_the_single_key_path(accelerator):
+    """On the host the short vectors take one numpy pass; on a device (here the accelerator
+    path on the CPU) a length's values take one stacked pass, each under its own mask."""
     rng = np.random.default_rng(5)
+    path = accelerator_path_on_cpu if accelerator else contextlib.nullcontext
     for _ in range(5):
         values = _vectors(rng)
-        rows = summarize_each(values)
+        with path():
+            rows = summarize_each(values)
+            alones = {key: summarize(v, m, key=key) for key, (v, m) in values.items()}
         for key, (v, m) in values.items():
             row = np.asarray(rows[key], dtype=np.float64)
-            alone = np.asarray(summarize(v, m, key=key), dtype=np.float64)
+            alone = np.asarray(alones[key], dtype=np.float64)
             x = np.asarray(v, dtype=np.float64).ravel()
             use = np.ones(x.shape, bool) if m is None else np.asarray(m).ravel()
             finite = x[use & np.isfinite(x)]

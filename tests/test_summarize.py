@@ -137,7 +137,7 @@ def test_compiled_kernel_equals_eager_and_never_recompiles_for_new_shapes():
 
     s = importlib.import_module("metricsvc.client.device")  # the accelerator path's module
 
-    big = s.COMPILE_MIN_NUMEL
+    big = 1 << 16
     g = torch.Generator().manual_seed(1)
     before = None
     for rows in (64, 65, 97, 130):
@@ -434,3 +434,143 @@ def test_host_tensor_micro_batches_merge_as_one_matrix_exactly(monkeypatch):
         assert row[COUNT] == got[key][COUNT] and row[MIN] == got[key][MIN]
         assert row[MAX] == got[key][MAX]
         assert row[SUM] + row[SUM_LO] == pytest.approx(got[key][SUM], rel=1e-15)
+
+
+class _DataOps(torch.overrides.TorchFunctionMode):
+    """Counts torch calls that launch work (what a device pays per kernel), not views."""
+
+    VIEWS = {"__get__", "reshape", "unsqueeze", "squeeze", "numel", "dim", "is_floating_point",
+             "unbind", "__getitem__", "detach", "size", "__len__", "device", "dtype"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name not in self.VIEWS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _accelerator_values(g, k, shape=(24, 40)):
+    values = {f"v{i}": torch.randn(*shape, generator=g) * 10.0 ** (i - 2) for i in range(k)}
+    values["v0"].view(-1)[3] = float("nan")
+    values["v1"].view(-1)[5] = float("inf")
+    return values
+
+
+@pytest.mark.parametrize("locate", [False, True])
+def test_values_of_one_call_on_an_accelerator_take_the_kernels_of_one_and_the_same_rows(
+        locate):
+    """On a device a call's values of one dtype and shape are summarised stacked: the
+    launches of one value for all of them (a launch costs a device more than its work
+    on a batch's tensors), and each row (and where its min and max lie) what the value
+    summarised alone gives."""
+    from metricsvc.client.extremes import summarize_located
+
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(24, 40, generator=g) < 0.7
+    ids = torch.arange(24) + 100
+
+    def run(values):
+        with accelerator_path_on_cpu(), torch.no_grad(), _DataOps() as ops:
+            if locate:
+                rows, sources = summarize_located(values, mask, ids)
+            else:
+                rows, sources = summarize_many(values, mask), {}
+        return rows, sources, ops.calls
+
+    values = _accelerator_values(g, 8)
+    rows, sources, calls = run(values)
+    for key, value in values.items():
+        alone, alone_sources, one = run({key: value})
+        np.testing.assert_allclose(rows[key].numpy(), alone[key].numpy(), rtol=1e-15,
+                                   atol=0, err_msg=key)
+        if locate:
+            np.testing.assert_array_equal(sources[key].numpy(), alone_sources[key].numpy())
+    # + the stack of the values (and, located, of where their min and max lie)
+    assert len(calls) <= len(one) + 1 + locate, (len(calls), len(one))
+    valid = [v.double().numpy()[mask.numpy()] for v in values.values()]
+    for key, v in zip(values, valid):
+        v = v[np.isfinite(v)]
+        assert rows[key][COUNT] == v.size and rows[key][MIN] == v.min()
+        np.testing.assert_allclose(rows[key][SUM] + rows[key][SUM_LO], math.fsum(v),
+                                   rtol=1e-15)
+
+
+def test_a_calls_device_values_group_by_dtype_and_length_and_large_ones_in_bounded_stacks(
+        monkeypatch):
+    """Values of other dtypes or lengths are summarised apart; a stack holds at most
+    STACK_MAX values (the float64 scratch of a kernel stays bounded): the rows are each
+    value's alone either way."""
+    import importlib
+
+    device = importlib.import_module("metricsvc.client.device")
+    g = torch.Generator().manual_seed(6)
+    values = {**_accelerator_values(g, 5),
+              "half": torch.randn(24, 40, generator=g).to(torch.bfloat16),
+              "ints": torch.randint(-5, 5, (24, 40), generator=g),
+              "flags": torch.rand(24, 40, generator=g) < 0.5}
+    mask = torch.rand(24, 40, generator=g) < 0.6
+    with accelerator_path_on_cpu():
+        whole = summarize_many(values, mask)
+        monkeypatch.setattr(device, "STACK_MAX", 2 * 24 * 40)  # two values per stack
+        bounded = summarize_many(values, mask)
+        alone = {key: summarize_many({key: v}, mask)[key] for key, v in values.items()}
+    for key in values:
+        for rows in (whole, bounded):
+            np.testing.assert_allclose(rows[key].numpy(), alone[key].numpy(), rtol=1e-15,
+                                       atol=0, err_msg=key)
+
+
+def test_keys_recorded_again_on_an_accelerator_merge_with_the_kernels_of_one_merge():
+    """A call's keys recorded again in the step (micro-batches) merge on the device in one
+    stacked merge, whatever their number: the records those of the whole data."""
+    g = torch.Generator().manual_seed(8)
+    micro = [(_accelerator_values(g, 8), torch.rand(24, 40, generator=g) < 0.7)
+             for _ in range(2)]
+
+    def again(keys):
+        buf = RecordBuffer()
+        with accelerator_path_on_cpu(), torch.no_grad():
+            values, mask = micro[0]
+            buf.record({k: values[k] for k in keys}, mask, ReduceType.AVG_MIN_MAX)
+            values, mask = micro[1]
+            with _DataOps() as ops:
+                buf.record({k: values[k] for k in keys}, mask, ReduceType.AVG_MIN_MAX)
+        return buf, ops.calls
+
+    buf, calls = again(list(micro[0][0]))
+    _, one = again(["v0"])
+    assert len(calls) <= len(one) + 3, (len(calls), len(one))  # + the stacks of the rows
+    batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    for key, row in zip(batch.keys, batch.data):
+        v = np.concatenate([vals[key].double().numpy()[m.numpy()] for vals, m in micro])
+        v = v[np.isfinite(v)]
+        assert row[COUNT] == v.size and row[MIN] == v.min() and row[MAX] == v.max(), key
+        np.testing.assert_allclose(row[SUM] + row[SUM_LO], math.fsum(v), rtol=1e-15)
+
+
+def test_single_numbers_on_an_accelerator_are_their_own_rows_in_a_few_launches():
+    """Values of one number each (a loss, a token count as a 0-d device tensor) are rows in
+    a handful of whole-tensor ops, whatever their count: the same rows as the host's, with
+    a masked-out or non-finite number the empty record (counted when not finite)."""
+    import importlib
+
+    device = importlib.import_module("metricsvc.client.device")
+    values = {"loss": torch.tensor(0.25), "tokens": torch.tensor([512.0]),
+              "nan": torch.tensor(float("nan")), "inf": torch.tensor([float("inf")]),
+              "neg": torch.tensor(-3.5, dtype=torch.float64), "int": torch.tensor(7)}
+    host = summarize_many(values)
+    with accelerator_path_on_cpu(), torch.no_grad(), _DataOps() as ops:
+        on_device = summarize_many(values)
+    for key, row in on_device.items():
+        np.testing.assert_array_equal(row.numpy(), np.asarray(host[key]), err_msg=key)
+    assert len(ops.calls) <= 30, ops.calls  # few launches, not ~150 per group
+    masked = torch.tensor([False])
+    with accelerator_path_on_cpu():
+        row = summarize_many({"x": torch.tensor([2.0])}, masked)["x"]
+        eager = device._MaskPack(masked, torch.tensor([[2.0]])).row(torch.tensor([[2.0]]))[0]
+    np.testing.assert_array_equal(row.numpy(), eager.numpy())
+    assert row[COUNT] == 0 and row[MIN] == math.inf

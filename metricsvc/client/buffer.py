@@ -24,7 +24,7 @@ from metricsvc.client.names import ExportedNames
 from metricsvc.client.summarize import (
     add_sketches,
     element_rows,
-    merge_rows,
+    merge_rows_on_device,
     sketch,
     summarize,
     summarize_many,
@@ -55,6 +55,14 @@ def _merge_on_host(pairs: list[tuple[_Entry, np.ndarray, np.ndarray]]) -> None:
     if pairs:
         merged = merge(np.array([a for _, a, _ in pairs]), np.array([b for _, _, b in pairs]))
         for (entry, _, _), row in zip(pairs, merged):
+            entry.row = row
+
+
+def _merge_on_device(pairs: list[tuple[_Entry, Row, Row]]) -> None:
+    """Merge each ``(entry, its row, a row recorded again)``, either on a device, where the
+    device row is: one stacked merge per device (``merge_rows_on_device``)."""
+    if pairs:
+        for (entry, _, _), row in zip(pairs, merge_rows_on_device([(a, b) for _, a, b in pairs])):
             entry.row = row
 
 
@@ -233,12 +241,11 @@ class RecordBuffer:
         for key in rows:
             held = code_of(entries.get(key), key)
             if held is not None and held != code:
-                raise ValueError(
-                    f"key {key!r} was recorded as {kind_name(held)} in "
-                    f"{self.label}; recording it as {kind_name(code)} would mix reductions"
-                )
+                raise ValueError(f"key {key!r} was recorded as {kind_name(held)} in {self.label}; "
+                                 f"recording it as {kind_name(code)} would mix reductions")
         self.names.claim(rows, code, self._entries)
         on_host: list[tuple[_Entry, Row, Row]] = []  # the host rows: merged as one
+        on_device: list[tuple[_Entry, Row, Row]] = []  # the rest: one merge per device
         for key, row in rows.items():
             sk = None if sketches is None else sketches[key]
             src = sources.get(key)
@@ -253,7 +260,7 @@ class RecordBuffer:
                                                   entry.calls)
             a, b = _host_view(entry.row), _host_view(row)
             if a is None or b is None:
-                entry.row = merge_rows(entry.row, row)  # on the device: no host copy
+                on_device.append((entry, entry.row, row))  # on the device: no host copy
             else:
                 on_host.append((entry, a, b))
             entry.calls += 1
@@ -261,6 +268,7 @@ class RecordBuffer:
             if sk is not None:
                 entry.sketch = sk if entry.sketch is None else add_sketches(entry.sketch, sk)
         _merge_on_host(on_host)
+        _merge_on_device(on_device)
 
     def keys(self) -> list[str]:
         """Return the keys recorded since the last flush."""

@@ -1,7 +1,8 @@
-"""Summaries on an accelerator: nothing may wait for the device, so small tensors take
-vectorised whole-tensor ops (no ``where``, no ``nonzero``) and large ones one fused kernel
-(``torch.compile`` with dynamic shapes, so batch shapes never recompile), with the eager
-path as fallback."""
+"""Summaries on an accelerator: nothing may wait for the device, and a call's values of
+one dtype and length are summarised stacked, with the launches of one: one fused kernel
+(``torch.compile`` with dynamic shapes, so batch shapes and value counts never recompile),
+or, where it cannot compile (and on the accelerator path on a CPU), vectorised whole-tensor
+ops (no ``where``, no ``nonzero``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from metricsvc.protocol import (
     MIN,
     NFIELDS,
     NONFINITE,
+    SUM,
     SUM_LO,
     centred_exactly,
     from_pivot,
@@ -27,7 +29,6 @@ from metricsvc.protocol import (
 log = logging.getLogger(__name__)
 
 
-COMPILE_MIN_NUMEL = 1 << 16  # below this, kernel launch and guard checks cost more than they save
 _accelerator_path_on_cpu = 0
 
 
@@ -58,8 +59,10 @@ def compile_default() -> bool:
 class _MaskPack:
     """Mask-derived tensors and scratch space shared by every value under one mask.
 
-    The scratch buffers matter on the CPU: fresh multi-MB temporaries per metric
-    cost page faults that dwarf the arithmetic.
+    ``like`` is one flat value ``[N]`` or several stacked ``[K, N]`` (the values of one call
+    under one mask, summarised together: one kernel per step for all of them); the mask is
+    ``[N]`` (one for all) or ``[K, N]`` (one per value). The scratch buffers matter on the
+    CPU: fresh multi-MB temporaries per metric cost page faults that dwarf the arithmetic.
     """
 
     def __init__(self, mask: Any, like: Any) -> None:
@@ -69,13 +72,14 @@ class _MaskPack:
         if mask is None:
             self.weight = None
             self.to_pos = self.to_neg = None
-            self.count = torch.tensor(float(like.numel()), dtype=torch.float64, device=like.device)
+            # a fill on the device, not a copy from the host
+            self.count = torch.full(like.shape[:-1], float(like.shape[-1]),
+                                    dtype=torch.float64, device=like.device)
         else:
             self.weight = mask.to(like.dtype)  # 1.0 valid, 0.0 masked out
             self.to_pos = torch.zeros_like(like).masked_fill_(~mask, _INF)
             self.to_neg = -self.to_pos
-            self.count = mask.sum(dtype=torch.float64)
-
+            self.count = mask.sum(-1, dtype=torch.float64)
 
     def row(self, x: Any, locate: bool = False) -> Any:
         return _eager_row(x, self, locate)
@@ -84,11 +88,13 @@ class _MaskPack:
 def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
     """Summary row from vectorised whole-tensor ops only: no where, no masked_select, no sync.
 
-    Finite-ness comes from ``x - x`` (0, or NaN for NaN/inf); ``nan_to_num``
-    turns excluded positions into values that cannot win a sum, min or max. The
-    deviations from the pivot (the mean, a device scalar) count at valid positions only.
-    ``locate``: return ``(row, where)`` too, ``where`` the flat positions of the min and
-    the max (``argmin`` / ``argmax`` in place of ``amin`` / ``amax``; still no sync).
+    ``x`` is one flat value ``[N]`` (a row ``[NFIELDS]``) or ``K`` stacked ``[K, N]`` (rows
+    ``[K, NFIELDS]``, the same launches as for one). Finite-ness comes from ``x - x`` (0, or
+    NaN for NaN/inf); ``nan_to_num`` turns excluded positions into values that cannot win a
+    sum, min or max. The deviations from the pivot (the mean, a device scalar per value)
+    count at valid positions only. ``locate``: return ``(row, where)`` too, ``where`` the
+    flat positions of the min and the max (``[2]``, or ``[K, 2]``; ``argmin`` / ``argmax``
+    in place of ``amin`` / ``amax``; still no sync).
     """
     torch = _torch()
     s = p.scratch
@@ -96,7 +102,7 @@ def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
     torch.nan_to_num_(s, nan=1.0)  # 1 where x is NaN/inf, else 0
     if p.weight is not None:
         s.mul_(p.weight)
-    nonfinite = s.sum(dtype=torch.float64)
+    nonfinite = s.sum(-1, dtype=torch.float64)
     count = p.count - nonfinite
     if p.weight is None:
         s.copy_(x)
@@ -104,13 +110,13 @@ def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
         torch.mul(x, p.weight, out=s)
     torch.nan_to_num_(s, nan=0.0, posinf=0.0, neginf=0.0)
     z = p.scratch64.copy_(s)  # exact widening
-    plain = z.sum()
+    plain = z.sum(-1)
     pivot = plain / count.clamp(min=1.0)
     valid = torch.sub(x, x, out=s).eq_(0)  # 1 where finite (NaN != 0)
     if p.weight is not None:
         valid.mul_(p.weight)
-    z.sub_(pivot).mul_(valid)
-    d1 = z.sum()
+    z.sub_(pivot.unsqueeze(-1)).mul_(valid)
+    d1 = z.sum(-1)
     q = _norm(z, in_place=True)
     torch.add(x, p.to_pos, out=s) if p.to_pos is not None else s.copy_(x)
     torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF)
@@ -122,80 +128,176 @@ def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
                                        centred_exactly(low, high, pivot))
     row = _row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
                   nonfinite=nonfinite, sum_lo=low_part)
-    return (row, torch.cat([at_low, at_high])) if locate else row
+    return (row, torch.stack([at_low, at_high], -1)) if locate else row
 
 
 def _extreme(s: Any, arg: Any, plain: Any) -> tuple[Any, Any]:
-    """``s``'s extreme as a float64 device scalar, and (with ``arg``) its first flat
-    position as a 1-element tensor: a gather, nothing read back."""
+    """The extreme of ``s`` along its last dimension as float64 on the device, and (with
+    ``arg``) its first flat position there: a gather, nothing read back."""
     torch = _torch()
     if arg is None:
-        return plain(s).to(torch.float64), None
-    at = arg(s).reshape(1)
-    return s.index_select(0, at).reshape(()).to(torch.float64), at
+        return plain(s, -1).to(torch.float64), None
+    at = arg(s, -1)
+    return s.gather(-1, at.unsqueeze(-1)).squeeze(-1).to(torch.float64), at
 
 
 def _norm(dev: Any, in_place: bool = False) -> Any:
-    """``sqrt(sum(dev**2))`` of a float64 tensor, squared at a power-of-2 scale of its
-    largest element (exact): no overflow past 1e154, no underflow below 1e-154, no sync.
-    ``in_place`` scales ``dev`` itself (a scratch buffer) instead of a copy."""
+    """``sqrt(sum(dev**2))`` along the last dimension of a float64 tensor, squared at a
+    power-of-2 scale of its largest element (exact): no overflow past 1e154, no underflow
+    below 1e-154, no sync. ``in_place`` scales ``dev`` itself (a scratch buffer)."""
     torch = _torch()
-    top = dev.abs().amax()
+    top = dev.abs().amax(-1)
     # 2**-exponent of the largest, in two halves: 2**1074 (a subnormal's) is past float64.
     half = torch.where(top > 0, -torch.frexp(top)[1], 0).to(torch.float64) / 2
     up, down = torch.exp2(torch.floor(half)), torch.exp2(torch.ceil(half))
-    scaled = dev.mul_(up).mul_(down) if in_place else dev * up * down
-    return torch.linalg.vector_norm(scaled) / up / down
+    scale_up, scale_down = up.unsqueeze(-1), down.unsqueeze(-1)
+    scaled = dev.mul_(scale_up).mul_(scale_down) if in_place else dev * scale_up * scale_down
+    return torch.linalg.vector_norm(scaled, dim=-1) / up / down
 
 
 def _use_compiled(x: Any, compile: bool | None) -> bool:
-    if x.numel() < COMPILE_MIN_NUMEL or _compile_failed:
+    """Whether ``x`` (one value or stacked ones) takes the fused kernel. On an accelerator
+    it does by default, whatever its size: the eager path's ~150 small launches cost a
+    device more than the kernel's guards and few launches, for a value of 64 elements as
+    for 500,000 (``benchmarks/bench_device``: 1.6 against 0.34 ms on an H200). On the CPU
+    the eager ops measured faster (``benchmarks/bench_summarize``)."""
+    if _compile_failed:
         return False
     if compile is not None:
         return compile
-    # One fused kernel pays on accelerators (one launch instead of ~15); on the CPU the
-    # vectorised eager ops above measured faster (benchmarks/bench_summarize.py).
     return compile_default() and x.device.type != "cpu"
 
 
-def _kernel(x: Any, m: Any, locate: bool = False) -> Any:
-    """Fused summary of a flat tensor: selections in its dtype, sums in float64
-    (``locate``: with the flat positions of its min and max, as ``_eager_row``)."""
+def _kernel(x: Any, m: Any) -> Any:
+    """Fused summaries of ``K`` values ``x`` ``[K, N]`` (float32 or float64) under the mask
+    ``m`` (``[1, N]`` for all, or ``[K, N]``): their rows ``[K, NFIELDS]``, selections in
+    ``x``'s dtype, sums in float64."""
     torch = _torch()
     finite = torch.isfinite(x)
-    use = finite if m is None else m & finite
-    bad = ~finite if m is None else m & ~finite
-    z = torch.where(use, x, 0).to(torch.float64)  # exact: selection, then widening
-    count = use.sum(dtype=torch.float64)
-    plain = z.sum()
-    pivot = plain / count.clamp(min=1.0)
-    dev = torch.where(use, z - pivot, 0.0)
+    use = m & finite
+    low = torch.where(use, x, _INF).amin(-1).to(torch.float64)
+    high = torch.where(use, x, -_INF).amax(-1).to(torch.float64)
+    return _fused_rows(x, m, finite, use, low, high)
+
+
+def _kernel_located(x: Any, m: Any) -> tuple[Any, Any]:
+    """``_kernel``'s rows, and the flat positions of each min and max ``[K, 2]``, found in
+    the pass that finds them (``argmin`` / ``argmax``, then a gather). A kernel of its own:
+    an argmin over a long row parallelises less well than a min."""
+    torch = _torch()
+    finite = torch.isfinite(x)
+    use = m & finite
     lows, highs = torch.where(use, x, _INF), torch.where(use, x, -_INF)
-    if locate:
-        at = torch.stack([lows.argmin(), highs.argmax()])
-        low, high = (t.to(torch.float64) for t in lows.gather(0, at).unbind(0))
-    else:
-        low, high = lows.amin().to(torch.float64), highs.amax().to(torch.float64)
-    total, low_part, root = from_pivot(count, pivot, dev.sum(), _norm(dev), torch, plain,
+    at = torch.stack([lows.argmin(-1), highs.argmax(-1)], -1)
+    low = lows.gather(-1, at[:, :1]).squeeze(-1).to(torch.float64)
+    high = highs.gather(-1, at[:, 1:]).squeeze(-1).to(torch.float64)
+    return _fused_rows(x, m, finite, use, low, high), at
+
+
+def _fused_rows(x: Any, m: Any, finite: Any, use: Any, low: Any, high: Any) -> Any:
+    """The rows of the fused kernels, from each value's valid positions and extremes."""
+    torch = _torch()
+    z = torch.where(use, x, 0).to(torch.float64)  # exact: selection, then widening
+    count = use.sum(-1, dtype=torch.float64)
+    plain = z.sum(-1)
+    pivot = plain / count.clamp(min=1.0)
+    dev = torch.where(use, z - pivot.unsqueeze(-1), 0.0)
+    total, low_part, root = from_pivot(count, pivot, dev.sum(-1), _norm(dev), torch, plain,
                                        centred_exactly(low, high, pivot))
     cols = [total] * NFIELDS
     cols[COUNT], cols[M2_ROOT], cols[SUM_LO] = count, root, low_part
     cols[MIN], cols[MAX] = low, high
-    cols[NONFINITE] = bad.sum(dtype=torch.float64)
-    return (torch.stack(cols), at) if locate else torch.stack(cols)
+    cols[NONFINITE] = (m & ~finite).sum(-1, dtype=torch.float64)
+    return torch.stack(cols, -1)
 
 
-_compiled: Any = None
+_compiled: dict[bool, Any] = {}  # located or not -> its compiled kernel
 _compile_failed = False
 
 
-def _run_compiled(x: Any, m: Any, locate: bool = False) -> Any:
-    global _compiled, _compile_failed
+def _run_compiled(x: Any, m: Any, locate: bool) -> Any:
+    """The fused kernel's answer for ``x`` ``[K, N]`` under ``m`` (``[1, N]`` or ``[K, N]``):
+    the rows, with ``locate`` and where each min and max lies; or None where it cannot be
+    compiled: the caller then takes the eager path, which is always right, as every later
+    call does.
+
+    One form for every call, so that a run compiles few graphs per kernel (dynamic sizes;
+    ``K`` and the mask's rows 1 or more; float32 or float64: six), never more than dynamo
+    keeps per function (8): a value in float16 or bfloat16 arrives widened to float32
+    (exact), and one without a mask with a mask of ones."""
+    global _compile_failed
     try:
-        if _compiled is None:
-            _compiled = _torch().compile(_kernel, dynamic=True, fullgraph=True)
-        return _compiled(x, m, locate)
+        fn = _compiled.get(locate)
+        if fn is None:
+            fn = _compiled[locate] = _torch().compile(
+                _kernel_located if locate else _kernel, dynamic=True, fullgraph=True)
+        return fn(x, m)
     except Exception as err:  # no compiler, unsupported backend: eager is always right
         _compile_failed = True
         log.warning("torch.compile of the summary kernel failed, using eager: %s", err)
-        return _kernel(x, m, locate)
+        return None
+
+
+STACK_MAX = 1 << 24  # values stacked per kernel, at most: a [K, N] float64 scratch of 128 MB
+
+
+def device_rows(values: list[tuple[str, Any]], mask: Any, compile: bool | None, locate: bool,
+                out: dict[str, Any], at: dict[str, Any]) -> None:
+    """Summarise flat device values of one dtype and length under one flat ``mask`` (or
+    None), or each under its own (``mask`` stacked ``[K, N]``), into ``out`` (and, with
+    ``locate``, where each min and max lies into ``at``): stacked ``[K, N]``, so a call's
+    values take the kernels of one (a kernel launch costs a device more than its work on a
+    batch's tensors), at most ``STACK_MAX`` values at a time."""
+    torch = _torch()
+    n = values[0][1].numel()
+    per_mask = mask is not None and mask.dim() == 2
+    fused = _use_compiled(values[0][1], compile)
+    step = max(1, STACK_MAX // n)
+    with torch.no_grad():
+        for first in range(0, len(values), step):
+            chunk = values[first:first + step]
+            m = mask[first:first + step] if per_mask else mask
+            x = chunk[0][1].unsqueeze(0) if len(chunk) == 1 else torch.stack([v for _, v in chunk])
+            if n == 1:  # one number each (a loss, a token count): a row is the number
+                found = _number_rows(x, m, locate)
+            else:
+                found = _fused(x, m, locate) if fused else None
+            if found is None:
+                found = _MaskPack(m, x).row(x, locate)
+            rows, where = found if locate else (found, None)
+            out.update(zip((key for key, _ in chunk), rows.unbind(0)))
+            if locate:
+                at.update(zip((key for key, _ in chunk), where.unbind(0)))
+
+
+def _number_rows(x: Any, m: Any, locate: bool) -> Any:
+    """The rows of ``K`` values of one number each (``x`` ``[K, 1]``, ``m`` None, ``[1]`` or
+    ``[K, 1]``), in a few whole-tensor ops: what the summary of one number is (its sum, a
+    count of 1, its min and max, no spread), or the empty record where it is masked out or
+    not finite (counted as such). With ``locate``, its position: the only one there is."""
+    torch = _torch()
+    v = x.reshape(-1).to(torch.float64)
+    finite = torch.isfinite(v)
+    valid = finite if m is None else finite & m.reshape(-1)
+    bad = ~finite if m is None else ~finite & m.reshape(-1)
+    zero = torch.zeros_like(v)
+    cols = [zero] * NFIELDS
+    cols[SUM] = torch.where(valid, v, 0.0)
+    cols[COUNT] = valid.to(torch.float64)
+    cols[MIN], cols[MAX] = torch.where(valid, v, _INF), torch.where(valid, v, -_INF)
+    cols[NONFINITE] = bad.to(torch.float64)
+    rows = torch.stack(cols, -1)
+    return (rows, torch.zeros((len(v), 2), dtype=torch.int64, device=v.device)) if locate \
+        else rows
+
+
+def _fused(x: Any, m: Any, locate: bool) -> Any:
+    """``_run_compiled`` on ``x`` ``[K, N]`` in its one form (see there)."""
+    torch = _torch()
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    if m is None:
+        m = torch.ones((1, x.shape[-1]), dtype=torch.bool, device=x.device)
+    elif m.dim() == 1:
+        m = m.unsqueeze(0)
+    return _run_compiled(x, m, locate)

@@ -9,7 +9,15 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.summarize import _summaries
-from metricsvc.client.tensors import Difference, MaskCache, Row, _real_dtypes, _torch, is_tensor
+from metricsvc.client.tensors import (
+    Difference,
+    MaskCache,
+    Row,
+    _real_dtypes,
+    _torch,
+    is_tensor,
+    to_device,
+)
 from metricsvc.protocol import MAX_CALL, MAX_ID, MIN_CALL, MIN_ID, NSOURCE, merge_sources
 
 
@@ -29,14 +37,19 @@ def summarize_located(
     ids = _checked_ids(ids, values)
     rows, at = _summaries(values, mask, compile, cache, True)
     sources: dict[str, Row] = {}
+    on_device: dict[tuple, list[str]] = {}  # (device, row length) -> keys: found together
     for key, where in at.items():
         v = values[key].a if isinstance(values[key], Difference) else values[key]
         shape = tuple(v.shape)
         inner = int(np.prod(shape[1:])) if len(shape) > 1 else 1
         if is_tensor(where):
-            sources[key] = _device_sources(where, inner, ids)
+            on_device.setdefault((where.device, inner), []).append(key)
         else:
             sources[key] = _host_sources(where, inner, ids)
+    for (_, inner), keys in on_device.items():
+        where = at[keys[0]] if len(keys) == 1 else _torch().stack([at[k] for k in keys])
+        found = _device_sources(where, inner, ids)
+        sources.update(zip(keys, [found] if len(keys) == 1 else found.unbind(0)))
     return rows, sources
 
 
@@ -80,18 +93,18 @@ def _host_sources(where: tuple[int, int], inner: int, ids: Any) -> np.ndarray:
 
 
 def _device_sources(where: Any, inner: int, ids: Any) -> Any:
-    """The sources row on the device of ``where`` (the flat min and max positions)."""
+    """The sources row on the device of ``where`` (the flat min and max positions, ``[2]``),
+    or the rows ``[K, NSOURCE]`` of ``K`` values' (``[K, 2]``)."""
     torch = _torch()
     rows, cols = torch.div(where, inner, rounding_mode="floor"), where % inner
     if ids is None:
-        ident = torch.full((2,), float("nan"), dtype=torch.float64, device=where.device)
+        ident = torch.full(where.shape, float("nan"), dtype=torch.float64, device=where.device)
     else:
-        if not is_tensor(ids) or ids.device != where.device:
-            ids = torch.as_tensor(ids, device=where.device)  # host -> device, no sync
-        ident = ids.index_select(0, rows).to(torch.float64)
-    zero = torch.zeros(2, dtype=torch.float64, device=where.device)
-    cols8 = torch.stack([ident, zero, rows.to(torch.float64), cols.to(torch.float64)], 1)
-    return cols8.reshape(-1)  # (min's 4 fields, max's 4 fields)
+        ids = to_device(ids, where.device)  # host -> device, no sync
+        ident = ids[rows].to(torch.float64)
+    zero = torch.zeros(where.shape, dtype=torch.float64, device=where.device)
+    cols8 = torch.stack([ident, zero, rows.to(torch.float64), cols.to(torch.float64)], -1)
+    return cols8.flatten(-2)  # (min's 4 fields, max's 4 fields) per value
 
 
 def merge_row_sources(a_row: Row, b_row: Row, a_src: Row | None, b_src: Row | None,
@@ -114,11 +127,9 @@ def merge_row_sources(a_row: Row, b_row: Row, a_src: Row | None, b_src: Row | No
     device = tensors[0].device
 
     def on(x: Any) -> Any:
-        if x is None:
-            x = _unknown_sources()
-        if not is_tensor(x):
-            return torch.as_tensor(x, device=device)
-        return x if x.device == device else x.to(device)
+        if x is None:  # a fill on the device, not a copy from the host
+            return torch.full((NSOURCE,), float("nan"), dtype=torch.float64, device=device)
+        return to_device(x, device)
 
     if b_src is None:
         b_src = on(None)

@@ -32,13 +32,10 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.device import (
-    COMPILE_MIN_NUMEL,
-    _MaskPack,
     _on_host,
-    _run_compiled,
-    _use_compiled,
     accelerator_path_on_cpu,
     compile_default,
+    device_rows,
 )
 from metricsvc.client.host import _HostPass
 from metricsvc.client.tensors import (
@@ -51,6 +48,7 @@ from metricsvc.client.tensors import (
     _real_dtypes,
     _torch,
     is_tensor,
+    to_device,
 )
 from metricsvc.protocol import (
     COUNT,
@@ -87,7 +85,7 @@ def prepare(values: Any, mask: Any = None, *, key: str = "value") -> tuple[Any, 
             )
         if mask is not None:
             if not is_tensor(mask):
-                mask = torch.as_tensor(np.asarray(mask), device=values.device)  # host -> device
+                mask = to_device(mask, values.device)  # host -> device, no sync
             _check_mask(key, mask.shape, mask.dtype == torch.bool, values.shape, mask.dtype)
             if mask.device != values.device:
                 mask = mask.to(values.device)
@@ -153,7 +151,7 @@ def _summaries(values: Mapping[str, Any], mask: Any, compile: bool | None,
     out: dict[str, Row] = {}
     at: dict[str, Any] = {}  # with ``locate``: key -> flat positions of its min and max
     host: dict[str, Any] = {}  # CPU tensors and differences: summarised together
-    packs: dict[Any, Any] = {}
+    device: dict[tuple, list[tuple[str, Any]]] = {}  # same kind of flat values: together
     for key, (v, m) in prepared.items():
         if isinstance(v, Difference):
             if _on_host(v.a, compile):
@@ -171,29 +169,17 @@ def _summaries(values: Mapping[str, Any], mask: Any, compile: bool | None,
         if _on_host(v, compile):
             host[key] = v
             continue
-        torch = _torch()
         x = v.reshape(-1)
         if x.numel() == 0:
             out[key] = _identity_row(x.device)
             continue
         if not x.is_floating_point():
-            x = x.to(torch.float64)  # ints and bools: exact in float64, never in float32
-        flat_mask = None if m is None else m.reshape(-1)
-        with torch.no_grad():
-            if _use_compiled(x, compile):
-                found = _run_compiled(x, flat_mask, locate)
-            else:
-                # Values of one call may differ in shape (without a mask) and in dtype:
-                # a pack is shared only by values it fits.
-                where = (x.dtype, x.device, x.numel())
-                pack = packs.get(where)
-                if pack is None:
-                    pack = packs[where] = _MaskPack(flat_mask, x)
-                found = pack.row(x, locate)
-            if locate:
-                out[key], at[key] = found
-            else:
-                out[key] = found
+            x = x.to(_torch().float64)  # ints and bools: exact in float64, never in float32
+        device.setdefault((x.dtype, x.device, x.numel()), []).append((key, x))
+    for values_of_a_kind in device.values():  # the mask as prepared for their device
+        m = prepared[values_of_a_kind[0][0]][1]
+        device_rows(values_of_a_kind, None if m is None else m.reshape(-1), compile, locate,
+                    out, at)
     if plain:
         out.update(_plain_rows(plain))
     if host:
@@ -270,13 +256,27 @@ def merge_rows(a: Row, b: Row) -> Row:
         return merge(a, b)
     torch = _torch()
     device = a.device if a_t else b.device
-    if not a_t:
-        a = torch.as_tensor(a, device=device)
-    if not b_t:
-        b = torch.as_tensor(b, device=device)
-    elif b.device != device:
-        b = b.to(device)  # device -> device, no host round trip
+    a, b = to_device(a, device), to_device(b, device)  # no sync, no host round trip
     return merge_pair(a, b, torch)
+
+
+def merge_rows_on_device(pairs: Sequence[tuple[Row, Row]]) -> list[Row]:
+    """Merge each ``(a, b)`` (either on a device: a key recorded again) where the device
+    row is, in one stacked merge per device: the kernels of one merge for all of them."""
+    torch = _torch()
+    out: list[Row] = [None] * len(pairs)
+    by_device: dict[Any, list[int]] = {}
+    for i, (a, b) in enumerate(pairs):
+        by_device.setdefault((a if is_tensor(a) else b).device, []).append(i)
+    for device, idx in by_device.items():
+        if len(idx) == 1:
+            out[idx[0]] = merge_rows(*pairs[idx[0]])
+            continue
+        a, b = (torch.stack([to_device(pairs[i][side], device) for i in idx])
+                for side in (0, 1))
+        for i, row in zip(idx, merge_pair(a, b, torch).unbind(0)):
+            out[i] = row
+    return out
 
 
 def add_sketches(a: Any, b: Any) -> Any:
@@ -287,11 +287,10 @@ def add_sketches(a: Any, b: Any) -> Any:
         return merge_sparse([a, b])
     if not is_tensor(a):
         a, b = b, a
-    torch = _torch()
     if not is_tensor(b):
         codes, counts = b
-        slots = torch.as_tensor(np.asarray(codes, dtype=np.int64) + _top(a), device=a.device)
-        return a.index_add(0, slots, torch.as_tensor(counts, device=a.device))
+        slots = to_device(np.asarray(codes, dtype=np.int64) + _top(a), a.device)
+        return a.index_add(0, slots, to_device(counts, a.device))
     return a + (b if b.device == a.device else b.to(a.device))
 
 
@@ -335,8 +334,7 @@ def _device_bounds(spec: SketchSpec, device: Any) -> Any:
     """The bucket boundaries on ``device``, copied there once per accuracy."""
     held = _BOUNDS.get((spec.alpha, device))
     if held is None:
-        held = _BOUNDS[(spec.alpha, device)] = _torch().as_tensor(
-            np.array(spec.bounds), device=device)
+        held = _BOUNDS[(spec.alpha, device)] = to_device(np.array(spec.bounds), device)
     return held
 
 
@@ -369,7 +367,6 @@ def to_host(parts: Sequence[Any]) -> tuple[list[np.ndarray], int]:
 
 
 __all__ = [
-    "COMPILE_MIN_NUMEL",
     "Difference",
     "MaskCache",
     "Row",

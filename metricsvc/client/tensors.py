@@ -151,15 +151,30 @@ def _memory(x: Any) -> tuple:
     return (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
 
 
+def to_device(x: Any, device: Any) -> Any:
+    """Host data (an array, a CPU tensor) on ``device``, without waiting for the device: a
+    CUDA copy leaves from pinned memory, queued behind the device's work (one from pageable
+    memory waits for that work to finish: a sync, which torch's sync debug mode reports).
+    PyTorch keeps the pinned block until the copy is done."""
+    torch = _torch()
+    t = x if is_tensor(x) else torch.as_tensor(np.asarray(x))
+    if t.device == torch.device(device):
+        return t
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _identity_row(device: Any = "cpu") -> Any:
-    return _torch().tensor(IDENTITY, dtype=_torch().float64, device=device)
+    return to_device(np.array(IDENTITY, dtype=np.float64), device)
 
 
 def _row_of(device: Any, **fields: Any) -> Any:
-    """Stack named fields (tensors or floats) into one record row on ``device``, in
-    ``FIELDS`` order (host rows are built by ``host._host_row``)."""
+    """Stack named fields (tensors, one shape, or floats) into record rows on ``device``,
+    in ``FIELDS`` order along the last dimension: one row ``[NFIELDS]`` from 0-d fields,
+    ``[K, NFIELDS]`` from ``[K]`` ones (host rows are built by ``host._host_row``)."""
     torch = _torch()
     cols = [fields[name] for name in FIELDS]
     return torch.stack([c.to(torch.float64) if is_tensor(c)
                         else torch.tensor(float(c), dtype=torch.float64, device=device)
-                        for c in cols])
+                        for c in cols], -1)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.client.device import _on_host
+from metricsvc.client.device import _on_host, device_rows
 from metricsvc.client.host import stacked_rows
 from metricsvc.client.summarize import prepare, summarize_many
 from metricsvc.client.tensors import MaskCache, Row, _numpy_dtypes, _torch, is_tensor
@@ -31,11 +31,34 @@ def summarize_each(values: Mapping[str, tuple[Any, Any]], *, compile: bool | Non
         else:
             vectors.setdefault(pair[0].size, {})[key] = pair
     out: dict[str, Row] = {}
+    on_device: dict[tuple, list[tuple[str, Any, Any]]] = {}  # dtype, device, length -> keys
     for key, (v, m) in rest.items():
-        out[key] = summarize_many({key: v}, m, compile=compile, cache=cache)[key]
+        if is_tensor(v) and v.numel() and not _on_host(v, compile):
+            x = v.reshape(-1)
+            x = x if x.is_floating_point() else x.to(_torch().float64)  # exact
+            on_device.setdefault((x.dtype, x.device, x.numel()), []).append((key, x, m))
+        else:
+            out[key] = summarize_many({key: v}, m, compile=compile, cache=cache)[key]
+    for group in on_device.values():
+        _device_each(group, compile, out)
     for group in vectors.values():
         out.update(_vector_rows(group, compile, cache))
     return {key: out[key] for key in values}  # the caller's order
+
+
+def _device_each(group: list[tuple[str, Any, Any]], compile: bool | None,
+                 out: dict[str, Row]) -> None:
+    """Rows of flat device values of one dtype and length, each under its own mask (None:
+    every position), stacked: the kernels of one value for all of them (``device_rows``)."""
+    masks = [m for _, _, m in group]
+    if all(m is None for m in masks):
+        mask = None
+    else:
+        torch = _torch()
+        x = group[0][1]
+        mask = torch.stack([torch.ones(x.shape, dtype=torch.bool, device=x.device)
+                            if m is None else m.reshape(-1) for m in masks])
+    device_rows([(key, x) for key, x, _ in group], mask, compile, False, out, {})
 
 
 def _host_vector(v: Any, m: Any, compile: bool | None) -> tuple[np.ndarray, Any] | None:
