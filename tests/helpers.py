@@ -114,13 +114,15 @@ def crash(handle) -> None:
 _POOL: list[Any] = []  # this session's RankActors that tests borrow (never killed)
 
 
-def pooled_ranks(worker_name: str, world_size: int, **kwargs: Any) -> list[Any]:
-    """Return ``world_size`` RankActors, each a fresh client of ``worker_name``, reusing the
-    session's: starting a rank's process (and importing torch there) costs more than most
-    tests. A test that kills a rank or places it on a node starts its own."""
-    while len(_POOL) < world_size:
+def pooled_ranks(worker_name: str, count: int, **kwargs: Any) -> list[Any]:
+    """Return ``count`` RankActors, ranks 0 to ``count - 1``, each a fresh client of
+    ``worker_name`` (of a world of ``count`` ranks unless ``world_size=`` says more),
+    reusing the session's: starting a rank's process (and importing torch there) costs more
+    than most tests. A rank a test kills or places on a node is one of its own."""
+    world_size = kwargs.pop("world_size", count)
+    while len(_POOL) < count:
         _POOL.append(RankActor.remote(worker_name, len(_POOL), world_size, **kwargs))
-    ranks = _POOL[:world_size]
+    ranks = _POOL[:count]
     ray.get([a.reset.remote(worker_name, r, world_size, **kwargs) for r, a in enumerate(ranks)],
             timeout=120)
     return ranks

@@ -12,7 +12,7 @@ import ray
 from metricsvc.client import MetricClient
 from metricsvc.storage.journal import read_journal
 from tests import readback
-from tests.helpers import RankActor
+from tests.helpers import RankActor, pooled_ranks
 
 
 def rank_data(seed, step, rank):
@@ -41,9 +41,11 @@ def test_a_dead_rank_makes_later_steps_partial_within_the_timeout(make_worker):
     # rank process the loaded 2-core machine did not run for a second (1 s once published
     # a step without live rank 7 during `make test`). The 8 partial steps after the death
     # wait out their timers side by side: the ranks do not wait for finals.
-    timeout, world, steps, victim = 2.0, 8, 18, 5
+    timeout, world, steps, victim = 2.0, 8, 18, 7
     handle, cfg = make_worker(straggler_timeout_s=timeout)
-    ranks = [RankActor.remote(cfg.name, r, world) for r in range(world)]
+    # the survivors are the session's rank processes (fresh clients); the victim its own
+    ranks = [*pooled_ranks(cfg.name, world - 1, world_size=world),
+             RankActor.remote(cfg.name, victim, world)]
     ray.get([a.run.remote([], flush=False) for a in ranks])  # all started
     alive = list(range(world))
     for step in range(steps):
@@ -71,7 +73,7 @@ def test_a_dead_rank_makes_later_steps_partial_within_the_timeout(make_worker):
 def run_with_optional_kill(make_worker, kill_at):
     world, steps = 4, 30
     handle, cfg = make_worker(sinks={"console": None, "jsonl": {}})
-    ranks = [RankActor.remote(cfg.name, r, world) for r in range(world)]
+    ranks = pooled_ranks(cfg.name, world)  # the session's rank processes, fresh clients
     for step in range(steps):
         refs = [a.run.remote(calls_for(2, step, r)) for r, a in enumerate(ranks)]
         if step == kill_at:
