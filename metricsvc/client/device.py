@@ -292,12 +292,17 @@ def _number_rows(x: Any, m: Any, locate: bool) -> Any:
 
 
 def _fused(x: Any, m: Any, locate: bool) -> Any:
-    """``_run_compiled`` on ``x`` ``[K, N]`` in its one form (see there)."""
+    """``_run_compiled`` on ``x`` ``[K, N]`` in its one form (see there), both inputs tensors
+    of their own: dynamo guards a view on the tensor it views, so a view would compile
+    graphs of its own (one copy of a value costs a device less than a compile)."""
     torch = _torch()
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
+    elif x._is_view():
+        x = x.clone()
     if m is None:
         m = torch.ones((1, x.shape[-1]), dtype=torch.bool, device=x.device)
-    elif m.dim() == 1:
-        m = m.unsqueeze(0)
+    else:
+        m = m.reshape(-1, x.shape[-1])
+        m = m.clone() if m._is_view() else m
     return _run_compiled(x, m, locate)
