@@ -343,17 +343,20 @@ def to_host(parts: Sequence[Any]) -> tuple[list[np.ndarray], int]:
     """Return every part as a float64 numpy array, and the number of device copies made.
 
     Tensor parts are flattened and concatenated per device, then copied with
-    one transfer per device, whatever their number.
+    one transfer per device, whatever their number; a CPU part (the host path's rows) is
+    viewed as it is, unless the CPU stands in for an accelerator (``accelerator_path_on_cpu``).
     """
     torch = _torch()
     tensor = () if torch is None else torch.Tensor  # isinstance(x, ()) is False
     out: list[Any] = [None] * len(parts)
     by_device: dict[Any, list[int]] = {}
     for i, part in enumerate(parts):
-        if isinstance(part, tensor):
-            by_device.setdefault(part.device, []).append(i)
-        else:
+        if not isinstance(part, tensor):
             out[i] = np.asarray(part, dtype=np.float64)
+        elif _on_host(part, None) and part.dtype == torch.float64:
+            out[i] = part.numpy()  # a view: reading the CPU is no copy and no sync
+        else:
+            by_device.setdefault(part.device, []).append(i)
     if by_device:
         for idx in by_device.values():
             flat = torch.cat([parts[i].reshape(-1).to(torch.float64) for i in idx])
