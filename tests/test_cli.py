@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ)
 
 
-def cli(*args, timeout=240):
+def cli(*args, timeout=240, env=None):
     return subprocess.run([sys.executable, "-m", "metricsvc.cli.main", *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=timeout)
+                          capture_output=True, text=True, cwd=ROOT, env=env or ENV,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +100,13 @@ def test_bad_keys_and_bad_yaml_are_clear(journal, tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end_with_progress_and_report(tmp_path):
+def test_demo_runs_end_to_end_with_progress_and_report(tmp_path, joined_env):
+    """On a running cluster (the session's); the demo without one, from a base install,
+    is test_install's."""
     cfg = tmp_path / "demo.yaml"
     cfg.write_text(f"name: cli_demo\nrun:\n  root: {tmp_path}\n  experiment: demo\n"
                    "sinks:\n  console: null\n")
-    out = cli("demo", "--config", cfg, "--workers", "2", "--steps", "3")
+    out = cli("demo", "--config", cfg, "--workers", "2", "--steps", "3", env=joined_env())
     assert out.returncode == 0, out.stderr[-2000:]
     # not a terminal: one line per step, no carriage return gluing log lines together
     assert "\r" not in out.stderr and "[#" not in out.stderr

@@ -1,6 +1,6 @@
 """Every example runs from a fresh checkout and does what its docstring says, on a Ray
 cluster that is already running (the session's; ``make run`` without one is tested in
-test_packaging, the demo in test_cli and test_install)."""
+test_packaging, the demo in test_install, and in test_cli on the session's cluster)."""
 
 import os
 import subprocess
