@@ -259,7 +259,7 @@ def device_rows(values: list[tuple[str, Any]], mask: Any, compile: bool | None, 
             m = mask[first:first + step] if per_mask else mask
             x = chunk[0][1].unsqueeze(0) if len(chunk) == 1 else torch.stack([v for _, v in chunk])
             if n == 1:  # one number each (a loss, a token count): a row is the number
-                found = _number_rows(x, m, locate)
+                found = number_rows(x, m, locate)
             else:
                 found = _fused(x, m, locate) if fused else None
             if found is None:
@@ -270,7 +270,7 @@ def device_rows(values: list[tuple[str, Any]], mask: Any, compile: bool | None, 
                 at.update(zip((key for key, _ in chunk), where.unbind(0)))
 
 
-def _number_rows(x: Any, m: Any, locate: bool) -> Any:
+def number_rows(x: Any, m: Any, locate: bool) -> Any:
     """The rows of ``K`` values of one number each (``x`` ``[K, 1]``, ``m`` None, ``[1]`` or
     ``[K, 1]``), in a few whole-tensor ops: what the summary of one number is (its sum, a
     count of 1, its min and max, no spread), or the empty record where it is masked out or

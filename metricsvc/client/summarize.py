@@ -36,10 +36,10 @@ from metricsvc.client.device import (
     accelerator_path_on_cpu,
     compile_default,
     device_rows,
+    number_rows,
 )
 from metricsvc.client.host import _HostPass
 from metricsvc.client.tensors import (
-    _INF,
     Difference,
     MaskCache,
     Row,
@@ -52,11 +52,6 @@ from metricsvc.client.tensors import (
 )
 from metricsvc.protocol import (
     COUNT,
-    MAX,
-    MIN,
-    NFIELDS,
-    NONFINITE,
-    SUM,
     SketchSpec,
     merge,
     merge_pair,
@@ -234,19 +229,8 @@ def element_rows(values: Any, *, key: str = "value") -> list[Row]:
     values, _ = prepare(values, None, key=key)
     if not is_tensor(values):
         return [scalar_row(float(v)) for v in np.asarray(values, dtype=np.float64).ravel()]
-    torch = _torch()
-    with torch.no_grad():
-        v = values.reshape(-1).to(torch.float64)
-        finite = torch.isfinite(v)
-        zero = torch.zeros_like(v)
-        cols = [zero] * NFIELDS
-        cols[SUM] = torch.where(finite, v, 0.0)
-        cols[COUNT] = finite.double()
-        cols[MIN] = torch.where(finite, v, _INF)
-        cols[MAX] = torch.where(finite, v, -_INF)
-        cols[NONFINITE] = (~finite).double()
-        rows = torch.stack(cols, dim=1)
-    return list(rows.unbind(0))
+    with _torch().no_grad():
+        return list(number_rows(values.reshape(-1, 1), None, False).unbind(0))
 
 
 def merge_rows(a: Row, b: Row) -> Row:
