@@ -79,11 +79,8 @@ def prepare(values: Any, mask: Any = None, *, key: str = "value") -> tuple[Any, 
                 f"value for key {key!r} must be a real tensor, got dtype {values.dtype}"
             )
         if mask is not None:
-            if not is_tensor(mask):
-                mask = to_device(mask, values.device)  # host -> device, no sync
+            mask = to_device(mask, values.device)  # from the host: no sync
             _check_mask(key, mask.shape, mask.dtype == torch.bool, values.shape, mask.dtype)
-            if mask.device != values.device:
-                mask = mask.to(values.device)
             mask = mask.detach()
         return values.detach(), mask
     if mask is None and isinstance(values, numbers.Number):
