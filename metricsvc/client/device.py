@@ -238,6 +238,15 @@ def _run_compiled(x: Any, m: Any, locate: bool) -> Any:
         return None
 
 
+def flat_value(v: Any) -> tuple[tuple, Any]:
+    """A device value flat (ints and bools in float64: exact there, never in float32), and
+    what it is summarised with: the values of one dtype, device and length (``device_rows``)."""
+    x = v.reshape(-1)
+    if not x.is_floating_point():
+        x = x.to(_torch().float64)
+    return (x.dtype, x.device, x.numel()), x
+
+
 STACK_MAX = 1 << 24  # values stacked per kernel, at most: a [K, N] float64 scratch of 128 MB
 
 

@@ -36,6 +36,7 @@ from metricsvc.client.device import (
     accelerator_path_on_cpu,
     compile_default,
     device_rows,
+    flat_value,
     number_rows,
 )
 from metricsvc.client.host import _HostPass
@@ -161,13 +162,11 @@ def _summaries(values: Mapping[str, Any], mask: Any, compile: bool | None,
         if _on_host(v, compile):
             host[key] = v
             continue
-        x = v.reshape(-1)
-        if x.numel() == 0:
-            out[key] = _identity_row(x.device)
+        if v.numel() == 0:
+            out[key] = _identity_row(v.device)
             continue
-        if not x.is_floating_point():
-            x = x.to(_torch().float64)  # ints and bools: exact in float64, never in float32
-        device.setdefault((x.dtype, x.device, x.numel()), []).append((key, x))
+        kind, x = flat_value(v)
+        device.setdefault(kind, []).append((key, x))
     for values_of_a_kind in device.values():  # the mask as prepared for their device
         m = prepared[values_of_a_kind[0][0]][1]
         device_rows(values_of_a_kind, None if m is None else m.reshape(-1), compile, locate,

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.client.device import _on_host, device_rows
+from metricsvc.client.device import _on_host, device_rows, flat_value
 from metricsvc.client.host import stacked_rows
 from metricsvc.client.summarize import prepare, summarize_many
 from metricsvc.client.tensors import MaskCache, Row, _numpy_dtypes, _torch, is_tensor
@@ -34,9 +34,8 @@ def summarize_each(values: Mapping[str, tuple[Any, Any]], *, compile: bool | Non
     on_device: dict[tuple, list[tuple[str, Any, Any]]] = {}  # dtype, device, length -> keys
     for key, (v, m) in rest.items():
         if is_tensor(v) and v.numel() and not _on_host(v, compile):
-            x = v.reshape(-1)
-            x = x if x.is_floating_point() else x.to(_torch().float64)  # exact
-            on_device.setdefault((x.dtype, x.device, x.numel()), []).append((key, x, m))
+            kind, x = flat_value(v)
+            on_device.setdefault(kind, []).append((key, x, m))
         else:
             out[key] = summarize_many({key: v}, m, compile=compile, cache=cache)[key]
     for group in on_device.values():
