@@ -203,6 +203,10 @@ def test_stop_with_a_slow_sink_writes_or_dead_letters_every_step_and_never_close
     slow = health["sinks"]["slow"]
     assert slow["written"] + slow["dead_lettered"] == 6 and slow["dead_lettered"] > 0
     assert health["sinks"]["jsonl"]["written"] == 6
+    # Steps that never reached a sink make it one of the sink errors, with the reason: a
+    # user reading sink_errors after close is not told all went well
+    assert set(health["sink_errors"]) == {"slow"}
+    assert "close gave up" in health["sink_errors"]["slow"]["last_error"]
     folder = Path(health["run_dir"])
     dead = [json.loads(line) for line in (folder / "dead_letter.jsonl").read_text().splitlines()]
     assert sorted(d["step"] for d in dead if d["sink"] == "slow") == \

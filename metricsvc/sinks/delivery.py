@@ -231,6 +231,7 @@ class SinkDelivery:
         _, step, metrics, meta = item
         if visible is None:
             visible = public_metrics(metrics, self.allow_nan)
+        self.stats["last_error"] = error  # why a step did not reach the sink: health shows it
         try:
             self.dead.write(self.name, step, {"metrics": visible, "meta": meta}, error)
             self.stats["dead_lettered"] += 1

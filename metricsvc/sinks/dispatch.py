@@ -135,5 +135,7 @@ class SinkDispatcher:
 
     @property
     def errors(self) -> dict[str, dict[str, Any]]:
-        """Return the records of the sinks that have failed at least once."""
-        return {name: h for name, h in self.health().items() if h["failures"]}
+        """Return the records of the sinks that have failed at least once or that some step
+        did not reach (dead-lettered: a full queue, a close that gave up; or lost)."""
+        return {name: h for name, h in self.health().items()
+                if h["failures"] or h["dead_lettered"] or h["lost"]}
