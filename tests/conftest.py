@@ -165,7 +165,7 @@ def joined_env(ray_cluster):
 @pytest.fixture
 def make_worker(ray_cluster, tmp_path):
     """Return ``make(**config) -> (handle, config)`` creating a uniquely named MetricWorker."""
-    handles = []
+    handles, names = [], []
 
     def make(**overrides):
         n = next(_names)
@@ -181,8 +181,13 @@ def make_worker(ray_cluster, tmp_path):
                 cfg[key] = value
         handle = metricsvc.start_metric_worker(cfg)
         handles.append(handle)
+        names.append(cfg["name"])
         return handle, metricsvc.load_config(cfg)
 
     yield make
+    from metricsvc.service.combiner import stop_combiners
+
     for handle in handles:
         ray.kill(handle)
+    for name in names:  # per-node combiners: a process each, for the whole session
+        stop_combiners(name)

@@ -167,3 +167,31 @@ def test_a_combiner_whose_metric_worker_is_gone_for_good_says_so_at_once(make_wo
         c.wait_submit(timeout_s=60)
     assert time.monotonic() - start < 30
     ray.kill(combiner)
+
+
+def test_stopping_a_per_node_service_ends_the_combiners_it_started(make_worker):
+    """A combiner lives as long as a handle to it: the driver that started them held them
+    after the service was stopped, each a process forwarding to no run (and found again by
+    name, with the old run's config, by a new service of the same name)."""
+    import time
+
+    handle, cfg = make_worker(topology="per_node")
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    names = [combiner_name(cfg.name, node) for node in nodes]
+    for name in names:  # one per node, started with the service
+        ray.get_actor(name, namespace=cfg.namespace)
+    metricsvc.stop_metric_worker(handle)
+    deadline = time.monotonic() + 30
+    left = names
+    while left and time.monotonic() < deadline:
+        left = [n for n in left if _alive_actor(n, cfg.namespace)]
+        time.sleep(0.05)
+    assert not left, f"combiners still alive after stop_metric_worker: {left}"
+
+
+def _alive_actor(name, namespace):
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True

@@ -252,6 +252,21 @@ def start_combiner(config: ConfigSource, label: str, *, node_id: str | None = No
     return handle
 
 
+def stop_combiners(service: str) -> int:
+    """End the combiners this driver started for service ``service`` (its per-node ones and
+    those of ``start_combiner``); return how many. Held here, each would outlive its run
+    as a process forwarding to nothing, and a new service of the same name would find it
+    (by name) with the old run's config."""
+    prefix = combiner_name(service, "")
+    mine = [name for name in _started if name.startswith(prefix)]
+    for name in mine:
+        try:
+            ray.kill(_started.pop(name), no_restart=True)
+        except Exception as err:  # noqa: BLE001  gone already (its node removed, say)
+            log.debug("combiner %s: %s", name, err)
+    return len(mine)
+
+
 def start_node_combiners(cfg: ServiceConfig, node_ids: list[str]) -> dict[str, Any]:
     """Start a combiner on each of ``node_ids`` (all created at once, then waited for) and
     return them by node id. A node that is gone by the time its combiner is placed (an

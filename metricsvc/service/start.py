@@ -152,7 +152,8 @@ def _same_service(handle: Any, cfg: ServiceConfig) -> Any:
 def stop_metric_worker(handle: Any = None, *, name: str | None = None,
                        namespace: str | None = None,
                        timeout_s: float = 120.0) -> dict[str, Any]:
-    """Close every sink (wandb finishes its run), then end the actor; return its last health.
+    """Close every sink (wandb finishes its run), then end the actor and the combiners this
+    driver started for it; return its last health.
 
     The sinks get ``sinks.delivery.close_timeout_s``; a step a sink has not taken by then
     is dead-lettered, and the returned health says so per sink (``dead_lettered``,
@@ -164,6 +165,11 @@ def stop_metric_worker(handle: Any = None, *, name: str | None = None,
     handle = handle or get_metric_worker(name, namespace)
     health = ray_get(handle.close.remote(), timeout=timeout_s)
     ray.kill(handle, no_restart=True)
+    # The combiners this driver started for it (per_node): closed, the service refuses
+    # what they would still forward
+    from metricsvc.service.combiner import stop_combiners
+
+    stop_combiners(health["name"])
     return health
 
 
