@@ -17,10 +17,15 @@ STEPS = 4
 PLACEMENT = {0: "node_a", 1: "node_a", 2: "node_a", 3: "node_b", 4: "node_b"}  # 5 ranks
 
 
-def start_ranks(cfg, placement):
+def start_ranks(cfg, placement, ranks=None):
+    """Rank actors placed on ``placement``'s nodes, clients of ``cfg``'s service (``ranks``:
+    these placed ones again, fresh clients of it: their processes and torch kept)."""
     world = len(placement)
-    ranks = {r: RankActor.options(resources={node: 1}).remote(cfg.name, r, world)
-             for r, node in placement.items()}
+    if ranks is None:
+        ranks = {r: RankActor.options(resources={node: 1}).remote(cfg.name, r, world)
+                 for r, node in placement.items()}
+    else:
+        ray.get([a.reset.remote(cfg.name, r, world) for r, a in ranks.items()])
     # connect(): every rank registered with its combiner before the first step
     ray.get([a.run.remote([("connect", (), {})], flush=False) for a in ranks.values()])
     return ranks
@@ -46,11 +51,9 @@ def test_per_node_combiners_on_real_nodes_equal_flat_bit_for_bit_one_call_per_no
     ranks = start_ranks(flat_cfg, PLACEMENT)
     run_steps(ranks, range(STEPS))
     flat_lines, _ = journal(flat, STEPS - 1)
-    for a in ranks.values():
-        ray.kill(a)
 
     handle, cfg = make_worker(world_size=5, topology="per_node")
-    ranks = start_ranks(cfg, PLACEMENT)
+    ranks = start_ranks(cfg, PLACEMENT, ranks)  # the same processes, on the same nodes
     run_steps(ranks, range(STEPS))
     lines, health = journal(handle, STEPS - 1)
     assert [r["step"] for r in lines] == list(range(STEPS))
