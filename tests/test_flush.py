@@ -188,3 +188,28 @@ def test_log_with_a_step_records_and_closes_it_as_wandb_and_verl_do(make_worker)
         ranks[0].log({"x": 2.0}, step=6)  # step 5's record was never closed
     with pytest.raises(TypeError, match="step must be an int"):
         ranks[0].log({"x": 2.0}, step=-1)
+
+
+def test_answers_read_at_the_next_flush_never_wake_the_sender_thread(make_worker):
+    """The sender thread, once started (an answer not in at a flush), slept on the
+    condition every answer notified: each later flush woke it to find its queue empty, a
+    thread switch per step on the training rank (0.3-0.5 ms of its CPU in a GIL-busy loop)."""
+    handle, cfg = make_worker(world_size=1)
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({"x": 0.0})
+    c.wait_submit()
+    with Paused(handle):  # an answer not in at the next flush: the thread takes it
+        c.submit_metric({"x": 1.0})
+        c.flush()
+        c.submit_metric({"x": 2.0})
+        c.flush()
+    c.wait_acks(timeout_s=30)
+    assert c.sender._thread is not None  # started, idle now
+    woken = c.sender.wakes
+    for step in range(3, 13):  # each answer in before the next flush: read by that flush
+        c.submit_metric({"x": float(step)})
+        c.flush()
+        ray.wait([c.sender._pending[2].ref], timeout=30)
+    c.wait_acks(timeout_s=30)
+    assert c.sender.wakes == woken, c.sender.wakes - woken
+    assert [c.wait_final_res(s, 30)["x"] for s in (0, 3, 12)] == [0.0, 3.0, 12.0]

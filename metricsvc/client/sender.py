@@ -45,12 +45,18 @@ class Sender:
         # Sent but not yet in the service's journal (resent after a restart), and the
         # incarnation last heard from: the restart protocol, shared with the combiner.
         self.outbox = Outbox(max_inflight, label=label)
-        self._cv = threading.Condition()
+        # One lock, two conditions: callers wait on ``_cv`` for answers (``in_flight``
+        # falling), the sender thread on ``_work`` for its queue. An answer read at the
+        # caller's next call (the common case) then wakes no thread.
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
+        self._work = threading.Condition(lock)
         self._send_lock = threading.Lock()  # one delivery at a time: batches stay in order
         self._queue: deque[tuple[Batch, bytes, Any]] = deque()
         self._answers: deque[Answer] = deque()
         self.in_flight = 0  # handed over, not answered yet
         self._thread: threading.Thread | None = None
+        self.wakes = 0  # times the sender thread woke to look at its queue (a cost: counted)
         # The call hand_over made, whose answer nobody waits for yet: (batch, blob, wait)
         self._pending: tuple[Batch, bytes, Any] | None = None
 
@@ -124,7 +130,7 @@ class Sender:
                 self._to_thread((batch, blob, None))
 
     def _to_thread(self, item: tuple[Batch, bytes, Any], first: bool = False) -> None:
-        """Queue ``item`` for the sender thread (started if idle); under ``_cv``."""
+        """Queue ``item`` for the sender thread (started if idle); under the lock."""
         if first:
             self._queue.appendleft(item)
         else:
@@ -133,7 +139,7 @@ class Sender:
             self._thread = threading.Thread(target=self._loop, daemon=True,
                                             name=f"metricsvc-{self.label}-sender")
             self._thread.start()
-        self._cv.notify_all()
+        self._work.notify()
 
     def _settle(self) -> None:
         """Read the answer of the call ``hand_over`` made, here, if it is in and complete
@@ -170,8 +176,8 @@ class Sender:
     def _loop(self) -> None:
         """The sender thread: deliver queued batches one at a time, oldest first."""
         while True:
-            with self._cv:
-                if not self._cv.wait_for(lambda: self._queue, timeout=30.0):
+            with self._work:
+                if not self._work.wait_for(self._has_work, timeout=30.0):
                     self._thread = None  # idle: the next hand-over starts a new one
                     return
                 batch, blob, issued = self._queue[0]
@@ -185,6 +191,10 @@ class Sender:
                 self.in_flight -= 1
                 self._answers.append((batch, ack, error))
                 self._cv.notify_all()
+
+    def _has_work(self) -> bool:
+        self.wakes += 1
+        return bool(self._queue)
 
     def read_answers(self, on_ack: Callable[[dict[str, Any], Batch], None],
                      handed_over: int | None = None) -> list[dict[str, Any]]:
