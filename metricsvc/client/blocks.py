@@ -86,8 +86,10 @@ def columns(entries: list[_Entry], blocks: list[_Block], keys: list,
     """Append the blocks' keys and rows to ``keys`` and ``data`` (after the entries': each
     call's plain numbers in the order recorded, without the keys an entry of their own
     took over); return every key's kind and expected ranks, as the wire's arrays."""
-    kinds = [np.array([e.code for e in entries], dtype=np.int8)]
-    expected = [np.array([e.expected for e in entries], dtype=np.int32)]
+    kinds, expected = [], []
+    if entries or not blocks:
+        kinds.append(np.array([e.code for e in entries], dtype=np.int8))
+        expected.append(np.array([e.expected for e in entries], dtype=np.int32))
     for b in blocks:
         codes = (np.array(b.code, dtype=np.int8) if b.code.__class__ is tuple
                  else np.full(len(b.keys), b.code, dtype=np.int8))
@@ -100,6 +102,8 @@ def columns(entries: list[_Entry], blocks: list[_Block], keys: list,
             codes = codes[b.alive]
         kinds.append(codes)
         expected.append(np.full(len(codes), b.expected, dtype=np.int32))
+    if len(kinds) == 1:
+        return kinds[0], expected[0]
     return np.concatenate(kinds), np.concatenate(expected)
 
 

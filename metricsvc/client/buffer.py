@@ -284,25 +284,32 @@ class RecordBuffer:
         with self.lock:
             held = own_entries(self._entries, self._blocks)
             entries = [e for _, e in held]
-            dense = [i for i, e in enumerate(entries)
-                     if e.sketch is not None and is_tensor(e.sketch)]
-            located = [i for i, e in enumerate(entries) if e.sources is not None]
-            parts, copies = to_host([e.row for e in entries]
-                                    + [entries[i].sketch for i in dense]
-                                    + [entries[i].sources for i in located])
-            self.host_copies += copies
-            k = len(entries)
-            sketches = {i: e.sketch for i, e in enumerate(entries)
-                        if e.sketch is not None and not is_tensor(e.sketch)}
-            sketches.update({i: dense_to_sparse(parts[k + j], self.sketch_spec)
-                             for j, i in enumerate(dense)})
-            start = k + len(dense)
-            extremes = {i: parts[start + j] for j, i in enumerate(located)}
-            keys, data = [k for k, _ in held], [np.reshape(parts[:k], (k, NFIELDS))]
+            keys: list[str] = []
+            data: list[np.ndarray] = []
+            sketches: dict[int, Any] = {}
+            extremes: dict[int, Any] = {}
+            if entries:  # else every key is a block's row (plain numbers only)
+                dense = [i for i, e in enumerate(entries)
+                         if e.sketch is not None and is_tensor(e.sketch)]
+                located = [i for i, e in enumerate(entries) if e.sources is not None]
+                parts, copies = to_host([e.row for e in entries]
+                                        + [entries[i].sketch for i in dense]
+                                        + [entries[i].sources for i in located])
+                self.host_copies += copies
+                k = len(entries)
+                sketches = {i: e.sketch for i, e in enumerate(entries)
+                            if e.sketch is not None and not is_tensor(e.sketch)}
+                sketches.update({i: dense_to_sparse(parts[k + j], self.sketch_spec)
+                                 for j, i in enumerate(dense)})
+                start = k + len(dense)
+                extremes = {i: parts[start + j] for j, i in enumerate(located)}
+                keys, data = [k for k, _ in held], [np.reshape(parts[:k], (k, NFIELDS))]
             kinds, expected = columns(entries, self._blocks, keys, data)
             batch = Batch.build(
                 step=step, rank=rank, world_size=world_size, seq=seq, final=final,
-                keys=keys, data=np.concatenate(data), kinds=kinds, expected=expected,
+                keys=keys, kinds=kinds, expected=expected,
+                data=(data[0] if len(data) == 1 else np.concatenate(data) if data
+                      else np.zeros((0, NFIELDS))),
                 sketches=sketches, sketch_alpha=self.sketch_spec.alpha,
                 derived=self.declarations.take_wire(), extremes=extremes,
             )

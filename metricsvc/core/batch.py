@@ -12,6 +12,21 @@ from metricsvc.core.limits import SKETCH_ALPHA
 from metricsvc.core.records import NFIELDS
 
 
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False  # shared by every batch that has none of these
+    return a
+
+
+_NO_SKETCHES = {
+    "sketch_rows": _frozen(np.zeros(0, dtype=np.int32)),
+    "sketch_offsets": _frozen(np.zeros(1, dtype=np.int64)),
+    "sketch_codes": _frozen(np.zeros(0, dtype=np.int32)),
+    "sketch_counts": _frozen(np.zeros(0, dtype=np.float64)),
+    "extreme_rows": _frozen(np.zeros(0, dtype=np.int32)),
+    "extremes": _frozen(np.zeros((0, NSOURCE), dtype=np.float64)),
+}
+
+
 @dataclass(frozen=True)
 class Batch:
     """One rank's contribution to one step, columnar: no per-key objects cross the wire.
@@ -64,11 +79,23 @@ class Batch:
         ``sketches`` maps a key's row to its sparse ``(codes, counts)`` buckets,
         ``extremes`` a key's row to where its min and max came from (``core.extremes``).
         """
-        held = sorted(extremes or {})
         k = len(keys)
-        rows = sorted(sketches or {})
-        parts = [sketches[r] for r in rows] if sketches else []
-        sizes = [len(p[0]) for p in parts]
+        columns = dict(_NO_SKETCHES)  # most batches: no sketch, no located extremes
+        if sketches:
+            rows = sorted(sketches)
+            parts = [sketches[r] for r in rows]
+            columns.update(
+                sketch_rows=np.asarray(rows, dtype=np.int32),
+                sketch_offsets=np.concatenate(
+                    [[0], np.cumsum([len(p[0]) for p in parts])]).astype(np.int64),
+                sketch_codes=np.concatenate([p[0] for p in parts]).astype(np.int32),
+                sketch_counts=np.concatenate([p[1] for p in parts]).astype(np.float64))
+        if extremes:
+            held = sorted(extremes)
+            columns.update(
+                extreme_rows=np.asarray(held, dtype=np.int32),
+                extremes=np.asarray([extremes[r] for r in held],
+                                    dtype=np.float64).reshape(len(held), NSOURCE))
         return cls(
             step=int(step),
             rank=int(rank),
@@ -79,17 +106,9 @@ class Batch:
             data=np.ascontiguousarray(data, dtype=np.float64).reshape(k, NFIELDS),
             kinds=np.asarray(kinds, dtype=np.int8).reshape(k),
             expected=np.asarray(expected, dtype=np.int32).reshape(k),
-            sketch_rows=np.asarray(rows, dtype=np.int32),
-            sketch_offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-            sketch_codes=np.concatenate([np.zeros(0), *[p[0] for p in parts]]).astype(np.int32),
-            sketch_counts=np.concatenate([np.zeros(0), *[p[1] for p in parts]]).astype(
-                np.float64
-            ),
             sketch_alpha=float(sketch_alpha),
             derived=bytes(derived),
-            extreme_rows=np.asarray(held, dtype=np.int32),
-            extremes=np.asarray([extremes[r] for r in held] if held else np.zeros((0, NSOURCE)),
-                                dtype=np.float64).reshape(len(held), NSOURCE),
+            **columns,
         )
 
     def sketch(self, j: int) -> tuple[np.ndarray, np.ndarray]:

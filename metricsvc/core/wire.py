@@ -47,9 +47,12 @@ def encode(batch: Batch) -> bytes:
     head = _HEADER.pack(batch.step, batch.rank, batch.world_size, batch.seq, batch.final,
                         batch.sketch_alpha, k, s, n, len(keys), len(batch.derived),
                         len(batch.extreme_rows))
-    columns = [np.ascontiguousarray(getattr(batch, name), dtype=dtype).tobytes()
-               for name, dtype, _ in _COLUMNS]
-    return b"".join([head, keys, batch.derived, *columns])
+    parts = [head, keys, batch.derived]
+    for name, dtype, _ in _COLUMNS:
+        column = getattr(batch, name)
+        if len(column):  # most batches carry no sketch and no located extremes
+            parts.append(np.ascontiguousarray(column, dtype=dtype).tobytes())
+    return b"".join(parts)
 
 
 def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, derived_len: int,
