@@ -74,6 +74,28 @@ def _host_view(row: Row) -> np.ndarray | None:
     return row.numpy() if _on_host(row, None) else None
 
 
+def _entry_columns(held: list[tuple[str, _Entry]], spec: Any) -> tuple[list, list, dict,
+                                                                       dict, int]:
+    """The keys, rows (one host copy per device), sparse sketches and extremes' sources of
+    the entries ``held``, and the copies made; nothing for a step of plain numbers only
+    (its blocks hold every key)."""
+    if not held:
+        return [], [], {}, {}, 0
+    entries = [e for _, e in held]
+    dense = [i for i, e in enumerate(entries) if e.sketch is not None and is_tensor(e.sketch)]
+    located = [i for i, e in enumerate(entries) if e.sources is not None]
+    parts, copies = to_host([e.row for e in entries] + [entries[i].sketch for i in dense]
+                            + [entries[i].sources for i in located])
+    k = len(entries)
+    sketches = {i: e.sketch for i, e in enumerate(entries)
+                if e.sketch is not None and not is_tensor(e.sketch)}
+    sketches.update({i: dense_to_sparse(parts[k + j], spec) for j, i in enumerate(dense)})
+    start = k + len(dense)
+    extremes = {i: parts[start + j] for j, i in enumerate(located)}
+    return [key for key, _ in held], [np.reshape(parts[:k], (k, NFIELDS))], sketches, \
+        extremes, copies
+
+
 class RecordBuffer:
     """Keys recorded since the last flush, each one merged record (and sketch) on its device."""
 
@@ -284,26 +306,8 @@ class RecordBuffer:
         with self.lock:
             held = own_entries(self._entries, self._blocks)
             entries = [e for _, e in held]
-            keys: list[str] = []
-            data: list[np.ndarray] = []
-            sketches: dict[int, Any] = {}
-            extremes: dict[int, Any] = {}
-            if entries:  # else every key is a block's row (plain numbers only)
-                dense = [i for i, e in enumerate(entries)
-                         if e.sketch is not None and is_tensor(e.sketch)]
-                located = [i for i, e in enumerate(entries) if e.sources is not None]
-                parts, copies = to_host([e.row for e in entries]
-                                        + [entries[i].sketch for i in dense]
-                                        + [entries[i].sources for i in located])
-                self.host_copies += copies
-                k = len(entries)
-                sketches = {i: e.sketch for i, e in enumerate(entries)
-                            if e.sketch is not None and not is_tensor(e.sketch)}
-                sketches.update({i: dense_to_sparse(parts[k + j], self.sketch_spec)
-                                 for j, i in enumerate(dense)})
-                start = k + len(dense)
-                extremes = {i: parts[start + j] for j, i in enumerate(located)}
-                keys, data = [k for k, _ in held], [np.reshape(parts[:k], (k, NFIELDS))]
+            keys, data, sketches, extremes, copies = _entry_columns(held, self.sketch_spec)
+            self.host_copies += copies
             kinds, expected = columns(entries, self._blocks, keys, data)
             batch = Batch.build(
                 step=step, rank=rank, world_size=world_size, seq=seq, final=final,
