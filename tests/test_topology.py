@@ -171,15 +171,17 @@ def test_a_combiner_whose_metric_worker_is_gone_for_good_says_so_at_once(make_wo
 
 def test_stopping_a_per_node_service_ends_the_combiners_it_started(make_worker):
     """A combiner lives as long as a handle to it: the driver that started them held them
-    after the service was stopped, each a process forwarding to no run (and found again by
-    name, with the old run's config, by a new service of the same name)."""
+    after the service was stopped, each a process forwarding to no run; a new service of
+    the same name found the old ones by name (``get_if_exists``), started for the old
+    run's config, and the first of them died under it (a script run on the old code)."""
     import time
 
-    handle, cfg = make_worker(topology="per_node")
+    from metricsvc.client import MetricClient
+
+    handle, cfg = make_worker(topology="per_node", world_size=1)
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     names = [combiner_name(cfg.name, node) for node in nodes]
-    for name in names:  # one per node, started with the service
-        ray.get_actor(name, namespace=cfg.namespace)
+    old = {ray.get_actor(name, namespace=cfg.namespace)._actor_id for name in names}
     metricsvc.stop_metric_worker(handle)
     deadline = time.monotonic() + 30
     left = names
@@ -187,6 +189,16 @@ def test_stopping_a_per_node_service_ends_the_combiners_it_started(make_worker):
         left = [n for n in left if _alive_actor(n, cfg.namespace)]
         time.sleep(0.05)
     assert not left, f"combiners still alive after stop_metric_worker: {left}"
+    # The next run of the same name gets combiners of its own, with its own config
+    dumped = cfg.model_dump()
+    again = metricsvc.start_metric_worker({**dumped, "run": {**dumped["run"], "trial": "next"}})
+    new = {ray.get_actor(name, namespace=cfg.namespace)._actor_id for name in names}
+    assert not new & old
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({"x": 3.0})
+    c.wait_submit(timeout_s=30)
+    assert ray.get(again.wait_final_res.remote(0, 30)) == {"x": 3.0}
+    metricsvc.stop_metric_worker(again)
 
 
 def _alive_actor(name, namespace):
