@@ -312,8 +312,8 @@ class RecordBuffer:
             batch = Batch.build(
                 step=step, rank=rank, world_size=world_size, seq=seq, final=final,
                 keys=keys, kinds=kinds, expected=expected,
-                data=(data[0] if len(data) == 1 else np.concatenate(data) if data
-                      else np.zeros((0, NFIELDS))),
+                data=data[0] if len(data) == 1 else np.concatenate(
+                    data or [np.zeros((0, NFIELDS))]),  # one block's rows: no copy here
                 sketches=sketches, sketch_alpha=self.sketch_spec.alpha,
                 derived=self.declarations.take_wire(), extremes=extremes,
             )

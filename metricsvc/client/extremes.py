@@ -114,14 +114,12 @@ def merge_row_sources(a_row: Row, b_row: Row, a_src: Row | None, b_src: Row | No
     won by a recording that was not located stays unknown, every field of it (its call
     with it: the service takes a position whole or not at all).
     On the device of either, as ``merge_rows``."""
+    if b_src is not None:  # located: each side carries the call (an unlocated one's do not)
+        b_src = b_src.clone() if is_tensor(b_src) else b_src.copy()
+        b_src[[MIN_CALL, MAX_CALL]] = float(call)
     tensors = [x for x in (a_row, b_row, a_src, b_src) if is_tensor(x)]
     if not tensors:
-        a_src = _unknown_sources() if a_src is None else a_src
-        if b_src is None:  # not located: a side it wins is unknown, its call too
-            b_src = _unknown_sources()
-        else:
-            b_src = b_src.copy()
-            b_src[[MIN_CALL, MAX_CALL]] = call
+        a_src, b_src = (_unknown_sources() if s is None else s for s in (a_src, b_src))
         return merge_sources(a_row, b_row, a_src, b_src)
     torch = _torch()
     device = tensors[0].device
@@ -131,12 +129,7 @@ def merge_row_sources(a_row: Row, b_row: Row, a_src: Row | None, b_src: Row | No
             return torch.full((NSOURCE,), float("nan"), dtype=torch.float64, device=device)
         return to_device(x, device)
 
-    if b_src is None:
-        b_src = on(None)
-    else:
-        b_src = on(b_src).clone()
-        b_src[[MIN_CALL, MAX_CALL]] = float(call)
-    return merge_sources(on(a_row), on(b_row), on(a_src), b_src, torch)
+    return merge_sources(on(a_row), on(b_row), on(a_src), on(b_src), torch)
 
 
 def _unknown_sources() -> np.ndarray:

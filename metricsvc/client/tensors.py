@@ -158,11 +158,12 @@ def to_device(x: Any, device: Any) -> Any:
     PyTorch keeps the pinned block until the copy is done."""
     torch = _torch()
     t = x if is_tensor(x) else torch.as_tensor(np.asarray(x))
-    if t.device == torch.device(device):
+    target = torch.device(device)
+    if t.device == target:
         return t
-    if t.device.type == "cpu" and torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    if t.device.type == "cpu" and target.type == "cuda":
+        return t.pin_memory().to(target, non_blocking=True)
+    return t.to(target)
 
 
 def _identity_row(device: Any = "cpu") -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,19 +12,12 @@ from metricsvc.core.limits import SKETCH_ALPHA
 from metricsvc.core.records import NFIELDS
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False  # shared by every batch that has none of these
-    return a
-
-
-_NO_SKETCHES = {
-    "sketch_rows": _frozen(np.zeros(0, dtype=np.int32)),
-    "sketch_offsets": _frozen(np.zeros(1, dtype=np.int64)),
-    "sketch_codes": _frozen(np.zeros(0, dtype=np.int32)),
-    "sketch_counts": _frozen(np.zeros(0, dtype=np.float64)),
-    "extreme_rows": _frozen(np.zeros(0, dtype=np.int32)),
-    "extremes": _frozen(np.zeros((0, NSOURCE), dtype=np.float64)),
-}
+def _empty(dtype: type, shape: tuple = (0,)) -> Callable[[], np.ndarray]:
+    """A column's default: shared by every batch that carries none (most carry no sketch and
+    no located extremes), so read-only."""
+    a = np.zeros(shape, dtype=dtype)
+    a.flags.writeable = False
+    return lambda: a
 
 
 @dataclass(frozen=True)
@@ -46,15 +39,15 @@ class Batch:
     data: np.ndarray  # [K, NFIELDS] float64
     kinds: np.ndarray  # [K] int8
     expected: np.ndarray  # [K] int32
-    sketch_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    sketch_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
-    sketch_codes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    sketch_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
+    sketch_rows: np.ndarray = field(default_factory=_empty(np.int32))
+    sketch_offsets: np.ndarray = field(default_factory=_empty(np.int64, (1,)))
+    sketch_codes: np.ndarray = field(default_factory=_empty(np.int32))
+    sketch_counts: np.ndarray = field(default_factory=_empty(np.float64))
     sketch_alpha: float = SKETCH_ALPHA
     derived: bytes = b""  # the sender's derived-metric declarations (``declare``), encoded
     # Where some keys' min and max came from (``core.extremes``): key rows, [E, NSOURCE]
-    extreme_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    extremes: np.ndarray = field(default_factory=lambda: np.zeros((0, NSOURCE), dtype=np.float64))
+    extreme_rows: np.ndarray = field(default_factory=_empty(np.int32))
+    extremes: np.ndarray = field(default_factory=_empty(np.float64, (0, NSOURCE)))
 
     @classmethod
     def build(
@@ -80,7 +73,7 @@ class Batch:
         ``extremes`` a key's row to where its min and max came from (``core.extremes``).
         """
         k = len(keys)
-        columns = dict(_NO_SKETCHES)  # most batches: no sketch, no located extremes
+        columns: dict[str, np.ndarray] = {}  # the rest: the empty defaults
         if sketches:
             rows = sorted(sketches)
             parts = [sketches[r] for r in rows]
