@@ -1,8 +1,10 @@
 """Random mixes of what happens to a run, against a plain model of it (issue 35).
 
-Operations: close a step (``wait_submit``, or ``flush`` read back later), ``discard``,
-``rewind``, SIGKILL of the actor (Ray restarts it), a crash and a new driver resuming the
-folder (``resume_from_step``, or ``run.resume`` alone), ``close`` then a resume, and a
+Each run is flat or per node (the rank's batches through its node's combiner). Operations:
+close a step (``wait_submit``, or ``flush`` read back later), ``discard``, ``rewind``,
+SIGKILL of the actor (Ray restarts it), a crash and a new driver resuming the folder
+(``resume_from_step``, or ``run.resume`` alone), ``close`` then a resume,
+``stop_metric_worker`` then a new run of the same name (a folder of its own), and a
 stream window recorded, flushed (across a SIGKILL, too) and exported. After each check
 the journal's latest segment, ``metricsvc report``, TensorBoard (its own reader) and
 ``wait_final`` equal the model: every published step once, with the values recorded for
@@ -49,8 +51,8 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.extremes: dict[int, dict[str, dict]] = {}  # step -> what meta.extremes names
         self.next = 0  # the rank's open step
         self.flushed = False  # flushes whose answers are not read yet
-        self.handle = metricsvc.start_metric_worker(self.cfg)
-        self.client = self._client()
+        self.runs = itertools.count(1)
+        self.handle = None
 
     def _client(self) -> MetricClient:
         return MetricClient(None, rank=0, world_size=1, name=self.name, start_step=self.next)
@@ -76,9 +78,11 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.extremes = {s: e for s, e in self.extremes.items() if s <= to_step}
         self.next = to_step + 1
 
-    @initialize()
-    def start(self) -> None:
-        pass
+    @initialize(topology=st.sampled_from(["flat", "per_node"]))
+    def start(self, topology: str) -> None:
+        self.cfg["topology"] = topology
+        self.handle = metricsvc.start_metric_worker(self.cfg)
+        self.client = self._client()
 
     @rule(value=VALUES, blocking=st.booleans())
     def close_step(self, value: float, blocking: bool) -> None:
@@ -138,6 +142,17 @@ class RunHistoryMachine(RuleBasedStateMachine):
         crash(self.handle)
         self._resume(None)
 
+    @rule()
+    def stop_and_start_anew(self) -> None:
+        """The run ends; the next one of the same name has a folder, and combiners, of its
+        own: nothing of the last one reaches it."""
+        self._settle()
+        metricsvc.stop_metric_worker(self.handle)
+        self.cfg["run"] = {**self.cfg["run"], "trial": f"t{next(self.runs)}"}
+        self.model, self.extremes, self.next = {}, {}, 0
+        self.handle = metricsvc.start_metric_worker(self.cfg)
+        self.client = self._client()
+
     @rule(values=st.lists(VALUES, min_size=1, max_size=4), kill=st.booleans())
     def stream_window(self, values: list[float], kill: bool) -> None:
         self._settle()
@@ -165,7 +180,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         _same({s: f["metrics"] for s, f in finals.items()}, self.model, 1e-9, "wait_final")
         # Where each min and max came from, through every restart, resend and rewind
         assert {s: f["meta"].get("extremes") for s, f in finals.items()} == self.extremes
-        run = Path(self.tmp.name) / "m" / "t"
+        run = Path(self.tmp.name) / "m" / self.cfg["run"]["trial"]
         if not (run / "metrics.jsonl").exists():
             assert not self.model
             return
@@ -176,8 +191,12 @@ class RunHistoryMachine(RuleBasedStateMachine):
         _same(board, self.model, 1e-6, "tensorboard")
 
     def teardown(self) -> None:
+        from metricsvc.service.combiner import stop_combiners
+
         try:
-            ray.kill(self.handle, no_restart=True)
+            if self.handle is not None:
+                ray.kill(self.handle, no_restart=True)
+            stop_combiners(self.name)
         finally:
             self.tmp.cleanup()
 
