@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 import ray
@@ -85,15 +88,71 @@ _controller_cluster: list = []
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "removes_nodes: adds a node to the shared cluster and removes it; runs "
+                   "while no test of another worker does (``pytest_runtest_protocol``)")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         cluster = _start_cluster()
         _controller_cluster.append(cluster)
-        os.environ[_SHARED] = json.dumps({"address": cluster.address, "ports": METRICS_PORTS})
+        locks = tempfile.mkdtemp(prefix="metricsvc-test-locks-")
+        os.environ[_SHARED] = json.dumps({"address": cluster.address, "ports": METRICS_PORTS,
+                                          "locks": locks})
+        _controller_cluster.append(locks)
 
 
 def pytest_unconfigure(config):
     while _controller_cluster:
-        _controller_cluster.pop().shutdown()
+        held = _controller_cluster.pop()
+        if isinstance(held, str):
+            shutil.rmtree(held, ignore_errors=True)
+        else:
+            held.shutdown()
+
+
+# A node a test adds and removes takes down whatever Ray placed on it meanwhile: Ray
+# spreads zero-CPU actors (an example's trainers, a per-node service's combiners) over
+# every node, and another worker's test lost its actors so ("the actor's node was
+# terminated"). Such a test (``removes_nodes``) holds the shared cluster alone: a
+# readers-writer lock between the workers, per test, its module fixtures' setup and
+# teardown included. The turnstile keeps the tests that share from starving it.
+_ALONE: list[bool] = [False]  # whether this worker's running test holds the cluster alone
+LOCK_DEADLINE_S = 300  # as long as a test may run (pytest-timeout), and no longer
+
+
+def _lock(file, mode: int, test: str) -> None:
+    """``flock`` with a deadline: a test waiting on another worker's fails with its name."""
+    import time
+
+    give_up = time.monotonic() + LOCK_DEADLINE_S
+    while True:
+        try:
+            fcntl.flock(file, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"{test}: the shared cluster stayed held by another "
+                                   f"worker's test for {LOCK_DEADLINE_S} s") from None
+            time.sleep(0.05)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    shared = os.environ.get(_SHARED)
+    locks = json.loads(shared).get("locks") if shared else None
+    if not locks:  # one process: nothing runs beside it
+        yield
+        return
+    alone = item.get_closest_marker("removes_nodes") is not None
+    with open(os.path.join(locks, "turnstile"), "a") as turn, \
+            open(os.path.join(locks, "nodes"), "a") as nodes:
+        _lock(turn, fcntl.LOCK_EX, item.nodeid)
+        _lock(nodes, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, item.nodeid)
+        fcntl.flock(turn, fcntl.LOCK_UN)
+        _ALONE[0] = alone
+        try:
+            yield  # closing the file releases its lock
+        finally:
+            _ALONE[0] = False
 
 
 def _joined_cluster(address: str):
@@ -104,6 +163,13 @@ def _joined_cluster(address: str):
     from ray.cluster_utils import Cluster
 
     class Joined(Cluster):
+        def add_node(self, **kwargs):
+            if not _ALONE[0]:
+                raise RuntimeError("a test that adds a node to the shared cluster must be "
+                                   "marked removes_nodes: the node's removal would take "
+                                   "the other worker's actors placed there with it")
+            return super().add_node(**kwargs)
+
         def wait_for_nodes(self, timeout: float = 30) -> None:
             for node in self.worker_nodes:  # the nodes this worker added (the rest run)
                 self._wait_for_node(node, timeout)

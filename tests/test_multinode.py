@@ -74,6 +74,7 @@ def test_per_node_combiners_on_real_nodes_equal_flat_bit_for_bit_one_call_per_no
         ray.kill(a)
 
 
+@pytest.mark.removes_nodes
 def test_a_removed_node_makes_its_ranks_steps_partial_and_the_others_never_notice(
         make_worker, ray_cluster):
     node_c = ray_cluster.add_node(num_cpus=1, resources={"node_c": 1000})
@@ -116,6 +117,7 @@ def test_the_singleton_runs_on_the_node_of_the_driver_that_starts_it(make_worker
     assert nodes == [here] * 5
 
 
+@pytest.mark.removes_nodes
 def test_a_node_removed_while_the_service_starts_gets_no_combiner_and_stops_no_start(
         make_worker, ray_cluster):
     """``per_node`` starts a combiner on each node ``ray.nodes()`` lists; a node an
