@@ -5,6 +5,7 @@ merged; the service keeps finishing steps.
 """
 
 import dataclasses
+import functools
 import time
 import tracemalloc
 import warnings
@@ -310,6 +311,7 @@ HEADER_FIELDS = [  # offset, struct format of each header field of metricsvc.cor
 NASTY = [np.nan, np.inf, -np.inf, 0.0, -0.0, -1.0, 0.5, 1e308, -1e308, 2.0**53, 2.0**60, 5e-324]
 
 
+@functools.lru_cache(maxsize=64)  # bytes: the fuzz test mutates the same one 2000 times
 def base_blob(step, rank, seq):
     """A valid batch with a mean, a sum and a quantile key (and its sketch)."""
     spec = SketchSpec()
