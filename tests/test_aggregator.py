@@ -246,11 +246,24 @@ def test_a_step_with_other_keys_kinds_or_tag_clashes_is_finished_as_a_new_servic
         (int(ReduceType.AVG_MIN_MAX), {"a": 1.0, "acc rate": 1.0, "acc_rate": 2.0}),
         (int(ReduceType.MAX), {"a": 3.0, "acc rate": 1.0, "acc_rate": 2.0}),
         (AUTO, {"a": 1.0, "b/c": 2.0}),  # the clash gone
+        (AUTO, {"a": 1.0, "lat/p95": [3.0, 4.0], "x/max": [1.0, 9.0], "x/min": [2.0, 0.5]}),
+        (AUTO, {"a": 2.0, "lat/p95": [3.5, 4.0], "x/max": [7.0, 9.0], "x/min": [2.0, 0.5]}),
+        (int(ReduceType.SCALAR), {"a": [1.0, 2.0], "lat/p95": 3.0}),  # a mismatch: flagged
+        (int(ReduceType.AVG_MIN_MAX), {"a": [1.0, 2.0], "__x": 3.0}),  # an internal key
     ]
     kept = Aggregator(world_size=1)
+    plans = []  # what the kept aggregator worked out anew: once per new key set
+    make = kept.out._make_plan
+    kept.out._make_plan = lambda keys, codes: plans.append(list(keys)) or make(keys, codes)
+    fields, seen = ("collisions", "extremes", "scalar_mismatch", "approximate"), set()
     for step, (kind, values) in enumerate(steps):
         (got,) = kept.submit(batch(step, 0, world_size=1, kind=kind, **values)).finished
         (want,) = Aggregator(world_size=1).submit(
             batch(0, 0, world_size=1, kind=kind, **values)).finished
         assert got.metrics == want.metrics, step
-        assert got.meta.get("collisions") == want.meta.get("collisions"), step
+        for field in fields:
+            assert got.meta.get(field) == want.meta.get(field), (step, field)
+        seen.update(field for field in fields if got.meta.get(field))
+    assert seen == set(fields)
+    assert len(plans) == len(steps) - 2  # steps 1 and 7 bring the keys of the step before
+    assert [steps[i][0] for i in (6, 7)] == [AUTO, AUTO]

@@ -10,6 +10,7 @@ collisions).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,21 @@ from metricsvc.service.run_declarations import RunDeclarations
 from metricsvc.service.step import PendingStep
 
 
+@dataclass(frozen=True)
+class KeyPlan:
+    """What a step's key set means, worked out once while steps bring the same keys with
+    the same codes (they recur every step): each key's kind, the rows of internal keys,
+    the exported names whose min or max ``meta["extremes"]`` places (public keys, by key:
+    ``(row, ((side, name), ...))``), the rows a kind's own check flags (``Kind.flag``) and
+    the plain keys whose per-rank values cannot merge exactly."""
+
+    kinds: list[ReduceType]
+    internal: list[int]
+    extremes: list[tuple[int, tuple[tuple[str, str], ...]]]
+    flags: list[tuple[int, str, Callable[[np.ndarray], bool]]]
+    approximate: list[str]
+
+
 class StepOutput:
     """Finalise steps for the run: its output rules, renames, kinds and derivations."""
 
@@ -47,7 +63,7 @@ class StepOutput:
         self.resolver = KindResolver(reduce_rules)
         self.rename = Renamer(renames)
         self._tags: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
-        self._held_kinds: tuple = ([], b"", [], [])  # keys, codes, their kinds, internal rows
+        self._held_plan: tuple = ([], b"", None)  # keys, codes, their KeyPlan
         self.deriver = deriver
         self.declarations = declarations
         self.descriptions = Descriptions()
@@ -57,14 +73,29 @@ class StepOutput:
         """Return the kind of each key sent with its wire code."""
         return [self.resolver.resolve(k, int(c)) for k, c in zip(keys, codes)]
 
-    def _kinds(self, keys: list[str], codes: np.ndarray) -> tuple[list[ReduceType], list[int]]:
-        """Each key's kind (``kinds``) and the rows of internal keys, kept while steps
-        bring the same keys with the same codes (they recur every step)."""
-        held = self._held_kinds
-        if held[0] != keys or held[1] != codes.tobytes():
-            held = self._held_kinds = (list(keys), codes.tobytes(), self.kinds(keys, codes),
-                                       internal_rows(keys))
-        return list(held[2]), list(held[3])
+    def plan(self, keys: list[str], codes: np.ndarray) -> KeyPlan:
+        """The ``KeyPlan`` of a step's keys and their wire codes, kept while steps bring the
+        same ones."""
+        held = self._held_plan
+        if held[2] is None or held[0] != keys or held[1] != codes.tobytes():
+            held = self._held_plan = (list(keys), codes.tobytes(), self._make_plan(keys, codes))
+        return held[2]
+
+    def _make_plan(self, keys: list[str], codes: np.ndarray) -> KeyPlan:
+        kinds = self.kinds(keys, codes)
+        internal = internal_rows(keys)
+        left_out = set(internal)
+        extremes = []  # by key: a name two keys export is the first key's (``finalize``)
+        for i in sorted((i for i, kind in enumerate(kinds)
+                         if KINDS[kind].extremes and i not in left_out), key=keys.__getitem__):
+            names = self.rename.exported(keys[i], kinds[i], self.output)
+            sides = KINDS[kinds[i]].extremes
+            extremes.append((i, tuple(zip(sides, names[-len(sides):]))))
+        flags = [(i, flag[0], flag[1]) for i, kind in enumerate(kinds)
+                 if (flag := KINDS[kind].flag) is not None]
+        approximate = [k for k, c in zip(keys, codes.tolist())
+                       if c == AUTO and is_approximate_plain_key(k)]
+        return KeyPlan(kinds, internal, extremes, flags, approximate)
 
     def preview(self, window: Any) -> dict[str, float]:
         """Return what a stream window holds, as metrics (no derivation): what
@@ -125,7 +156,8 @@ class StepOutput:
         return self._tags[1]
 
     def finish(self, p: PendingStep, lagging: list[int]) -> StepResult:
-        kinds, internal = self._kinds(p.keys, p.codes)
+        plan = self.plan(p.keys, p.codes)
+        kinds, internal = plan.kinds, plan.internal
         merged = p.merged()
         collisions: dict[str, list[str]] = {}
         declared = self.declarations.of(p.declared)
@@ -148,8 +180,8 @@ class StepOutput:
         totals = self.deriver.state()
         if totals:
             meta["derived_totals"] = totals
-        meta.update(_anomalies(p, kinds, merged))
-        sources = self.extremes(p, kinds, merged[0], metrics)
+        meta.update(_anomalies(p, plan, merged))
+        sources = self.extremes(p, plan, merged[0], metrics)
         if sources:  # the rank (and sample) each exported min and max came from
             meta["extremes"] = sources
         histograms = self.histograms(p.keys, kinds, merged)
@@ -179,24 +211,20 @@ class StepOutput:
             meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
         return StepResult(p.step, metrics, meta)
 
-    def extremes(self, p: PendingStep, kinds: list[ReduceType], data: np.ndarray,
+    def extremes(self, p: PendingStep, plan: KeyPlan, data: np.ndarray,
                  metrics: Mapping[str, float]) -> dict[str, dict[str, Any]]:
         """Return where each exported min and max came from, by exported name: the rank
         (or the stream) whose record holds it, and, where that rank's client was given
         ``ids=``, the sample's id, its position (``row``, ``col``) and the ``call``."""
-        rows = sorted((i for i, kind in enumerate(kinds)
-                       if KINDS[kind].extremes and not is_internal(p.keys[i])),
-                      key=p.keys.__getitem__)
-        if not rows:  # (a name two keys export is the first key's: ``finalize``)
+        if not plan.extremes:
             return {}
-        found = p.extremes(data)
+        found = {side: (part_of.tolist(), parts, src)
+                 for side, (part_of, parts, src) in zip(SIDE, p.extremes(data))}
         out: dict[str, dict[str, Any]] = {}
-        for i in rows:
-            names = self.rename.exported(p.keys[i], kinds[i], self.output)
-            sides = KINDS[kinds[i]].extremes
-            for side, name in zip(sides, names[-len(sides):]):
-                part_of, parts, src = found[SIDE[side]]
-                if name not in metrics or name in out or part_of[i] < 0:
+        for i, sides in plan.extremes:
+            for side, name in sides:
+                part_of, parts, src = found[side]
+                if part_of[i] < 0 or name in out or name not in metrics:
                     continue
                 part = parts[part_of[i]]
                 where: dict[str, Any] = ({"rank": part.rank} if part.rank is not None
@@ -270,7 +298,7 @@ def internal_rows(keys: list[str]) -> list[int]:
     return [i for i, key in enumerate(keys) if is_internal(key)]
 
 
-def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[str, Any]:
+def _anomalies(p: PendingStep, plan: KeyPlan, merged: tuple) -> dict[str, Any]:
     """Return the meta entries that flag values a user should not trust blindly."""
     data, contributors, _ = merged
     out: dict[str, Any] = {}
@@ -284,11 +312,9 @@ def _anomalies(p: PendingStep, kinds: list[ReduceType], merged: tuple) -> dict[s
     off = np.flatnonzero((contributors != want) & ~p.from_stream)
     if off.size:
         out["contributors"] = {p.keys[i]: [int(contributors[i]), int(want[i])] for i in off}
-    for i, kind in enumerate(kinds):  # what a kind's own check marks (KINDS[kind].flag)
-        flag = KINDS[kind].flag
-        if flag is not None and data[i, COUNT] > 0 and flag[1](data[i]):
-            out.setdefault(flag[0], []).append(p.keys[i])
-    approx = [k for k, c in zip(p.keys, p.codes) if c == AUTO and is_approximate_plain_key(k)]
-    if approx:
-        out["approximate"] = approx
+    for i, name, marks in plan.flags:  # what a kind's own check marks (KINDS[kind].flag)
+        if data[i, COUNT] > 0 and marks(data[i]):
+            out.setdefault(name, []).append(p.keys[i])
+    if plan.approximate:
+        out["approximate"] = list(plan.approximate)
     return out
