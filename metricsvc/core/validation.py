@@ -142,6 +142,8 @@ def _check_records(batch: Batch) -> None:
     non-finite count is such an integer too, a populated row has finite ``min <= max``,
     and an empty row is the identity record.
     """
+    if _plainly_whole(batch.data):
+        return
     cols = np.ascontiguousarray(batch.data.T)
     total, count, low, high = cols[SUM], cols[COUNT], cols[MIN], cols[MAX]
     root, nonfinite, low_part = cols[M2_ROOT], cols[NONFINITE], cols[SUM_LO]
@@ -167,6 +169,26 @@ def _check_records(batch: Batch) -> None:
             raise BatchRejected(
                 f"key {batch.keys[i]!r}: corrupt record {batch.data[i].tolist()} ({rule})"
             )
+
+
+def _plainly_whole(data: np.ndarray) -> bool:
+    """The common batch, checked in a third of the passes ``_check_records`` takes: every
+    count and non-finite count a whole number in [0, 2**53], every row populated with
+    finite ``min <= max``, no ``m2_root`` below 0 and no low part of a sum. False sends
+    the batch through every rule (a weighted count, an empty row, a low part, a fault),
+    to pass or be refused naming its rule."""
+    counts = data[:, _WHOLE_FIELDS]
+    extremes = data[:, _EXTREME_FIELDS]
+    with np.errstate(invalid="ignore"):
+        return bool(
+            ((counts >= 0) & (counts <= MAX_COUNT) & (np.floor(counts) == counts)).all()
+            and (data[:, COUNT] > 0).all() and np.isfinite(extremes).all()
+            and (extremes[:, 0] <= extremes[:, 1]).all()
+            and not (data[:, M2_ROOT] < 0).any() and not data[:, SUM_LO].any())
+
+
+_WHOLE_FIELDS = [COUNT, NONFINITE]
+_EXTREME_FIELDS = [MIN, MAX]
 
 
 def _check_sources(batch: Batch) -> None:

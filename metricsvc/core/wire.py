@@ -38,6 +38,10 @@ _COLUMNS = (  # name, dtype, length as a function of (K, S, N, E)
     ("extreme_rows", np.int32, lambda k, s, n, e: e),
     ("extremes", np.float64, lambda k, s, n, e: e * NSOURCE),
 )
+# The same with each dtype's item size, worked out once (a batch is decoded per rank and step)
+_LAYOUT = tuple((name, np.dtype(dtype), length, np.dtype(dtype).itemsize)
+                for name, dtype, length in _COLUMNS)
+_ALWAYS = ("data", "kinds", "expected")  # every batch has them (K may be 0)
 
 
 def encode(batch: Batch) -> bytes:
@@ -63,7 +67,7 @@ def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, derived_len
     if k > limits.max_keys_per_batch:
         raise BatchRejected(f"batch has {k} keys; the limit is {limits.max_keys_per_batch}")
     size = _HEADER.size + key_len + derived_len + sum(
-        length(k, s, n, e) * np.dtype(dtype).itemsize for _, dtype, length in _COLUMNS)
+        length(k, s, n, e) * itemsize for _, _, length, itemsize in _LAYOUT)
     if size != len(blob):
         raise BatchRejected(
             f"malformed wire batch: its header describes {size} bytes, {len(blob)} came"
@@ -88,11 +92,12 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         pos += key_len
         derived = bytes(blob[pos : pos + derived_len])
         pos += derived_len
-        columns = {}
-        for name, dtype, length in _COLUMNS:
+        columns = {}  # a column a batch does not carry keeps Batch's shared empty default
+        for name, dtype, length, itemsize in _LAYOUT:
             count = length(k, s, n, e)
-            columns[name] = np.frombuffer(blob, dtype=dtype, count=count, offset=pos)
-            pos += count * np.dtype(dtype).itemsize
+            if count or name in _ALWAYS:
+                columns[name] = np.frombuffer(blob, dtype=dtype, count=count, offset=pos)
+                pos += count * itemsize
     except BatchRejected:
         raise
     except (struct.error, ValueError, UnicodeDecodeError) as err:
@@ -100,13 +105,11 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
     if len(keys) != k or pos != len(blob):
         raise BatchRejected(f"malformed wire batch: {len(keys)} keys for {k}, "
                             f"{len(blob) - pos} stray bytes")
-    return Batch(step=step, rank=rank, world_size=world, seq=seq, final=final,
-                 keys=keys, data=columns["data"].reshape(k, NFIELDS), kinds=columns["kinds"],
-                 expected=columns["expected"], sketch_rows=columns["sketch_rows"],
-                 sketch_offsets=columns["sketch_offsets"],
-                 sketch_codes=columns["sketch_codes"], sketch_counts=columns["sketch_counts"],
-                 sketch_alpha=alpha, derived=derived, extreme_rows=columns["extreme_rows"],
-                 extremes=columns["extremes"].reshape(e, NSOURCE))
+    columns["data"] = columns["data"].reshape(k, NFIELDS)
+    if e:
+        columns["extremes"] = columns["extremes"].reshape(e, NSOURCE)
+    return Batch(step=step, rank=rank, world_size=world, seq=seq, final=final, keys=keys,
+                 sketch_alpha=alpha, derived=derived, **columns)
 
 
 def as_batch(item: Batch | bytes, limits: Limits | None = None) -> Batch:
