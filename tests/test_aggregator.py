@@ -5,7 +5,7 @@ import pytest
 
 from metricsvc.core import records
 from metricsvc.core.batch import Batch
-from metricsvc.core.reduce import AUTO, OutputRules, ReduceType
+from metricsvc.core.reduce import AUTO, OutputRules, ReduceType, finalize_columns
 from metricsvc.core.validation import BatchRejected, Limits
 from metricsvc.service.aggregator import Aggregator
 
@@ -267,3 +267,41 @@ def test_a_step_with_other_keys_kinds_or_tag_clashes_is_finished_as_a_new_servic
     assert seen == set(fields)
     assert len(plans) == len(steps) - 2  # steps 1 and 7 bring the keys of the step before
     assert [steps[i][0] for i in (6, 7)] == [AUTO, AUTO]
+
+
+@pytest.mark.parametrize("nonfinite", ["exclude", "propagate"])
+def test_values_read_a_column_at_a_time_equal_the_row_by_row_finalise(nonfinite):
+    """The plain kinds' values come from the merged records a column at a time
+    (``finalize_columns``): the same numbers, in the same order, as ``finalize`` row by
+    row, across magnitudes, renames, internal keys, non-finite values and empty records
+    (which the row-by-row path takes)."""
+    rng = np.random.default_rng(11)
+    agg = Aggregator(renames={"t/": "perf/t/"}, output=OutputRules(nonfinite=nonfinite))
+    out = agg.out
+    plain = [ReduceType.AVG_MIN_MAX, ReduceType.AVG, ReduceType.SUM, ReduceType.MIN,
+             ReduceType.MAX, ReduceType.SCALAR]
+    keys = [f"t/k{i}" for i in range(12)] + ["x/max", "lat/p95", "a/__in"]
+    codes = np.array([int(plain[i % len(plain)]) for i in range(12)] + [AUTO, AUTO, AUTO],
+                     dtype=np.int8)
+    plan = out.plan(keys, codes)
+    assert plan.names is not None and plan.internal == [14]
+    taken = {"columns": 0, "rows": 0}
+    for trial in range(60):
+        rows = []
+        for i in range(len(keys)):
+            scale = 10.0 ** rng.uniform(-300, 300) if trial % 3 == 0 else 10.0 ** rng.uniform(-6, 6)
+            values = rng.normal(loc=rng.choice([0.0, 1e6]), size=rng.integers(1, 9)) * scale
+            if trial % 5 == 1 and i == 3:
+                values[0] = np.nan  # a non-finite value: counted, excluded or propagated
+            rows.append(records.summarize_array(values))
+        if trial % 7 == 2:
+            rows[5] = records.identity(1)[0]  # an empty record
+        data = np.array(rows)
+        merged = (data, np.ones(len(keys), dtype=np.int32), {})
+        fast = out.metrics(merged, keys, plan.kinds, plan.internal, {}, derive=False, plan=plan)
+        slow = out.metrics(merged, keys, plan.kinds, plan.internal, {}, derive=False)
+        assert [(k, repr(v)) for k, v in fast.items()] == [(k, repr(v)) for k, v in slow.items()]
+        assert "a/__in" not in fast and "perf/t/k0/mean" in fast
+        taken["columns" if finalize_columns(data, plan.names, plan.cells, out.output)
+              is not None else "rows"] += 1
+    assert taken["columns"] > 30 and taken["rows"] > 5  # both paths were compared

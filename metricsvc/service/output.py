@@ -23,11 +23,13 @@ from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM
 from metricsvc.core.reduce import (
     AUTO,
     KINDS,
+    VALUE_COLUMNS,
     KindResolver,
     OutputRules,
     ReduceType,
     Renamer,
     finalize,
+    finalize_columns,
     is_approximate_plain_key,
 )
 from metricsvc.core.sketch import histogram
@@ -43,14 +45,18 @@ class KeyPlan:
     """What a step's key set means, worked out once while steps bring the same keys with
     the same codes (they recur every step): each key's kind, the rows of internal keys,
     the exported names whose min or max ``meta["extremes"]`` places (public keys, by key:
-    ``(row, ((side, name), ...))``), the rows a kind's own check flags (``Kind.flag``) and
-    the plain keys whose per-rank values cannot merge exactly."""
+    ``(row, ((side, name), ...))``), the rows a kind's own check flags (``Kind.flag``), the
+    plain keys whose per-rank values cannot merge exactly, and, where every public key's
+    kind reads its values from columns (``VALUE_COLUMNS``) and no two export one name, the
+    exported names and the cell each is read from (``finalize_columns``; else None)."""
 
     kinds: list[ReduceType]
     internal: list[int]
     extremes: list[tuple[int, tuple[tuple[str, str], ...]]]
     flags: list[tuple[int, str, Callable[[np.ndarray], bool]]]
     approximate: list[str]
+    names: list[str] | None = None
+    cells: list[tuple[str | int, int]] | None = None
 
 
 class StepOutput:
@@ -95,7 +101,22 @@ class StepOutput:
                  if (flag := KINDS[kind].flag) is not None]
         approximate = [k for k, c in zip(keys, codes.tolist())
                        if c == AUTO and is_approximate_plain_key(k)]
-        return KeyPlan(kinds, internal, extremes, flags, approximate)
+        names: list[str] | None = []
+        cells: list[tuple[str | int, int]] = []
+        for i, (key, kind) in enumerate(zip(keys, kinds)):
+            if i in left_out:
+                continue
+            columns = VALUE_COLUMNS.get(kind)
+            exported = self.rename.exported(key, kind, self.output) if columns else ()
+            if columns is None or len(columns) != len(exported):
+                names = None  # a sketch, a std: worked out row by row
+                break
+            names.extend(exported)
+            cells.extend((column, i) for column in columns)
+        if names is not None and len(set(names)) != len(names):
+            names = None  # two keys export one name: ``finalize`` keeps the first key's
+        return KeyPlan(kinds, internal, extremes, flags, approximate, names,
+                       cells if names is not None else None)
 
     def preview(self, window: Any) -> dict[str, float]:
         """Return what a stream window holds, as metrics (no derivation): what
@@ -106,7 +127,8 @@ class StepOutput:
 
     def metrics(self, merged: tuple, keys: list[str], kinds: list[ReduceType],
                  internal: list[int], declared: Mapping[str, Any], derive: bool = True,
-                 collisions: dict[str, list[str]] | None = None) -> dict[str, float]:
+                 collisions: dict[str, list[str]] | None = None,
+                 plan: KeyPlan | None = None) -> dict[str, float]:
         """Finalise the public keys; evaluate the ``declared`` derived metrics over every
         record (the ``internal`` ones are their inputs only).
 
@@ -115,23 +137,11 @@ class StepOutput:
         """
         data, _, sketches = merged
         collisions = {} if collisions is None else collisions
-        # the public keys: all but the internal ones
-        public_keys, public_kinds, public_data, public_sketches = keys, kinds, data, sketches
-        if internal:
-            left_out = set(internal)
-            public = [i for i in range(len(keys)) if i not in left_out]
-            public_keys, public_kinds = [keys[i] for i in public], [kinds[i] for i in public]
-            public_data = data[public]
-            public_sketches = {j: sketches[i] for j, i in enumerate(public) if i in sketches}
-        metrics = finalize(
-            public_keys,
-            public_kinds,
-            public_data,
-            sketches=public_sketches,
-            rules=self.output,
-            rename=self.rename,
-            collisions=collisions,
-        )
+        metrics = None
+        if plan is not None and plan.names is not None:  # values a column at a time
+            metrics = finalize_columns(data, plan.names, plan.cells, self.output)
+        if metrics is None:
+            metrics = self._finalized(keys, kinds, data, sketches, internal, collisions)
         if derive:
             derived = self.deriver.derive(declared, keys, kinds, data, self.output)
             for key, value in derived.items():
@@ -143,6 +153,28 @@ class StepOutput:
         for tag, names in self._tag_collisions(tuple(metrics)).items():
             collisions[tag] = list(names)
         return metrics
+
+    def _finalized(self, keys: list[str], kinds: list[ReduceType], data: np.ndarray,
+                   sketches: Mapping[int, Any], internal: list[int],
+                   collisions: dict[str, list[str]]) -> dict[str, float]:
+        """The public keys finalised row by row (``finalize``)."""
+        # the public keys: all but the internal ones
+        public_keys, public_kinds, public_data, public_sketches = keys, kinds, data, sketches
+        if internal:
+            left_out = set(internal)
+            public = [i for i in range(len(keys)) if i not in left_out]
+            public_keys, public_kinds = [keys[i] for i in public], [kinds[i] for i in public]
+            public_data = data[public]
+            public_sketches = {j: sketches[i] for j, i in enumerate(public) if i in sketches}
+        return finalize(
+            public_keys,
+            public_kinds,
+            public_data,
+            sketches=public_sketches,
+            rules=self.output,
+            rename=self.rename,
+            collisions=collisions,
+        )
 
     def _tag_collisions(self, names: tuple[str, ...]) -> dict[str, list[str]]:
         """``{sink tag: the names sinks that sanitise names would merge under it}``, the
@@ -162,7 +194,7 @@ class StepOutput:
         collisions: dict[str, list[str]] = {}
         declared = self.declarations.of(p.declared)
         metrics = self.metrics(merged, p.keys, kinds, internal, declared,
-                                collisions=collisions)
+                                collisions=collisions, plan=plan)
         partial = not p.complete
         meta: dict[str, Any] = {
             "partial": partial,
