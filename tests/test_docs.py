@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_scripts
+
 ROOT = Path(__file__).resolve().parent.parent
 # docs/index.md is the README itself on the site (docs/hooks.py): counted once, as README
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md")
@@ -28,25 +30,16 @@ def test_every_python_block_of_every_page_runs_as_pasted(tmp_path, joined_env):
     assert len(BLOCKS) >= 8 and {page for page, _ in BLOCKS} >= {
         "README.md", "docs/migration/siirl.md", "docs/migration/verl.md",
         "docs/migration/areal.md"}
-    running = []  # as from a checkout, each in its own folder under tmp_path, all at once
+    commands = {}  # as from a checkout, each in its own folder under tmp_path
     for index, (_, block) in enumerate(BLOCKS):
         where = tmp_path / f"block_{index}"
         where.mkdir()
         (where / "block.py").write_text(block)
-        running.append(subprocess.Popen([sys.executable, "block.py"], cwd=where,
-                                        env=joined_env(PYTHONPATH=str(ROOT)),
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True))
-    failed = []
-    for (page, block), proc in zip(BLOCKS, running):
-        try:
-            _, err = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-            err += "\n(timed out after 240 s)"
-        if proc.returncode != 0:
-            failed.append(f"{page}:\n{block[:200]}...\n{err[-2000:]}")
+        commands[index] = ([sys.executable, "block.py"],
+                           {"cwd": where, "env": joined_env(PYTHONPATH=str(ROOT))})
+    done = run_scripts(commands, timeout_s=240)
+    failed = [f"{page}:\n{block[:200]}...\n{done[index][2][-2000:]}"
+              for index, (page, block) in enumerate(BLOCKS) if done[index][0] != 0]
     assert not failed, "\n\n".join(failed)
 
 

@@ -3,11 +3,12 @@ cluster that is already running (the session's; ``make run`` without one is test
 test_packaging, the demo in test_install, and in test_cli on the session's cluster)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_scripts
 
 pytestmark = pytest.mark.slow  # subprocesses
 
@@ -18,7 +19,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
     p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 
 
-RUNS = {  # name: (script, arguments); each runs in its own folder, all at once
+RUNS = {  # name: (script, arguments); each runs in its own folder, beside the others
     "ppo": ("ppo_loop.py", "--steps", "3", "--val-every", "2"),
     "siirl": ("siirl_migration.py",),
     "areal": ("areal_migration.py",),
@@ -30,26 +31,17 @@ RUNS = {  # name: (script, arguments); each runs in its own folder, all at once
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory, joined_env):
-    """Start every example at once, each joining the session's cluster (as ``ray.init()``
-    does where a cluster runs), each in a namespace of its own."""
-    running = {}
+    """Run every example (a few at a time: ``helpers.run_scripts``), each joining the
+    session's cluster (as ``ray.init()`` does where a cluster runs), each in a namespace of
+    its own."""
+    commands = {}
     for name, (script, *args) in RUNS.items():
         tmp = tmp_path_factory.mktemp(name)
         (tmp / "q.yaml").write_text(f"name: q\nrun:\n  root: {tmp}\nsinks:\n  console: null\n")
-        running[name] = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / script),
-             *(a.format(tmp=tmp) for a in args)],
-            cwd=tmp, env=joined_env(PYTHONPATH=ENV["PYTHONPATH"]),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    done = {}
-    for name, proc in running.items():
-        try:
-            out, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        done[name] = (proc.returncode, out, err)
-    return done
+        commands[name] = ([sys.executable, str(ROOT / "examples" / script),
+                           *(a.format(tmp=tmp) for a in args)],
+                          {"cwd": tmp, "env": joined_env(PYTHONPATH=ENV["PYTHONPATH"])})
+    return run_scripts(commands, timeout_s=300)
 
 
 def run(outputs, name):
