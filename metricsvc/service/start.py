@@ -74,16 +74,14 @@ def start_metric_worker(
     if not Path(cfg.run.root).is_absolute():  # the driver's folder, not the cluster's cwd
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(
             update={"root": str(Path(cfg.run.root).resolve())})})
-    try:
-        running = ray.get_actor(cfg.name, namespace=cfg.namespace)
-    except ValueError:  # none runs yet: a new run, whose folder must be its own
-        if cfg.run.trial is not None:
-            if not cfg.run.resume:
-                run_dir = cfg.run.run_dir().resolve()
-                check_run_dir(run_dir, journal_file(run_dir, cfg.sinks))
-            _probe(cfg)
-    else:
-        return _same_service(running, cfg)
+    running = _running(cfg)
+    if running is not None:
+        return running
+    if cfg.run.trial is not None:  # none runs: a new run, whose folder must be its own
+        if not cfg.run.resume:
+            run_dir = cfg.run.run_dir().resolve()
+            check_run_dir(run_dir, journal_file(run_dir, cfg.sinks))
+        _probe(cfg)
     if cfg.run.trial is None:
         # Fixed here, not in the actor: a restarted actor must find the same run folder.
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"trial": new_trial()})})
@@ -111,6 +109,27 @@ def start_metric_worker(
     # a driver that ends without close() must not lose what the sinks buffer.
     atexit.register(_close_at_exit, handle)
     return handle
+
+
+def _running(cfg: ServiceConfig, grace_s: float = 30.0) -> Any:
+    """The service of ``cfg``'s name that runs ``cfg`` (``_same_service``), or None where
+    none runs. A service that ended a moment ago (``stop_metric_worker``, a kill) may
+    still hold its name while Ray lets it go: that is waited out, for ``grace_s``, and is
+    no service (a start right after a stop raised Ray's ActorDiedError so)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            handle = ray.get_actor(cfg.name, namespace=cfg.namespace)
+        except ValueError:
+            return None
+        try:
+            return _same_service(handle, cfg)
+        except ray.exceptions.ActorDiedError:
+            if time.monotonic() >= deadline:
+                raise ValueError(f"the MetricWorker named {cfg.name!r} in namespace "
+                                 f"{cfg.namespace!r} has ended, but Ray still holds its "
+                                 f"name after {grace_s} s") from None
+            time.sleep(0.05)
 
 
 def _probe(cfg: ServiceConfig, grace_s: float = 2.0) -> None:
