@@ -6,9 +6,11 @@ actor calls per step, the latency from the last rank's flush to the final result
 (p50/p95), and the actor's CPU time per batch (process time inside the actor), with
 ratios against ours measured in the same run. ``ours`` closes a step with ``flush()``
 (the ack is read at the next step), ``ours_wait`` with the blocking ``wait_submit()``.
-``siirl1`` is siiRL's one-call pattern on its actor path (a queue, a processing loop,
-per-key lists of Metric objects: ``baselines/siirl_actor.py``); ``siirl`` its four-call
-pattern with the per-key lists reduced inline (``baselines/siirl_style.py``).
+Each pattern first runs ``WARMUP`` steps that no figure counts (a sink opening, a key
+set's first merge). ``siirl1`` is siiRL's one-call pattern on its actor path (a queue, a
+processing loop, per-key lists of Metric objects: ``baselines/siirl_actor.py``);
+``siirl`` its four-call pattern with the per-key lists reduced inline
+(``baselines/siirl_style.py``).
 
     python -m benchmarks.bench_rpc [--worlds 4 16] [--keys 30 300] [--steps 40] [--rounds 3]
 
@@ -35,6 +37,7 @@ from benchmarks.baselines.siirl_style import SiirlStyleClient, SiirlStyleWorker
 from metricsvc.client import MetricClient
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
+WARMUP = 5  # steps each pattern runs before its figures are taken
 
 
 def metric_names(k: int) -> list[str]:
@@ -102,34 +105,44 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
     active = ranks[:world]
     ray.get([r.setup.remote(pattern, worker, world, keys) for r in active])
     latencies = []
-    merge0 = 0.0
-    if worker is None:
-        cpu0 = 0.0
-    elif pattern.startswith("ours"):
-        health = ray.get(worker.health.remote())
-        cpu0, merge0 = health["cpu_s"], health["merge_cpu_s"]
-    else:
-        cpu0 = ray.get(worker.cpu_s.remote())
-    ranks0 = sum(ray.get([r.cpu_s.remote() for r in active]))
-    driver0 = time.process_time()
-    t0 = time.perf_counter()
-    for step in range(steps):
+
+    def one(step: int) -> float:
+        """One step of the pattern; return the latency from the last rank's flush to the
+        final result."""
         if pattern == "harness":
             flushed = ray.get([r.step.remote() for r in active])
-            latencies.append(time.time() - max(flushed))
-            continue
+            return time.time() - max(flushed)
         if pattern == "siirl1":  # siiRL reads the result after every rank's wait_submit
             flushed = ray.get([r.step.remote() for r in active])
             result = ray.get(worker.wait_final_res.remote())
-            latencies.append(time.time() - max(flushed))
             assert len(result) == keys
-            continue
+            return time.time() - max(flushed)
         final = (worker.wait_final_res.remote(step, 120) if pattern.startswith("ours")
                  else worker.wait_final_res.remote(keys))
         flushed = ray.get([r.step.remote() for r in active])
         result = ray.get(final)
-        latencies.append(time.time() - max(flushed))
         assert len(result) == keys
+        return time.time() - max(flushed)
+
+    # Steady state: the first steps (a sink opening, the first merge of a key set) are
+    # each pattern's start-up, taken before anything is counted.
+    for step in range(WARMUP):
+        one(step)
+    merge0 = batches0 = calls0 = 0.0
+    if worker is None:
+        cpu0 = 0.0
+    elif pattern.startswith("ours"):
+        health = ray.get(worker.health.remote())
+        cpu0, merge0, batches0 = health["cpu_s"], health["merge_cpu_s"], health["batches"]
+        calls0 = health["calls"].get("submit", 0)
+    else:
+        cpu0 = ray.get(worker.cpu_s.remote())
+        calls0 = ray.get(worker.call_count.remote())
+    ranks0 = sum(ray.get([r.cpu_s.remote() for r in active]))
+    driver0 = time.process_time()
+    t0 = time.perf_counter()
+    for step in range(WARMUP, WARMUP + steps):
+        latencies.append(one(step))
     elapsed = time.perf_counter() - t0
     driver_ms = 1e3 * (time.process_time() - driver0) / steps
     ranks_ms = 1e3 * (sum(ray.get([r.cpu_s.remote() for r in active])) - ranks0) / steps
@@ -138,12 +151,12 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
         calls = 0
     elif pattern.startswith("ours"):
         health = ray.get(worker.health.remote())
-        calls = health["calls"]["submit"]
-        cpu_ms_per_batch = 1e3 * (health["cpu_s"] - cpu0) / max(1, health["batches"])
+        calls = health["calls"]["submit"] - calls0
+        cpu_ms_per_batch = 1e3 * (health["cpu_s"] - cpu0) / max(1, health["batches"] - batches0)
         merge_ms = 1e3 * (health["merge_cpu_s"] - merge0) / steps
         ray.get(worker.close.remote())
     else:
-        calls = ray.get(worker.call_count.remote())
+        calls = ray.get(worker.call_count.remote()) - calls0
         cpu_ms_per_batch = 1e3 * (ray.get(worker.cpu_s.remote()) - cpu0) / (steps * world)
     if worker is not None:
         ray.kill(worker)
