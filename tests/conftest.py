@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import ray
@@ -85,6 +86,7 @@ def _start_cluster():
 # other worker's test.
 _SHARED = "METRICSVC_TEST_CLUSTER"
 _controller_cluster: list = []
+_controller_locks: list[str] = []  # the folder of the lock files between the workers
 
 
 def pytest_configure(config):
@@ -97,16 +99,14 @@ def pytest_configure(config):
         locks = tempfile.mkdtemp(prefix="metricsvc-test-locks-")
         os.environ[_SHARED] = json.dumps({"address": cluster.address, "ports": METRICS_PORTS,
                                           "locks": locks})
-        _controller_cluster.append(locks)
+        _controller_locks.append(locks)
 
 
 def pytest_unconfigure(config):
     while _controller_cluster:
-        held = _controller_cluster.pop()
-        if isinstance(held, str):
-            shutil.rmtree(held, ignore_errors=True)
-        else:
-            held.shutdown()
+        _controller_cluster.pop().shutdown()
+    while _controller_locks:
+        shutil.rmtree(_controller_locks.pop(), ignore_errors=True)
 
 
 # A node a test adds and removes takes down whatever Ray placed on it meanwhile: Ray
@@ -121,8 +121,6 @@ LOCK_DEADLINE_S = 300  # as long as a test may run (pytest-timeout), and no long
 
 def _lock(file, mode: int, test: str) -> None:
     """``flock`` with a deadline: a test waiting on another worker's fails with its name."""
-    import time
-
     give_up = time.monotonic() + LOCK_DEADLINE_S
     while True:
         try:

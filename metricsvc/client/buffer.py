@@ -74,14 +74,13 @@ def _host_view(row: Row) -> np.ndarray | None:
     return row.numpy() if _on_host(row, None) else None
 
 
-def _entry_columns(held: list[tuple[str, _Entry]], spec: Any) -> tuple[list, list, dict,
-                                                                       dict, int]:
+def _entry_columns(held: list[tuple[str, _Entry]], entries: list[_Entry],
+                   spec: Any) -> tuple[list, list, dict, dict, int]:
     """The keys, rows (one host copy per device), sparse sketches and extremes' sources of
-    the entries ``held``, and the copies made; nothing for a step of plain numbers only
-    (its blocks hold every key)."""
+    the entries ``held`` (``entries``: their records), and the copies made; nothing for a
+    step of plain numbers only (its blocks hold every key)."""
     if not held:
         return [], [], {}, {}, 0
-    entries = [e for _, e in held]
     dense = [i for i, e in enumerate(entries) if e.sketch is not None and is_tensor(e.sketch)]
     located = [i for i, e in enumerate(entries) if e.sources is not None]
     parts, copies = to_host([e.row for e in entries] + [entries[i].sketch for i in dense]
@@ -306,7 +305,8 @@ class RecordBuffer:
         with self.lock:
             held = own_entries(self._entries, self._blocks)
             entries = [e for _, e in held]
-            keys, data, sketches, extremes, copies = _entry_columns(held, self.sketch_spec)
+            keys, data, sketches, extremes, copies = _entry_columns(
+                held, entries, self.sketch_spec)
             self.host_copies += copies
             kinds, expected = columns(entries, self._blocks, keys, data)
             batch = Batch.build(
