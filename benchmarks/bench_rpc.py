@@ -10,7 +10,9 @@ Each pattern first runs ``WARMUP`` steps that no figure counts (a sink opening, 
 set's first merge). ``siirl1`` is siiRL's one-call pattern on its actor path (a queue, a
 processing loop, per-key lists of Metric objects: ``baselines/siirl_actor.py``);
 ``siirl`` its four-call pattern with the per-key lists reduced inline
-(``baselines/siirl_style.py``).
+(``baselines/siirl_style.py``). ``floor`` is Ray alone, one call per rank per step with
+nothing computed (``baselines/ray_floor.py``): no pattern with one call per rank per step
+can cost less.
 
     python -m benchmarks.bench_rpc [--worlds 4 16] [--keys 30 300] [--steps 40] [--rounds 3]
 
@@ -32,6 +34,7 @@ import ray
 
 import metricsvc
 from benchmarks.baselines.per_key import PerKeyClient, PerKeyWorker
+from benchmarks.baselines.ray_floor import FloorClient, FloorWorker
 from benchmarks.baselines.siirl_actor import SiirlActor, SiirlOneCallClient
 from benchmarks.baselines.siirl_style import SiirlStyleClient, SiirlStyleWorker
 from metricsvc.client import MetricClient
@@ -64,6 +67,8 @@ class BenchRank:
             self.client = SiirlStyleClient(worker, world)
         elif pattern == "siirl1":
             self.client = SiirlOneCallClient(worker, world)
+        elif pattern == "floor":
+            self.client = FloorClient(worker)
         else:
             self.client = PerKeyClient(worker, world)
         self.pattern = pattern
@@ -100,6 +105,8 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
     elif pattern == "siirl1":
         worker = SiirlActor.remote()
         ray.get(worker.start.remote())
+    elif pattern == "floor":
+        worker = FloorWorker.remote()
     else:
         worker = PerKeyWorker.remote()
     active = ranks[:world]
@@ -118,6 +125,7 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
             assert len(result) == keys
             return time.time() - max(flushed)
         final = (worker.wait_final_res.remote(step, 120) if pattern.startswith("ours")
+                 else worker.wait_final_res.remote(step, world) if pattern == "floor"
                  else worker.wait_final_res.remote(keys))
         flushed = ray.get([r.step.remote() for r in active])
         result = ray.get(final)
@@ -178,28 +186,35 @@ def _range(values: list[float], fmt: str = ".2f") -> str:
 
 def summary(rows: list[dict]) -> list[str]:
     """The end-to-end table: per (W, K), each round's ratios of ours against siiRL's one-call
-    (``siirl1``) and four-call (``siirl``) patterns, measured back to back in that round."""
+    (``siirl1``) and four-call (``siirl``) patterns and of Ray's floor (``floor``) against
+    siiRL's one-call pattern, all measured back to back in that round."""
     lines = ["| W, K | siiRL 1-call steps/s | ours `flush` steps/s | ours / siiRL 1-call | "
-             "ours / siiRL 4-call | flush→final p50 ms, ours / siiRL 1-call | "
-             "actor CPU ms / batch, ours / siiRL 1-call |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "ours / siiRL 4-call | floor / siiRL 1-call | ours / floor | "
+             "flush→final p50 ms, ours / siiRL 1-call | "
+             "actor CPU ms / batch, ours / siiRL 1-call / floor |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for world, keys in dict.fromkeys((r["world"], r["keys"]) for r in rows):
         got = {}
-        for pattern in ("ours", "siirl1", "siirl"):
+        for pattern in ("ours", "siirl1", "siirl", "floor"):
             got[pattern] = sorted((r for r in rows if r["pattern"] == pattern
                                    and (r["world"], r["keys"]) == (world, keys)),
                                   key=lambda r: r["round"])
-        ours, one, four = got["ours"], got["siirl1"], got["siirl"]
-        sps = [o["steps_per_s"] / s["steps_per_s"] for o, s in zip(ours, one)]
-        sps4 = [o["steps_per_s"] / s["steps_per_s"] for o, s in zip(ours, four)]
+        ours, one, four, floor = got["ours"], got["siirl1"], got["siirl"], got["floor"]
+
+        def ratios(a: list[dict], b: list[dict]) -> str:
+            return _range([x["steps_per_s"] / y["steps_per_s"] for x, y in zip(a, b)]) \
+                if a and b else "—"
+
+        def cpu(of: list[dict]) -> str:
+            return _range([r["actor_cpu_ms_per_batch"] for r in of], ".3f") if of else "—"
+
         lines.append(
             f"| {world}, {keys} | {_range([r['steps_per_s'] for r in one], '.1f')} | "
-            f"{_range([r['steps_per_s'] for r in ours], '.1f')} | {_range(sps)} | "
-            f"{_range(sps4)} | "
+            f"{_range([r['steps_per_s'] for r in ours], '.1f')} | {ratios(ours, one)} | "
+            f"{ratios(ours, four)} | {ratios(floor, one)} | {ratios(ours, floor)} | "
             f"{_range([r['latency_p50_ms'] for r in ours], '.1f')} / "
             f"{_range([r['latency_p50_ms'] for r in one], '.1f')} | "
-            f"{_range([r['actor_cpu_ms_per_batch'] for r in ours], '.3f')} / "
-            f"{_range([r['actor_cpu_ms_per_batch'] for r in one], '.3f')} |")
+            f"{cpu(ours)} / {cpu(one)} / {cpu(floor)} |")
     return lines
 
 
@@ -216,8 +231,10 @@ def breakdown(rows: list[dict]) -> list[str]:
     for world, keys in dict.fromkeys((r["world"], r["keys"]) for r in rows):
         mine = [r for r in rows if (r["world"], r["keys"]) == (world, keys)]
         harness = med(r["ranks_cpu_ms_per_step"] for r in mine if r["pattern"] == "harness")
-        for pattern in ("ours", "siirl1"):
+        for pattern in ("ours", "siirl1", "floor"):
             got = [r for r in mine if r["pattern"] == pattern]
+            if not got:
+                continue
             inside = (f" ({med(r['merge_cpu_ms_per_step'] for r in got):.2f})"
                       if pattern == "ours" else "")
             lines.append(
@@ -243,7 +260,7 @@ def main() -> list[dict]:
     ranks = [BenchRank.remote(r) for r in range(max(args.worlds))]
     run("harness", ranks, max(args.worlds), 1, 3, -1)  # warm-up: every rank process started
     rows, index = [], 0
-    patterns = ["ours", "ours_wait", "siirl1", "siirl"]
+    patterns = ["ours", "ours_wait", "siirl1", "siirl", "floor"]
     for round_ in range(args.rounds):
         for world in args.worlds:
             for keys in args.keys:
