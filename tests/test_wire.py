@@ -38,3 +38,44 @@ def test_an_empty_batch_round_trips():
 def test_malformed_bytes_are_refused_not_crashed_on(blob):
     with pytest.raises(BatchRejected, match="malformed wire batch"):
         decode(blob)
+
+
+def _batch(sketch: bool, located: bool, derived: bytes = b"") -> Batch:
+    spec = SketchSpec()
+    return Batch.build(
+        step=5, rank=1, world_size=4, seq=2, final=True, keys=("a/mean", "b", "c/max", "d"),
+        data=np.random.default_rng(1).normal(size=(4, NFIELDS)), kinds=[0, 8, 2, 0],
+        expected=[0, 0, 3, 1], derived=derived, sketch_alpha=0.01,
+        sketches={1: sparse_counts(np.array([0.5, 2.0]), spec)} if sketch else None,
+        extremes={0: np.arange(8.0), 2: np.full(8, np.nan)} if located else None)
+
+
+@pytest.mark.parametrize("sketch, located", [(False, False), (True, False), (False, True),
+                                             (True, True)])
+def test_every_layout_decodes_to_the_batch_it_encodes(sketch, located):
+    """A batch of records only (the common one) decodes by a shorter path than one with
+    sketches or located extremes: both give every column back, and a column the batch does
+    not carry is Batch's shared empty default; any byte short or over is refused."""
+    b = _batch(sketch, located, derived=b'{"x": 1}')
+    blob = encode(b)
+    out = decode(blob)
+    assert (out.step, out.rank, out.world_size, out.seq, out.final, out.keys, out.derived,
+            out.sketch_alpha) == (5, 1, 4, 2, True, b.keys, b'{"x": 1}', 0.01)
+    for name in ("data", "kinds", "expected", "sketch_rows", "sketch_offsets", "sketch_codes",
+                 "sketch_counts", "extreme_rows", "extremes"):
+        got, want = getattr(out, name), getattr(b, name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert np.array_equal(got, want, equal_nan=True), name
+    empty = Batch(step=0, rank=0, world_size=1, seq=0, final=True, keys=(),
+                  data=np.zeros((0, NFIELDS)), kinds=np.zeros(0, np.int8),
+                  expected=np.zeros(0, np.int32))
+    if not sketch:
+        assert out.sketch_codes is empty.sketch_codes and out.sketch_rows is empty.sketch_rows
+    if not located:
+        assert out.extremes is empty.extremes and out.extreme_rows is empty.extreme_rows
+    assert encode(out) == blob
+    for cut in (1, 7, 8, 61):
+        with pytest.raises(BatchRejected, match="malformed wire batch"):
+            decode(blob[:-cut])
+        with pytest.raises(BatchRejected, match="malformed wire batch"):
+            decode(blob + b"\x00" * cut)

@@ -177,18 +177,18 @@ def _plainly_whole(data: np.ndarray) -> bool:
     finite ``min <= max``, no ``m2_root`` below 0 and no low part of a sum. False sends
     the batch through every rule (a weighted count, an empty row, a low part, a fault),
     to pass or be refused naming its rule."""
-    counts = data[:, _WHOLE_FIELDS]
-    extremes = data[:, _EXTREME_FIELDS]
+    counts = data[:, _WHOLE_FIELDS]  # views, no copies: the fields' places are fixed
     with np.errstate(invalid="ignore"):
         return bool(
             ((counts >= 0) & (counts <= MAX_COUNT) & (np.floor(counts) == counts)).all()
-            and (data[:, COUNT] > 0).all() and np.isfinite(extremes).all()
-            and (extremes[:, 0] <= extremes[:, 1]).all()
+            and (data[:, COUNT] > 0).all() and np.isfinite(data[:, _EXTREME_FIELDS]).all()
+            and (data[:, MIN] <= data[:, MAX]).all()
             and not (data[:, M2_ROOT] < 0).any() and not data[:, SUM_LO].any())
 
 
-_WHOLE_FIELDS = [COUNT, NONFINITE]
-_EXTREME_FIELDS = [MIN, MAX]
+_WHOLE_FIELDS = slice(COUNT, NONFINITE + 1, NONFINITE - COUNT)  # COUNT and NONFINITE
+_EXTREME_FIELDS = slice(MIN, MAX + 1)
+assert (COUNT, NONFINITE) == tuple(range(NFIELDS)[_WHOLE_FIELDS]) and MAX == MIN + 1
 
 
 def _check_sources(batch: Batch) -> None:

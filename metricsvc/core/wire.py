@@ -42,6 +42,13 @@ _COLUMNS = (  # name, dtype, length as a function of (K, S, N, E)
 _LAYOUT = tuple((name, np.dtype(dtype), length, np.dtype(dtype).itemsize)
                 for name, dtype, length in _COLUMNS)
 _ALWAYS = ("data", "kinds", "expected")  # every batch has them (K may be 0)
+# The columns' bytes as ``_FIXED + K * per key + S * per sketch + N * per bucket + E * per
+# located key`` (every length is linear in them), worked out once from ``_LAYOUT``
+_FIXED, _PER_K, _PER_S, _PER_N, _PER_E = (
+    sum(itemsize * (length(*unit) - length(0, 0, 0, 0)) if any(unit)
+        else itemsize * length(0, 0, 0, 0) for _, _, length, itemsize in _LAYOUT)
+    for unit in ((0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)))
+_F64, _I8, _I32, _I64 = (np.dtype(t) for t in (np.float64, np.int8, np.int32, np.int64))
 
 
 def encode(batch: Batch) -> bytes:
@@ -66,8 +73,8 @@ def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, derived_len
         raise BatchRejected(f"batch is {len(blob)} bytes; the limit is {limits.max_batch_bytes}")
     if k > limits.max_keys_per_batch:
         raise BatchRejected(f"batch has {k} keys; the limit is {limits.max_keys_per_batch}")
-    size = _HEADER.size + key_len + derived_len + sum(
-        length(k, s, n, e) * itemsize for _, _, length, itemsize in _LAYOUT)
+    size = (_HEADER.size + key_len + derived_len + _FIXED + _PER_K * k + _PER_S * s
+            + _PER_N * n + _PER_E * e)
     if size != len(blob):
         raise BatchRejected(
             f"malformed wire batch: its header describes {size} bytes, {len(blob)} came"
@@ -92,12 +99,21 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         pos += key_len
         derived = bytes(blob[pos : pos + derived_len])
         pos += derived_len
-        columns = {}  # a column a batch does not carry keeps Batch's shared empty default
-        for name, dtype, length, itemsize in _LAYOUT:
-            count = length(k, s, n, e)
-            if count or name in _ALWAYS:
-                columns[name] = np.frombuffer(blob, dtype=dtype, count=count, offset=pos)
-                pos += count * itemsize
+        # A column a batch does not carry keeps Batch's shared empty default
+        if not (s or n or e):  # the common batch: records only (no sketch, no sources)
+            columns = {
+                "data": np.frombuffer(blob, _F64, k * NFIELDS, pos),
+                "kinds": np.frombuffer(blob, _I8, k, pos + 8 * NFIELDS * k),
+                "expected": np.frombuffer(blob, _I32, k, pos + (8 * NFIELDS + 1) * k),
+                "sketch_offsets": np.frombuffer(blob, _I64, 1, pos + (8 * NFIELDS + 5) * k)}
+            pos += _FIXED + _PER_K * k
+        else:
+            columns = {}
+            for name, dtype, length, itemsize in _LAYOUT:
+                count = length(k, s, n, e)
+                if count or name in _ALWAYS:
+                    columns[name] = np.frombuffer(blob, dtype=dtype, count=count, offset=pos)
+                    pos += count * itemsize
     except BatchRejected:
         raise
     except (struct.error, ValueError, UnicodeDecodeError) as err:
