@@ -150,7 +150,7 @@ class Sender:
                 return
             batch, blob, issued = self._pending
             self._pending = None
-            answer = issued
+            got = None
             try:
                 got = issued.poll()
             except ACTOR_ERRORS:
@@ -159,15 +159,19 @@ class Sender:
                 here = True
             else:
                 here = got is not None and got.get("status") != "epoch_changed"
-                answer = lambda: got  # noqa: E731  read once: ``send`` takes it as is
             if not here:
                 self._to_thread((batch, blob, issued), first=True)
                 return
         ack, error = None, None
-        try:  # the answer is in: this returns (or raises) without another call
-            ack = self.send(batch, blob, None, keep_undelivered=True, issued=answer)
-        except BaseException as err:  # noqa: BLE001  handed to the caller
-            error = err
+        if got is not None:  # an ack of this incarnation (the common case): what ``deliver``
+            with self._send_lock:  # does with it, without its exchange
+                self.outbox.heard(got)
+            ack = got
+        else:
+            try:  # a refusal: ``send`` raises it again (the batch leaves the outbox)
+                ack = self.send(batch, blob, None, keep_undelivered=True, issued=issued)
+            except BaseException as err:  # noqa: BLE001  handed to the caller
+                error = err
         with self._cv:
             self.in_flight -= 1
             self._answers.append((batch, ack, error))
