@@ -75,3 +75,26 @@ def test_batch_build_coerces_wire_dtypes():
                     data=[[1, 1, 1, 1, 0, 0, 0]], kinds=[2], expected=[0])
     assert b.data.dtype == np.float64 and b.kinds.dtype == np.int8 and b.expected.dtype == np.int32
     assert b.nbytes > 0
+
+
+def test_a_keys_merged_record_does_not_depend_on_the_keys_merged_beside_it():
+    """``merge_grouped`` takes the double-double offsets only when some key is far from 0
+    (mean > 10 std); a key's record must be the same bits whichever way its step's other
+    keys send it, across magnitudes, empty and non-finite contributions."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n, parts, idx = int(rng.integers(2, 8)), [], []
+        for key in range(n):
+            off = rng.choice([0.0, 0.0, 1e6, -3e12])  # some keys far from 0, most not
+            scale = 10.0 ** rng.integers(-200, 200)
+            for _ in range(int(rng.integers(1, 5))):
+                x = off + scale * rng.normal(size=int(rng.integers(0, 6)))
+                if x.size and rng.random() < 0.1:
+                    x[0] = np.inf
+                parts.append(records.summarize_array(x))
+                idx.append(key)
+        rows, idx = np.array(parts), np.array(idx)
+        together = records.merge_grouped(rows, idx, n)
+        for key in range(n):
+            alone = records.merge_grouped(rows[idx == key], np.zeros((idx == key).sum(), int), 1)
+            assert together[key].tobytes() == alone[0].tobytes(), (key, together[key], alone)

@@ -134,15 +134,20 @@ def from_pivot(n: Any, c: Any, d1: Any, q: Any, xp: Any = np, total: Any = None,
         hi, lo = _normalised(hi, lo + _finite(e, xp), xp)
         if total is not None:
             hi, lo = xp.where(exact, hi, total), xp.where(exact, lo, 0.0)
+    return hi, lo, m2_root(n, d1, q, xp)
+
+
+def m2_root(n: Any, d1: Any, q: Any, xp: Any = np) -> Any:
+    """Return ``sqrt(M2)`` of ``n`` values from ``d1 = sum(x - c)`` and
+    ``q = sqrt(sum((x - c)**2))`` around any pivot ``c`` (``from_pivot``'s third field)."""
     r = abs(d1) / xp.sqrt(n + (n == 0))
     # (q - r)(q + r) stays in range: one rounding less. q == 0 (every value the pivot: a
     # constant row, a flag never set) has d1 == r == 0, and the product is exactly 0 too.
     near = ((q > 1e-150) | (q == 0)) & (q < 1e150)
     if xp is np and np.all(near):  # the usual case: only the first form is needed
-        return hi, lo, np.sqrt(_half_plus((q - r) * (q + r)))
-    root = xp.where(near, xp.sqrt(_half_plus((q - r) * (q + r))),
+        return np.sqrt(_half_plus((q - r) * (q + r)))
+    return xp.where(near, xp.sqrt(_half_plus((q - r) * (q + r))),
                     xp.sqrt(_half_plus(q - r)) * xp.sqrt(q + r))
-    return hi, lo, root
 
 
 def merge_pair(a: Any, b: Any, xp: Any = np) -> Any:
@@ -201,14 +206,16 @@ def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
         pivot = np.bincount(idx, rows[:, SUM], n) / np.where(total > 0, total, 1.0)
         offset = (rows[:, SUM] / count - pivot[idx]) + rows[:, SUM_LO] / count
         d1, q = _spread(rows, idx, offset, n)
-        root = from_pivot(total, pivot, d1, q)[2]
+        root = m2_root(total, d1, q)
         far = np.abs(pivot) * np.sqrt(total) > 10.0 * root  # |mean| > 10 std: cancellation
         if far.any():  # offsets from double-double means where plain ones lose digits
             sel = far[idx]
             m, r = mean_parts(rows[sel, SUM], rows[sel, SUM_LO], count[sel])
             offset[sel] = (m - pivot[idx[sel]]) + r
             d1, q = _spread(rows, idx, offset, n)
-        out[:, SUM], out[:, SUM_LO], out[:, M2_ROOT] = from_pivot(total, pivot, d1, q)
+            out[:, SUM], out[:, SUM_LO], out[:, M2_ROOT] = from_pivot(total, pivot, d1, q)
+        else:  # no key far from 0: each sum is the plain one below, the root is this one
+            out[:, M2_ROOT] = root
         if not far.all():  # near 0 the sums of the contributions' sums are the better sum
             plain = _normalised(np.bincount(idx, rows[:, SUM], n),
                                 np.bincount(idx, rows[:, SUM_LO], n), np)
