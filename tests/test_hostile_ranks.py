@@ -476,3 +476,44 @@ def test_mutated_wire_batches_among_honest_ranks_are_merged_or_refused_clearly(f
     ray.get(handle.submit.remote(base_blob(step + 1, 0, 20_000 + step)))  # rank 1 never comes
     late = ray.get(handle.wait_final.remote(step + 1, 20))
     assert late["meta"]["partial"] and late["meta"]["missing_ranks"] == [1]
+
+
+def test_the_quick_check_of_plain_records_accepts_nothing_the_rules_refuse():
+    """A batch of plain records is accepted in a few passes over the whole matrix
+    (``_plainly_whole``); what it does not accept goes through every rule. Records mutated
+    a field at a time (NaN, infinities, -0.0, halves, 2**53 and past it, negatives, the
+    float64 extremes, subnormals): the service's verdict is the rules' verdict, anything the
+    quick check accepts passes every rule, and a refusal names the key."""
+    from metricsvc.core.validation import _check_each_rule, _plainly_whole, check_batch
+
+    rng = np.random.default_rng(11)
+    values = [np.nan, np.inf, -np.inf, -0.0, 0.0, 0.5, 1.0, 2.0**53, 2.0**53 + 2, -1.0,
+              1e308, -1e308, 5e-324, 3.0, 1e-300]
+    keys = tuple(f"k{i}" for i in range(12))
+    base = records.scalar_rows(rng.normal(size=12) * 1e3)
+    base[3] = records.summarize_array(rng.normal(size=50))  # a record of many values
+    quick_accepted = refused = 0
+    for _ in range(4000):
+        data = base.copy()
+        for _ in range(int(rng.integers(0, 3))):
+            data[rng.integers(0, 12), rng.integers(0, records.NFIELDS)] = \
+                values[rng.integers(0, len(values))]
+        batch = Batch.build(step=0, rank=0, world_size=1, seq=1, final=True, keys=keys,
+                            data=data, kinds=[int(AUTO)] * 12, expected=[0] * 12)
+        try:
+            _check_each_rule(batch)
+            valid = True
+        except BatchRejected as err:
+            valid = False
+            assert any(repr(k) in str(err) for k in keys), err
+        quick = _plainly_whole(batch.data)
+        assert valid or not quick, batch.data
+        try:
+            check_batch(batch)
+            verdict = True
+        except BatchRejected:
+            verdict = False
+        assert verdict == valid, batch.data
+        quick_accepted += quick
+        refused += not valid
+    assert quick_accepted > 500 and refused > 500  # both sides of both checks are seen

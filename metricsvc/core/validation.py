@@ -142,8 +142,13 @@ def _check_records(batch: Batch) -> None:
     non-finite count is such an integer too, a populated row has finite ``min <= max``,
     and an empty row is the identity record.
     """
-    if _plainly_whole(batch.data):
-        return
+    if not _plainly_whole(batch.data):
+        _check_each_rule(batch)
+
+
+def _check_each_rule(batch: Batch) -> None:
+    """``_check_records``' rules, each in turn (what a batch ``_plainly_whole`` does not
+    accept goes through)."""
     cols = np.ascontiguousarray(batch.data.T)
     total, count, low, high = cols[SUM], cols[COUNT], cols[MIN], cols[MAX]
     root, nonfinite, low_part = cols[M2_ROOT], cols[NONFINITE], cols[SUM_LO]
@@ -172,23 +177,29 @@ def _check_records(batch: Batch) -> None:
 
 
 def _plainly_whole(data: np.ndarray) -> bool:
-    """The common batch, checked in a third of the passes ``_check_records`` takes: every
-    count and non-finite count a whole number in [0, 2**53], every row populated with
-    finite ``min <= max``, no ``m2_root`` below 0 and no low part of a sum. False sends
-    the batch through every rule (a weighted count, an empty row, a low part, a fault),
-    to pass or be refused naming its rule."""
-    counts = data[:, _WHOLE_FIELDS]  # views, no copies: the fields' places are fixed
-    with np.errstate(invalid="ignore"):
-        return bool(
-            ((counts >= 0) & (counts <= MAX_COUNT) & (np.floor(counts) == counts)).all()
-            and (data[:, COUNT] > 0).all() and np.isfinite(data[:, _EXTREME_FIELDS]).all()
-            and (data[:, MIN] <= data[:, MAX]).all()
-            and not (data[:, M2_ROOT] < 0).any() and not data[:, SUM_LO].any())
+    """The common batch, checked in a few passes over the whole matrix: every count a whole
+    number in [1, 2**53], every non-finite count one in [0, 2**53], finite ``min <= max``,
+    ``m2_root`` at least 0 and no low part of a sum. False sends the batch through every
+    rule of ``_check_records`` (a weighted count, an empty row, a low part, a NaN root, a
+    fault), to pass or be refused naming its rule: this accepts nothing they refuse."""
+    fields = data[:, _CHECKED]  # a view: every field but the sum, which may be anything
+    with np.errstate(invalid="ignore"):  # NaN fails every comparison: the full rules
+        if not ((fields >= _LOW) & (fields <= _HIGH)).all():
+            return False
+        counts = data[:, _WHOLE_FIELDS]
+        return bool((np.floor(counts) == counts).all() and (data[:, MIN] <= data[:, MAX]).all())
 
 
+# What ``_plainly_whole`` accepts, field by field from COUNT on (the sum is not checked)
+_CHECKED = slice(COUNT, NFIELDS)
+_BOUNDS = {COUNT: (1.0, MAX_COUNT), MIN: (-np.finfo(np.float64).max, np.finfo(np.float64).max),
+           MAX: (-np.finfo(np.float64).max, np.finfo(np.float64).max), M2_ROOT: (0.0, np.inf),
+           NONFINITE: (0.0, MAX_COUNT), SUM_LO: (0.0, 0.0)}
+_LOW = np.array([_BOUNDS[f][0] for f in range(COUNT, NFIELDS)])
+_HIGH = np.array([_BOUNDS[f][1] for f in range(COUNT, NFIELDS)])
 _WHOLE_FIELDS = slice(COUNT, NONFINITE + 1, NONFINITE - COUNT)  # COUNT and NONFINITE
-_EXTREME_FIELDS = slice(MIN, MAX + 1)
-assert (COUNT, NONFINITE) == tuple(range(NFIELDS)[_WHOLE_FIELDS]) and MAX == MIN + 1
+assert SUM < COUNT and sorted(_BOUNDS) == list(range(COUNT, NFIELDS)) \
+    and (COUNT, NONFINITE) == tuple(range(NFIELDS)[_WHOLE_FIELDS])
 
 
 def _check_sources(batch: Batch) -> None:
