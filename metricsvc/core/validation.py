@@ -198,8 +198,6 @@ _BOUNDS = {COUNT: (1.0, MAX_COUNT), MIN: (-np.finfo(np.float64).max, np.finfo(np
 _LOW = np.array([_BOUNDS[f][0] for f in range(COUNT, NFIELDS)])
 _HIGH = np.array([_BOUNDS[f][1] for f in range(COUNT, NFIELDS)])
 _WHOLE_FIELDS = slice(COUNT, NONFINITE + 1, NONFINITE - COUNT)  # COUNT and NONFINITE
-assert SUM < COUNT and sorted(_BOUNDS) == list(range(COUNT, NFIELDS)) \
-    and (COUNT, NONFINITE) == tuple(range(NFIELDS)[_WHOLE_FIELDS])
 
 
 def _check_sources(batch: Batch) -> None:
