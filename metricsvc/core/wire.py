@@ -42,12 +42,17 @@ _COLUMNS = (  # name, dtype, length as a function of (K, S, N, E)
 _LAYOUT = tuple((name, np.dtype(dtype), length, np.dtype(dtype).itemsize)
                 for name, dtype, length in _COLUMNS)
 _ALWAYS = ("data", "kinds", "expected")  # every batch has them (K may be 0)
-# The columns' bytes as ``_FIXED + K * per key + S * per sketch + N * per bucket + E * per
-# located key`` (every length is linear in them), worked out once from ``_LAYOUT``
-_FIXED, _PER_K, _PER_S, _PER_N, _PER_E = (
-    sum(itemsize * (length(*unit) - length(0, 0, 0, 0)) if any(unit)
-        else itemsize * length(0, 0, 0, 0) for _, _, length, itemsize in _LAYOUT)
-    for unit in ((0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)))
+
+
+def _column_bytes(k: int, s: int, n: int, e: int) -> int:
+    return sum(length(k, s, n, e) * itemsize for _, _, length, itemsize in _LAYOUT)
+
+
+# Every length is linear in (K, S, N, E): the columns' bytes are ``_FIXED + _PER_K * K +
+# _PER_S * S + _PER_N * N + _PER_E * E``, worked out once here
+_FIXED = _column_bytes(0, 0, 0, 0)
+_PER_K, _PER_S, _PER_N, _PER_E = (_column_bytes(*unit) - _FIXED for unit in
+                                  ((1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)))
 _F64, _I8, _I32, _I64 = (np.dtype(t) for t in (np.float64, np.int8, np.int32, np.int64))
 
 
@@ -101,11 +106,13 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         pos += derived_len
         # A column a batch does not carry keeps Batch's shared empty default
         if not (s or n or e):  # the common batch: records only (no sketch, no sources)
+            kinds_at = pos + _F64.itemsize * NFIELDS * k  # the columns in _COLUMNS' order
+            expected_at = kinds_at + _I8.itemsize * k
             columns = {
                 "data": np.frombuffer(blob, _F64, k * NFIELDS, pos),
-                "kinds": np.frombuffer(blob, _I8, k, pos + 8 * NFIELDS * k),
-                "expected": np.frombuffer(blob, _I32, k, pos + (8 * NFIELDS + 1) * k),
-                "sketch_offsets": np.frombuffer(blob, _I64, 1, pos + (8 * NFIELDS + 5) * k)}
+                "kinds": np.frombuffer(blob, _I8, k, kinds_at),
+                "expected": np.frombuffer(blob, _I32, k, expected_at),
+                "sketch_offsets": np.frombuffer(blob, _I64, 1, expected_at + _I32.itemsize * k)}
             pos += _FIXED + _PER_K * k
         else:
             columns = {}
