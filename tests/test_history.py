@@ -78,6 +78,38 @@ def test_a_crash_then_a_resume_from_a_checkpoint_keeps_the_rerun_for_later_reade
     assert_everywhere(run, want)
 
 
+def test_a_restart_finds_a_rewind_only_the_journal_recorded_and_writes_the_rerun(
+        make_worker):
+    """The journal records a rewind before any other sink is told (a rewind it lacks never
+    happened); a service that dies between the two leaves TensorBoard without the rewind's
+    restart marker, its watermark in the old segment. Seen in a loaded ``make test``: Ray
+    restarted a service resumed from step 3 (its thread pool timed out at start) before its
+    TensorBoard thread took the rewind, and the restarted one skipped the rerun's steps as
+    "held": TensorBoard showed steps 4-7 of the first run, and nothing said so. Here the
+    folder is left exactly so (the rewind written by the journal's own writer), then
+    continued."""
+    from metricsvc.storage.history import Rewind
+    from metricsvc.storage.journal import JsonlSink
+
+    handle, cfg = make_worker(world_size=1, sinks=SINKS)
+    run_steps(cfg.name, {s: float(s) for s in range(8)})
+    ray.get(handle.flush.remote())  # every sink holds steps 0-7
+    run = Path(ray.get(handle.health.remote())["run_dir"])
+    crash(handle)
+    journal = JsonlSink()
+    journal.open(run)
+    journal.write_event(Rewind(3).event())
+    journal.close()
+    dumped = cfg.model_dump()
+    resumed = metricsvc.start_metric_worker({**dumped, "run": {**dumped["run"],
+                                                               "resume": True}})
+    rerun = {s: 100.0 + s for s in range(4, 8)}
+    run_steps(cfg.name, rerun)
+    health = metricsvc.stop_metric_worker(resumed)
+    assert not health["sink_errors"], health["sink_errors"]
+    assert_everywhere(run, {**{s: float(s) for s in range(4)}, **rerun})
+
+
 def test_resume_from_step_in_the_config_is_the_same_operation(make_worker):
     handle, cfg = make_worker(world_size=1, sinks=SINKS)
     run_steps(cfg.name, {s: float(s) for s in range(6)})

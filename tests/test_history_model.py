@@ -3,7 +3,8 @@
 Each run is flat or per node (the rank's batches through its node's combiner). Operations:
 close a step (``wait_submit``, or ``flush`` read back later), ``discard``, ``rewind``,
 SIGKILL of the actor (Ray restarts it), a crash and a new driver resuming the folder
-(``resume_from_step``, or ``run.resume`` alone), ``close`` then a resume,
+(``resume_from_step``, or ``run.resume`` alone), a crash between the journal's record
+of a rewind and the other sinks' turn, ``close`` then a resume,
 ``stop_metric_worker`` then a new run of the same name (a folder of its own), and a
 stream window recorded, flushed (across a SIGKILL, too) and exported. After each check
 the journal's latest segment, ``metricsvc report``, TensorBoard (its own reader) and
@@ -131,6 +132,26 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self._resume(from_step)
         if from_step is None:
             self.next = max(self.model, default=-1) + 1
+
+    @precondition(lambda self: self.next > 0)
+    @rule(data=st.data())
+    def crash_after_only_the_journal_took_a_rewind(self, data: st.DataObject) -> None:
+        """The service ends between the journal's record of a rewind and the other sinks'
+        turn (a rewind the journal lacks never happened: it records it first): the folder
+        is left so, by the journal's own writer, and a new driver continues the run."""
+        from metricsvc.storage.history import Rewind
+        from metricsvc.storage.journal import JsonlSink
+
+        self._settle()
+        ray.get(self.handle.flush.remote(), timeout=60)
+        crash(self.handle)
+        to_step = data.draw(st.integers(-1, self.next - 1), label="to_step")
+        journal = JsonlSink()
+        journal.open(Path(self.tmp.name) / "m" / self.cfg["run"]["trial"])
+        journal.write_event(Rewind(to_step).event())
+        journal.close()
+        self._rewound(to_step)
+        self._resume(None)
 
     @rule(value=VALUES)
     def close_then_resume(self, value: float) -> None:

@@ -124,6 +124,7 @@ class SinkDelivery:
         error = self._attempt(lambda: resume and resume(floor), retry=True)
         if error is not None:
             log.error("sink %s could not continue the run: %s", self.name, error)
+        self._give_missed_rewinds()
         held_through = getattr(self.sink, "held_through", None)
         if held_through is not None and self.opened:  # a sink that can read back its content
             self.mark.believe_content(held_through())
@@ -146,6 +147,25 @@ class SinkDelivery:
             log.warning("sink %s: %d journaled steps replayed after a restart, from step %s",
                         self.name, self.stats["replayed"], first)
         self._commit()
+
+    def _give_missed_rewinds(self) -> None:
+        """Give the backend each rewind the journal recorded but the sink's watermark never
+        saw (the service ended between the journal's record and this sink's turn), oldest
+        first, before anything is replayed: its content of the segments they closed (e.g.
+        TensorBoard's events past the rewound step) is superseded, never taken for the
+        rerun's."""
+        if not self.mark.missed:
+            return
+        error = None
+        if hasattr(self.sink, "rewind"):  # (each attempt opens the sink if it is not)
+            for rewind in self.mark.missed:
+                error = self._attempt(functools.partial(self.sink.rewind, rewind.to_step),
+                                      retry=True) or error
+        if error is not None:
+            log.error("sink %s could not be given the rewinds it missed: %s", self.name,
+                      error)
+            return
+        self.mark.caught_up()
 
     def _commit(self) -> None:
         """Ask the sink to make its writes durable; advance the watermark to what it says."""

@@ -23,7 +23,7 @@ from typing import Any
 from metricsvc.core.keys import safe_file_name
 from metricsvc.core.limits import is_int
 from metricsvc.storage.files import LineFile, write_atomic
-from metricsvc.storage.history import RunHistory
+from metricsvc.storage.history import Rewind, RunHistory
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,10 @@ class Watermark:
         self.history = history or RunHistory()
         self.segment = self.history.segment  # advanced by each rewind this sink is given
         self.floor: int | None = None
+        # The rewinds the journal recorded after the saved watermark's segment: the sink
+        # may never have been given them (the service ended between the two), so its
+        # backend may still show the steps they superseded (``load``)
+        self.missed: list[Rewind] = []
 
     def load(self) -> int | None:
         """Start from the saved watermark (a restart), lowered by every rewind since it was
@@ -97,7 +101,14 @@ class Watermark:
             segment = 0
         self.floor = self.stats["durable_through"] = self.history.holds_through(through,
                                                                                 segment)
+        self.missed = self.history.rewinds[max(segment, 0):]
         return self.floor
+
+    def caught_up(self) -> None:
+        """The sink was given the rewinds it missed: save its watermark in the current
+        segment, so that a later restart does not give them again."""
+        self.missed = []
+        self._save(self.stats["durable_through"])
 
     def believe_content(self, held: int | None) -> None:
         """The sink read back what it holds of the current segment (``held``: its last
