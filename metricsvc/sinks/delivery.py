@@ -36,6 +36,46 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+class SinkCalls:
+    """The calls of one sink, from its thread: the sink opened on first use (its delivery's
+    close then registered at exit), a failing call retried with backoff that a close cuts
+    short, every error redacted and counted in the delivery record (``stats``)."""
+
+    def __init__(self, sink: Sink, run_dir: Path, delivery: DeliveryConfig, stats: dict,
+                 redact: Callable[[str], str], close: Callable[[float], None]) -> None:
+        self.sink, self.run_dir, self.delivery = sink, run_dir, delivery
+        self.stats, self.redact, self._close = stats, redact, close
+        self.opened = False
+        self.closing = threading.Event()
+
+    def attempt(self, call: Any, retry: bool = False) -> str | None:
+        """Run ``call`` (opening the sink first if needed); return the last error or None."""
+        tries = 1 + (self.delivery.retries if retry else 0)
+        error = None
+        for attempt in range(tries):
+            try:
+                if not self.opened:
+                    self.sink.open(self.run_dir)
+                    self.opened = True
+                    # Registered after open, so it runs before any exit hook the backend
+                    # registered while opening (atexit is LIFO): wandb's teardown, say.
+                    atexit.register(self._close, 10.0)
+                call()
+                return None
+            except Exception as err:  # a sink must never take the service down
+                error = self.redact(f"{type(err).__name__}: {err}")
+                self.stats["failures"] += 1
+                self.stats["last_error"] = error
+                log.warning("sink %s failed (attempt %d/%d): %s", self.sink.name,
+                            attempt + 1, tries, error)
+                if attempt + 1 < tries and not self.closing.is_set():
+                    pause = min(self.delivery.max_backoff_s, self.delivery.backoff_s * 2**attempt)
+                    self.closing.wait(pause)  # a close cuts the backoff short
+                elif self.closing.is_set():
+                    break
+        return error
+
+
 class SinkDelivery:
     """One sink, its queue, its thread (the sink thread), its delivery record.
 
@@ -54,8 +94,7 @@ class SinkDelivery:
         self.name, self.run_dir, self.delivery, self.dead = sink.name, run_dir, delivery, dead
         self.allow_nan = bool(getattr(sink, "supports_nan", False))
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=delivery.queue_size)
-        self.opened = self.closed = self._abandoned = False
-        self.closing = threading.Event()
+        self.closed = self._abandoned = False
         self._lock = threading.Lock()  # the hand-over between the thread and a closer
         self._current: tuple | None = None
         self._backlog: Iterator[tuple] = iter(())  # the replay's steps not yet given
@@ -64,6 +103,7 @@ class SinkDelivery:
                       "in_flight_at_close": 0, "last_step": None, "last_error": None,
                       "durable_through": None, "replayed": 0, "missing": None}
         self.mark = Watermark(self.state, self.stats, self.name, self.redact, history)
+        self.calls = SinkCalls(sink, run_dir, delivery, self.stats, self.redact, self.close)
         self.thread = threading.Thread(target=self._serve, name=f"metricsvc-sink-{self.name}",
                                        daemon=True)
         self.thread.start()
@@ -101,32 +141,39 @@ class SinkDelivery:
             elif kind == "write":
                 self._deliver_step(item)
             elif kind == "event" and hasattr(self.sink, "write_event"):
-                self._attempt(functools.partial(self.sink.write_event, item[1]))
+                self.calls.attempt(functools.partial(self.sink.write_event, item[1]))
             elif kind == "rewind":
                 self._rewind(*item[1:])
             with self._lock:
                 self._current = None
                 if self._abandoned:
                     break
-        if self.opened:
+        if self.calls.opened:
             if not self._abandoned:
                 self._commit()
-            error = self._attempt(self.sink.close)
+            error = self.calls.attempt(self.sink.close)
             if error is not None:
                 log.error("sink %s failed to close: %s", self.name, error)
             elif not self._abandoned:
                 self.mark.advance(self.stats["last_step"])  # closing flushes what was written
 
     def _continue_run(self, journal: Iterator[dict[str, Any]]) -> None:
-        """Reopen the backend run, then replay the journal past the watermark."""
+        """Reopen the backend run, give it the rewinds it missed, then replay the journal
+        past the watermark."""
         floor = self.mark.load()
         resume = getattr(self.sink, "resume", None)  # without it, the attempt opens the sink
-        error = self._attempt(lambda: resume and resume(floor), retry=True)
+        error = self.calls.attempt(lambda: resume and resume(floor), retry=True)
         if error is not None:
             log.error("sink %s could not continue the run: %s", self.name, error)
-        self._give_missed_rewinds()
+        # Rewinds the journal recorded that this sink never took (the service ended between
+        # the journal's turn and the sink's): given first, oldest first, or the rerun's
+        # steps would pass for steps it holds (TensorBoard's events past the rewound step)
+        rewind = getattr(self.sink, "rewind", None)
+        if not any([self.calls.attempt(functools.partial(rewind, r.to_step), retry=True)
+                    for r in self.mark.missed if rewind is not None]):
+            self.mark.caught_up()
         held_through = getattr(self.sink, "held_through", None)
-        if held_through is not None and self.opened:  # a sink that can read back its content
+        if held_through is not None and self.calls.opened:  # it can read back its content
             self.mark.believe_content(held_through())
         floor = self.mark.floor
         self._backlog = (("write", r["step"], r["metrics"], r["meta"]) for r in journal
@@ -148,35 +195,16 @@ class SinkDelivery:
                         self.name, self.stats["replayed"], first)
         self._commit()
 
-    def _give_missed_rewinds(self) -> None:
-        """Give the backend each rewind the journal recorded but the sink's watermark never
-        saw (the service ended between the journal's record and this sink's turn), oldest
-        first, before anything is replayed: its content of the segments they closed (e.g.
-        TensorBoard's events past the rewound step) is superseded, never taken for the
-        rerun's."""
-        if not self.mark.missed:
-            return
-        error = None
-        if hasattr(self.sink, "rewind"):  # (each attempt opens the sink if it is not)
-            for rewind in self.mark.missed:
-                error = self._attempt(functools.partial(self.sink.rewind, rewind.to_step),
-                                      retry=True) or error
-        if error is not None:
-            log.error("sink %s could not be given the rewinds it missed: %s", self.name,
-                      error)
-            return
-        self.mark.caught_up()
-
     def _commit(self) -> None:
         """Ask the sink to make its writes durable; advance the watermark to what it says."""
         self._uncommitted = 0
         last = self.stats["last_step"]
-        if not self.opened or last is None:
+        if not self.calls.opened or last is None:
             return
         commit = getattr(self.sink, "commit", None)
         said: list[int | None] = [None]
         if commit is not None:
-            if self._attempt(lambda: said.__setitem__(0, commit())) is not None:
+            if self.calls.attempt(lambda: said.__setitem__(0, commit())) is not None:
                 return  # the sink could not say: the watermark stays
         durable = said[0]
         self.mark.advance(last if durable is None else min(durable, last))
@@ -187,13 +215,13 @@ class SinkDelivery:
         replays the rerun. ``done`` hears the outcome."""
         error = None
         if hasattr(self.sink, "write_event"):  # the journal: the history's own record
-            error = self._attempt(functools.partial(self.sink.write_event, rewind.event()),
-                                  retry=True)
+            error = self.calls.attempt(
+                functools.partial(self.sink.write_event, rewind.event()), retry=True)
             if error is not None:  # not recorded: nothing is rewound (the caller hears it)
                 done.heard(self.sink, error)
                 return
-        if self.opened and hasattr(self.sink, "rewind"):
-            error = self._attempt(functools.partial(self.sink.rewind, rewind.to_step))
+        if self.calls.opened and hasattr(self.sink, "rewind"):
+            error = self.calls.attempt(functools.partial(self.sink.rewind, rewind.to_step))
         if error is not None:
             log.error("sink %s could not rewind to step %d: %s", self.name, rewind.to_step,
                       error)
@@ -205,7 +233,7 @@ class SinkDelivery:
         if self.mark.holds(step):
             return  # each step of a segment once, in increasing order
         visible = public_metrics(metrics, self.allow_nan)
-        error = self._attempt(lambda: self.sink.write(step, visible, meta), retry=True)
+        error = self.calls.attempt(lambda: self.sink.write(step, visible, meta), retry=True)
         with self._lock:
             if self._abandoned:  # a closer gave up meanwhile and dead-lettered this step
                 return
@@ -218,33 +246,6 @@ class SinkDelivery:
             self._dead_letter(item, error, visible)
         elif self._uncommitted >= _COMMIT_EVERY:
             self._commit()
-
-    def _attempt(self, call: Any, retry: bool = False) -> str | None:
-        """Run ``call`` (opening the sink first if needed); return the last error or None."""
-        tries = 1 + (self.delivery.retries if retry else 0)
-        error = None
-        for attempt in range(tries):
-            try:
-                if not self.opened:
-                    self.sink.open(self.run_dir)
-                    self.opened = True
-                    # Registered after open, so it runs before any exit hook the backend
-                    # registered while opening (atexit is LIFO): wandb's teardown, say.
-                    atexit.register(self.close, 10.0)
-                call()
-                return None
-            except Exception as err:  # a sink must never take the service down
-                error = self.redact(f"{type(err).__name__}: {err}")
-                self.stats["failures"] += 1
-                self.stats["last_error"] = error
-                log.warning("sink %s failed (attempt %d/%d): %s", self.name, attempt + 1,
-                            tries, error)
-                if attempt + 1 < tries and not self.closing.is_set():
-                    pause = min(self.delivery.max_backoff_s, self.delivery.backoff_s * 2**attempt)
-                    self.closing.wait(pause)  # a close cuts the backoff short
-                elif self.closing.is_set():
-                    break
-        return error
 
     def _dead_letter(self, item: tuple, error: str, visible: dict | None = None) -> None:
         """Keep the step exactly as the sink would have received it, for a later replay."""
@@ -270,7 +271,7 @@ class SinkDelivery:
         if self.closed:
             return
         self.closed = True
-        self.closing.set()  # cuts retry backoffs short: a failing sink dead-letters at once
+        self.calls.closing.set()  # cuts retry backoffs short: a failing sink dead-letters now
         try:
             self.queue.put_nowait(STOP)
         except queue.Full:

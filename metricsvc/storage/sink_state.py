@@ -107,8 +107,9 @@ class Watermark:
     def caught_up(self) -> None:
         """The sink was given the rewinds it missed: save its watermark in the current
         segment, so that a later restart does not give them again."""
-        self.missed = []
-        self._save(self.stats["durable_through"])
+        if self.missed:
+            self.missed = []
+            self._save(self.stats["durable_through"])
 
     def believe_content(self, held: int | None) -> None:
         """The sink read back what it holds of the current segment (``held``: its last
