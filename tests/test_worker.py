@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 import warnings
 from pathlib import Path
 
@@ -275,6 +276,59 @@ def test_start_twice_returns_the_same_actor_and_get_finds_it(make_worker):
     again = metricsvc.start_metric_worker(cfg)
     found = metricsvc.get_metric_worker(cfg.name)
     assert again._actor_id == handle._actor_id == found._actor_id
+
+
+def test_a_service_ray_cannot_place_is_ended_and_refused_naming_num_cpus(ray_cluster,
+                                                                          tmp_path, caplog):
+    """Training holds every CPU of the driver's node; a service asking for one (num_cpus: 1)
+    was left by Ray to wait for good, and start_metric_worker with it: the driver hung
+    with nothing said. Now it hears why after a few seconds, and the start is refused at
+    its deadline, the pending service ended (its name free again)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from metricsvc.errors import ServiceUnavailable
+    from metricsvc.service import start
+
+    here = ray.get_runtime_context().get_node_id()
+    cpus = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == here)
+
+    @ray.remote(num_cpus=0)
+    class Training:  # stands for the run's trainers, which hold their CPUs for the run
+        def ready(self) -> bool:
+            return True
+
+    training = Training.options(
+        num_cpus=cpus, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
+    ).remote()
+    try:
+        ray.get(training.ready.remote(), timeout=60)
+        name = f"unplaced-{tmp_path.name}"
+        config = {"name": name, "num_cpus": 1, "sinks": {"console": None},
+                  "run": {"root": str(tmp_path), "trial": "t"}}
+        patience, start.START_PATIENCE_S = start.START_PATIENCE_S, 0.5
+        try:
+            with pytest.raises(ServiceUnavailable, match="num_cpus=1") as raised:
+                metricsvc.start_metric_worker(config, start_timeout_s=2)
+        finally:
+            start.START_PATIENCE_S = patience
+        assert "did not start within 2 s and was ended" in str(raised.value)
+        assert "num_cpus=1" in caplog.text and "is not serving after" in caplog.text
+    finally:
+        ray.kill(training)
+    give_up = time.monotonic() + 30
+    while _named(name):
+        assert time.monotonic() < give_up, "the unplaced service kept its name"
+        time.sleep(0.05)
+    started = metricsvc.start_metric_worker({**config, "num_cpus": 0})  # the name is free
+    metricsvc.stop_metric_worker(started)
+
+
+def _named(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=metricsvc.load_config({"name": name}).namespace)
+    except ValueError:
+        return False
+    return True
 
 
 def test_evicted_step_raises_a_clear_error(make_worker):

@@ -18,6 +18,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config, new_trial
+from metricsvc.core.errors import ServiceUnavailable
 from metricsvc.core.keys import default_namespace
 from metricsvc.core.redaction import Redactor
 from metricsvc.protocol import ray_get
@@ -50,6 +51,7 @@ def start_metric_worker(
     world_size: int | None = None,
     runtime_env: dict[str, Any] | None = None,
     resume_from_step: int | None = None,
+    start_timeout_s: float = 300.0,
 ) -> Any:
     """Create (or return the existing) named MetricWorker singleton and wait until it serves.
 
@@ -65,6 +67,10 @@ def start_metric_worker(
     rewinds to ``k`` (journaled) before it takes any batch, and every step after ``k``
     is recorded afresh (``run: {resume: true, from_step: k}`` in the config says the
     same).
+
+    A new service that does not answer within ``start_timeout_s`` (Ray never placed it: a
+    ``num_cpus`` no free CPU of this node meets, say) is ended and refused naming why, with
+    a warning after ``START_PATIENCE_S`` of waiting; it never hangs the driver.
     """
     cfg = load_config(config, name=name, namespace=namespace, world_size=world_size)
     if resume_from_step is not None:
@@ -100,7 +106,7 @@ def start_metric_worker(
         num_cpus=cfg.num_cpus,
         runtime_env=runtime_env,
     ).remote(cfg.model_dump())
-    ray.get(handle.health.remote())  # surfaces a failing __init__ here, not later
+    _wait_until_serving(handle, cfg, start_timeout_s)  # a failing __init__ raises here
     if cfg.topology == "per_node":
         from metricsvc.service.combiner import start_node_combiners
 
@@ -109,6 +115,34 @@ def start_metric_worker(
     # a driver that ends without close() must not lose what the sinks buffer.
     atexit.register(_close_at_exit, handle)
     return handle
+
+
+START_PATIENCE_S = 10.0  # a new service silent this long: the driver hears why it may be
+
+
+def _wait_until_serving(handle: Any, cfg: ServiceConfig, timeout_s: float) -> None:
+    """Wait for a new service's first answer (what its ``__init__`` raised, raised here);
+    warn once after ``START_PATIENCE_S``; past ``timeout_s`` end it and raise naming what
+    it asks of Ray (Ray waits for good for a CPU the training holds)."""
+    answer = handle.health.remote()
+    deadline = time.monotonic() + timeout_s
+    warned = False
+    while not ray.wait([answer], timeout=min(START_PATIENCE_S, timeout_s))[0]:
+        free = ray.available_resources().get("CPU", 0.0)
+        why = (f"it asks Ray for num_cpus={cfg.num_cpus:g} and the cluster has {free:g} CPUs "
+               f"free (the service runs on this driver's node): Ray places it only once "
+               f"one is, and training holds its CPUs for the run; num_cpus: 0 (the "
+               f"default) needs none" if cfg.num_cpus else "Ray has not started it (a "
+               "busy node?)")
+        if time.monotonic() >= deadline:
+            ray.kill(handle, no_restart=True)
+            raise ServiceUnavailable(f"MetricWorker {cfg.name!r} did not start within "
+                                     f"{timeout_s:g} s and was ended: {why}")
+        if not warned:
+            log.warning("MetricWorker %r is not serving after %g s: %s", cfg.name,
+                        START_PATIENCE_S, why)
+            warned = True
+    ray_get(answer)
 
 
 def _running(cfg: ServiceConfig, grace_s: float = 30.0) -> Any:
