@@ -127,7 +127,8 @@ def _wait_until_serving(handle: Any, cfg: ServiceConfig, timeout_s: float) -> No
     answer = handle.health.remote()
     deadline = time.monotonic() + timeout_s
     warned = False
-    while not ray.wait([answer], timeout=min(START_PATIENCE_S, timeout_s))[0]:
+    while not ray.wait([answer], timeout=max(0.0, min(START_PATIENCE_S,
+                                                      deadline - time.monotonic())))[0]:
         free = ray.available_resources().get("CPU", 0.0)
         why = (f"it asks Ray for num_cpus={cfg.num_cpus:g} and the cluster has {free:g} CPUs "
                f"free (the service runs on this driver's node): Ray places it only once "
