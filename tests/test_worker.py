@@ -283,11 +283,13 @@ def test_a_service_ray_cannot_place_is_ended_and_refused_naming_num_cpus(ray_clu
     """Training holds every CPU of the driver's node; a service asking for one (num_cpus: 1)
     was left by Ray to wait for good, and start_metric_worker with it: the driver hung
     with nothing said. Now it hears why after a few seconds, and the start is refused at
-    its deadline, the pending service ended (its name free again)."""
+    its deadline, the pending service ended (its name free again); so is a start that finds
+    another start's service of its name still pending."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from metricsvc.errors import ServiceUnavailable
     from metricsvc.service import start
+    from metricsvc.service.worker import actor_class
 
     here = ray.get_runtime_context().get_node_id()
     cpus = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == here)
@@ -313,6 +315,16 @@ def test_a_service_ray_cannot_place_is_ended_and_refused_naming_num_cpus(ray_clu
             start.START_PATIENCE_S = patience
         assert "did not start within 2 s and was ended" in str(raised.value)
         assert "num_cpus=1" in caplog.text and "is not serving after" in caplog.text
+        # Another driver's start of the same name, still waiting for Ray to place it: this
+        # start is refused at its deadline too, never left waiting for that one
+        cfg = metricsvc.load_config(config)
+        pending = actor_class(cfg.max_readers).options(
+            name=name, namespace=cfg.namespace, num_cpus=1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
+        ).remote(cfg.model_dump())
+        with pytest.raises(ServiceUnavailable, match="exists but did not answer within 2 s"):
+            metricsvc.start_metric_worker(config, start_timeout_s=2)
+        ray.kill(pending, no_restart=True)
     finally:
         ray.kill(training)
     give_up = time.monotonic() + 30

@@ -80,7 +80,7 @@ def start_metric_worker(
     if not Path(cfg.run.root).is_absolute():  # the driver's folder, not the cluster's cwd
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(
             update={"root": str(Path(cfg.run.root).resolve())})})
-    running = _running(cfg)
+    running = _running(cfg, start_timeout_s)
     if running is not None:
         return running
     if cfg.run.trial is not None:  # none runs: a new run, whose folder must be its own
@@ -146,7 +146,7 @@ def _wait_until_serving(handle: Any, cfg: ServiceConfig, timeout_s: float) -> No
     ray_get(answer)
 
 
-def _running(cfg: ServiceConfig, grace_s: float = 30.0) -> Any:
+def _running(cfg: ServiceConfig, timeout_s: float, grace_s: float = 30.0) -> Any:
     """The service of ``cfg``'s name that runs ``cfg`` (``_same_service``), or None where
     none runs. A service that ended a moment ago (``stop_metric_worker``, a kill) may
     still hold its name while Ray lets it go: that is waited out, for ``grace_s``, and is
@@ -158,7 +158,7 @@ def _running(cfg: ServiceConfig, grace_s: float = 30.0) -> Any:
         except ValueError:
             return None
         try:
-            return _same_service(handle, cfg)
+            return _same_service(handle, cfg, timeout_s)
         except ray.exceptions.ActorDiedError:
             if time.monotonic() >= deadline:
                 raise ValueError(f"the MetricWorker named {cfg.name!r} in namespace "
@@ -180,11 +180,18 @@ def _probe(cfg: ServiceConfig, grace_s: float = 2.0) -> None:
             time.sleep(0.1)
 
 
-def _same_service(handle: Any, cfg: ServiceConfig) -> Any:
+def _same_service(handle: Any, cfg: ServiceConfig, timeout_s: float) -> Any:
     """Return the running service if it runs ``cfg`` (an unset trial matches any), else
-    raise naming the fields that differ."""
-    running = ray.get(handle.config_dump.remote())
-    job = ray.get(handle.job_id.remote())
+    raise naming the fields that differ, or that it does not answer within ``timeout_s``
+    (another start of that name still waiting for Ray to place it, say)."""
+    try:
+        running, job = ray.get([handle.config_dump.remote(), handle.job_id.remote()],
+                               timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ServiceUnavailable(
+            f"a MetricWorker named {cfg.name!r} in namespace {cfg.namespace!r} exists but "
+            f"did not answer within {timeout_s:g} s (not started yet: is another start of "
+            f"that name waiting for Ray to place it?)") from None
     if job != ray.get_runtime_context().get_job_id():
         raise ValueError(
             f"a MetricWorker named {cfg.name!r} already runs in namespace {cfg.namespace!r} "
