@@ -82,12 +82,12 @@ def test_a_restart_finds_a_rewind_only_the_journal_recorded_and_writes_the_rerun
         make_worker):
     """The journal records a rewind before any other sink is told (a rewind it lacks never
     happened); a service that dies between the two leaves TensorBoard without the rewind's
-    restart marker, its watermark in the old segment. Seen in a loaded ``make test``: Ray
-    restarted a service resumed from step 3 (its thread pool timed out at start) before its
-    TensorBoard thread took the rewind, and the restarted one skipped the rerun's steps as
-    "held": TensorBoard showed steps 4-7 of the first run, and nothing said so. Here the
-    folder is left exactly so (the rewind written by the journal's own writer), then
-    continued."""
+    restart marker, its watermark in the old segment. Seen in a serial run of the suite on a
+    loaded machine: Ray restarted a service resumed from step 3 (its thread pool timed out
+    at start) before its TensorBoard thread took the rewind, and the restarted one skipped
+    the rerun's steps as "held": TensorBoard showed steps 4-7 of the first run, and nothing
+    said so. Here the folder is left exactly so (the rewind written by the journal's own
+    writer), then continued."""
     from metricsvc.storage.history import Rewind
     from metricsvc.storage.journal import JsonlSink
 
