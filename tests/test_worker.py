@@ -322,29 +322,31 @@ def test_a_service_ray_cannot_place_is_ended_and_refused_naming_num_cpus(ray_clu
             name=name, namespace=cfg.namespace, num_cpus=1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
         ).remote(cfg.model_dump())
-        give_up = time.monotonic() + 30
-        while not _named(name):  # Ray holds its name: a start finds it
-            assert time.monotonic() < give_up, "the pending service never held its name"
-            time.sleep(0.05)
+        _until_named(name, True, "the pending service never held its name")  # a start finds it
         with pytest.raises(ServiceUnavailable, match="exists but did not answer within 1 s"):
             metricsvc.start_metric_worker(config, start_timeout_s=1)
         ray.kill(pending, no_restart=True)
     finally:
         ray.kill(training)
-    give_up = time.monotonic() + 30
-    while _named(name):
-        assert time.monotonic() < give_up, "the unplaced service kept its name"
-        time.sleep(0.05)
+    _until_named(name, False, "the unplaced service kept its name")
     started = metricsvc.start_metric_worker({**config, "num_cpus": 0})  # the name is free
     metricsvc.stop_metric_worker(started)
 
 
-def _named(name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=metricsvc.load_config({"name": name}).namespace)
-    except ValueError:
-        return False
-    return True
+def _until_named(name: str, held: bool, failure: str, deadline_s: float = 30.0) -> None:
+    """Wait until Ray holds (``held``) or has let go of the actor name ``name``."""
+    namespace = metricsvc.load_config({"name": name}).namespace
+    give_up = time.monotonic() + deadline_s
+    while True:
+        try:
+            ray.get_actor(name, namespace=namespace)
+            named = True
+        except ValueError:
+            named = False
+        if named == held:
+            return
+        assert time.monotonic() < give_up, failure
+        time.sleep(0.05)
 
 
 def test_evicted_step_raises_a_clear_error(make_worker):
