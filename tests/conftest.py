@@ -51,23 +51,28 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _start_cluster():
-    """Start a real multi-node Ray cluster on this machine (Ray's own ``Cluster``: a head
-    and two more raylets) and return it."""
+def _token_auth() -> None:
+    """Ray's default: token authentication, turned on (and a token made where the machine
+    has none) by Ray's own functions, as ``ray.init()`` does for a cluster it starts;
+    ``Cluster`` does not by itself. Child drivers inherit RAY_AUTH_MODE from here."""
     from ray._private.authentication.authentication_token_setup import (
         enable_token_auth_by_default,
         ensure_token_if_auth_enabled,
     )
-    from ray.cluster_utils import Cluster
 
-    # Ray's default: token authentication, turned on (and a token made where the machine
-    # has none) by Ray's own functions, as ``ray.init()`` does for a cluster it starts;
-    # ``Cluster`` does not by itself. Child drivers inherit RAY_AUTH_MODE from here.
     enable_token_auth_by_default()
     ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+
+
+def _start_cluster(ports: list[int] | None = None):
+    """Start a real multi-node Ray cluster on this machine (Ray's own ``Cluster``: a head
+    and two more raylets) and return it."""
+    from ray.cluster_utils import Cluster
+
+    _token_auth()
     # Each node's metrics agent serves Ray's Prometheus export on a port the tests know
     # (METRICS_PORTS), reporting every second (Ray's default: 10 s).
-    ports = _free_ports(1 + len(NODES))
+    ports = ports or _free_ports(1 + len(NODES))
     METRICS_PORTS[:] = ports
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 4, "include_dashboard": False,
@@ -80,13 +85,15 @@ def _start_cluster():
 
 
 # ``make test`` runs the tests in two pytest-xdist workers, a file at a time each, on ONE
-# cluster: the controlling process starts it (before it starts the workers, which inherit
-# this variable) and stops it at the end. Two clusters on two cores would double the CPU
-# that Ray itself spends; one shared cluster lets a test that waits leave the cores to the
-# other worker's test.
+# cluster: the controlling process starts it, once the workers are started (they inherit
+# this variable, collect meanwhile, and wait for the cluster's address in its file), and
+# stops it at the end. Two clusters on two cores would double the CPU that Ray itself
+# spends; one shared cluster lets a test that waits leave the cores to the other worker's
+# test.
 _SHARED = "METRICSVC_TEST_CLUSTER"
 _controller_cluster: list = []
 _controller_locks: list[str] = []  # the folder of the lock files between the workers
+CLUSTER_START_S = 120  # a worker's wait for the controller's cluster
 
 
 def pytest_configure(config):
@@ -94,12 +101,47 @@ def pytest_configure(config):
         "markers", "removes_nodes: adds a node to the shared cluster and removes it; runs "
                    "while no test of another worker does (``pytest_runtest_protocol``)")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        cluster = _start_cluster()
-        _controller_cluster.append(cluster)
+        _token_auth()  # before the workers start: they inherit RAY_AUTH_MODE
         locks = tempfile.mkdtemp(prefix="metricsvc-test-locks-")
-        os.environ[_SHARED] = json.dumps({"address": cluster.address, "ports": METRICS_PORTS,
+        os.environ[_SHARED] = json.dumps({"ports": _free_ports(1 + len(NODES)),
                                           "locks": locks})
         _controller_locks.append(locks)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_sessionstart(session):
+    """The controller starts the shared cluster after pytest-xdist has started the workers
+    (its own ``pytest_sessionstart``), while they collect; its address, or why it did not
+    start, goes to ``cluster.json`` in the locks' folder, written whole."""
+    yield
+    if not _controller_locks:
+        return
+    locks = _controller_locks[0]
+    try:
+        cluster = _start_cluster(json.loads(os.environ[_SHARED])["ports"])
+        _controller_cluster.append(cluster)
+        found = {"address": cluster.address}
+    except Exception as err:  # noqa: BLE001  the workers' tests fail with it
+        found = {"error": f"{type(err).__name__}: {err}"}
+    with open(os.path.join(locks, "cluster.json.part"), "w") as f:
+        json.dump(found, f)
+    os.replace(os.path.join(locks, "cluster.json.part"), os.path.join(locks, "cluster.json"))
+
+
+def _shared_address(locks: str) -> str:
+    """The shared cluster's address, once the controller has started it."""
+    path = os.path.join(locks, "cluster.json")
+    give_up = time.monotonic() + CLUSTER_START_S
+    while not os.path.exists(path):
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"the shared Ray cluster did not start within "
+                               f"{CLUSTER_START_S} s")
+        time.sleep(0.1)
+    with open(path) as f:
+        found = json.load(f)
+    if "error" in found:
+        raise RuntimeError(f"the shared Ray cluster did not start: {found['error']}")
+    return found["address"]
 
 
 # The files that take longest, longest first (seconds in `make test`, measured 2026-12-05),
@@ -200,7 +242,7 @@ def ray_cluster(worker_id):
     if shared:
         info = json.loads(shared)
         METRICS_PORTS[:] = info["ports"]
-        cluster = _joined_cluster(info["address"])
+        cluster = _joined_cluster(_shared_address(info["locks"]))
     else:
         cluster = _start_cluster()
     ray.init(
