@@ -29,8 +29,9 @@ test: $(STAMP)
 	@# Compiled once here: every Ray worker and child process the tests start imports the
 	@# package, and where PYTHONDONTWRITEBYTECODE is set none would write its bytecode.
 	$(PY) -m compileall -q metricsvc examples tests benchmarks > /dev/null
-	@# Two pytest-xdist workers, a file at a time each, on one Ray cluster (tests/conftest.py).
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	@# Two pytest-xdist workers, a file at a time each, on one Ray cluster, the heaviest
+	@# files first (tests/conftest.py: xdist would reorder them by their number of tests).
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(PY) -m ruff check metricsvc tests examples benchmarks

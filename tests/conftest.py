@@ -72,7 +72,7 @@ def _start_cluster(ports: list[int] | None = None):
     _token_auth()
     # Each node's metrics agent serves Ray's Prometheus export on a port the tests know
     # (METRICS_PORTS), reporting every 2 s (Ray's default: 10 s; every second cost the
-    # cluster 5 % of a core more with a dozen actors alive).
+    # cluster 5-7 % of a core more than every 10 s, with a dozen actors alive).
     ports = ports or _free_ports(1 + len(NODES))
     METRICS_PORTS[:] = ports
     cluster = Cluster(initialize_head=True,
@@ -145,13 +145,18 @@ def _shared_address(locks: str) -> str:
     return found["address"]
 
 
-# The files that take longest, longest first (seconds in `make test`, measured 2026-12-05),
-# run first: the two workers then end within a short file of each other, where collection
-# order (alphabetical) left one of them idle for the last 10-15 s. Only the order changes.
+# The files that take longest (seconds in `make test`, 2026-12-05), longest first, run
+# first, so that the two workers end close together: with pytest-xdist's own order (most
+# tests first: ``--no-loadscope-reorder`` in the Makefile turns it off) the history model,
+# one test of 30 s, ran last, and one worker stood idle for the last 12 s. Only the order
+# changes; files not named keep theirs, after these.
 HEAVIEST_FIRST = ("test_examples.py", "test_docs.py", "test_history.py", "test_topology.py",
                   "test_worker.py", "test_run_folder.py", "test_history_model.py",
                   "test_sink_backends.py", "test_hostile_ranks.py", "test_cli.py",
-                  "test_packaging.py", "test_multinode.py", "test_chaos.py", "test_install.py")
+                  "test_packaging.py", "test_multinode.py", "test_chaos.py", "test_install.py",
+                  "test_observe.py", "test_security.py", "test_sink_restart.py",
+                  "test_topology_answers.py", "test_builtin_metrics.py", "test_summarize.py",
+                  "test_rewind.py", "test_tls.py", "test_flush.py", "test_tracker.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
