@@ -113,6 +113,25 @@ def crash(handle) -> None:
     raise TimeoutError(f"the actor's process {pid} outlived ray.kill by 30 s")
 
 
+def until_named(names: list[str], namespace: str, held: bool, failure: str,
+                deadline_s: float = 30.0) -> None:
+    """Wait until Ray holds (``held``) or has let go of every actor name in ``names``;
+    fail with ``failure`` and the names left after ``deadline_s``."""
+    def named(name: str) -> bool:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return False
+        return True
+
+    give_up = time.monotonic() + deadline_s
+    left = [n for n in names if named(n) != held]
+    while left:
+        assert time.monotonic() < give_up, f"{failure}: {left}"
+        time.sleep(0.05)
+        left = [n for n in left if named(n) != held]
+
+
 _POOL: list[Any] = []  # this session's RankActors that tests borrow (never killed)
 
 

@@ -8,7 +8,7 @@ import metricsvc
 from metricsvc.protocol import combiner_name
 from metricsvc.storage.journal import read_journal
 from tests.chaos.test_chaos import calls_for, rank_data
-from tests.helpers import pooled_ranks, wait_for_new_incarnation
+from tests.helpers import pooled_ranks, until_named, wait_for_new_incarnation
 
 WORLD, STEPS = 8, 5
 
@@ -174,8 +174,6 @@ def test_stopping_a_per_node_service_ends_the_combiners_it_started(make_worker):
     after the service was stopped, each a process forwarding to no run; a new service of
     the same name found the old ones by name (``get_if_exists``), started for the old
     run's config, and the first of them died under it (a script run on the old code)."""
-    import time
-
     from metricsvc.client import MetricClient
 
     handle, cfg = make_worker(topology="per_node", world_size=1)
@@ -183,12 +181,7 @@ def test_stopping_a_per_node_service_ends_the_combiners_it_started(make_worker):
     names = [combiner_name(cfg.name, node) for node in nodes]
     old = {ray.get_actor(name, namespace=cfg.namespace)._actor_id for name in names}
     metricsvc.stop_metric_worker(handle)
-    deadline = time.monotonic() + 30
-    left = names
-    while left and time.monotonic() < deadline:
-        left = [n for n in left if _alive_actor(n, cfg.namespace)]
-        time.sleep(0.05)
-    assert not left, f"combiners still alive after stop_metric_worker: {left}"
+    until_named(names, cfg.namespace, False, "combiners still alive after stop_metric_worker")
     # The next run of the same name gets combiners of its own, with its own config
     dumped = cfg.model_dump()
     again = metricsvc.start_metric_worker({**dumped, "run": {**dumped["run"], "trial": "next"}})
@@ -220,10 +213,3 @@ def test_a_service_started_right_after_a_stop_of_the_same_name_starts(make_worke
         assert ray.get(handle.wait_final_res.remote(0, 30)) == {"x": float(run)}
     metricsvc.stop_metric_worker(handle)
 
-
-def _alive_actor(name, namespace):
-    try:
-        ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return False
-    return True

@@ -2,7 +2,6 @@
 
 import json
 import math
-import time
 import warnings
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from metricsvc.client import MetricClient, ReduceType
 from metricsvc.client.summarize import accelerator_path_on_cpu
 from metricsvc.core.batch import Batch
 from metricsvc.core.records import scalar_row
-from tests.helpers import pooled_ranks, random_rank_data
+from tests.helpers import pooled_ranks, random_rank_data, until_named
 from tests.synccount import HostTransferCounter
 
 
@@ -322,31 +321,17 @@ def test_a_service_ray_cannot_place_is_ended_and_refused_naming_num_cpus(ray_clu
             name=name, namespace=cfg.namespace, num_cpus=1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
         ).remote(cfg.model_dump())
-        _until_named(name, True, "the pending service never held its name")  # a start finds it
+        until_named([name], cfg.namespace, True,  # a start finds it
+                    "the pending service never held its name")
         with pytest.raises(ServiceUnavailable, match="exists but did not answer within 1 s"):
             metricsvc.start_metric_worker(config, start_timeout_s=1)
         ray.kill(pending, no_restart=True)
     finally:
         ray.kill(training)
-    _until_named(name, False, "the unplaced service kept its name")
+    until_named([name], metricsvc.load_config(config).namespace, False,
+                "the unplaced service kept its name")
     started = metricsvc.start_metric_worker({**config, "num_cpus": 0})  # the name is free
     metricsvc.stop_metric_worker(started)
-
-
-def _until_named(name: str, held: bool, failure: str, deadline_s: float = 30.0) -> None:
-    """Wait until Ray holds (``held``) or has let go of the actor name ``name``."""
-    namespace = metricsvc.load_config({"name": name}).namespace
-    give_up = time.monotonic() + deadline_s
-    while True:
-        try:
-            ray.get_actor(name, namespace=namespace)
-            named = True
-        except ValueError:
-            named = False
-        if named == held:
-            return
-        assert time.monotonic() < give_up, failure
-        time.sleep(0.05)
 
 
 def test_evicted_step_raises_a_clear_error(make_worker):
