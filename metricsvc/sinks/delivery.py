@@ -169,8 +169,10 @@ class SinkDelivery:
         # the journal's turn and the sink's): given first, oldest first, or the rerun's
         # steps would pass for steps it holds (TensorBoard's events past the rewound step)
         rewind = getattr(self.sink, "rewind", None)
-        if not any([self.calls.attempt(functools.partial(rewind, r.to_step), retry=True)
-                    for r in self.mark.missed if rewind is not None]):
+        missed = self.mark.missed if rewind is not None else []
+        errors = [self.calls.attempt(functools.partial(rewind, r.to_step), retry=True)
+                  for r in missed]
+        if not any(errors):
             self.mark.caught_up()
         held_through = getattr(self.sink, "held_through", None)
         if held_through is not None and self.calls.opened:  # it can read back its content
