@@ -41,10 +41,13 @@ def scenario(name: str, handle, via: str | None) -> list:
     r0.declare(Derived("d", "sum(x) / 2", {"x": "x"}))
     r1.declare(Derived("d", "sum(x) * 100", {"x": "x"}))  # the loser: told, data merged
     r0.submit_metric({"x": 1.0, "x y": 1.0})
-    r1.submit_metric({"x": 2.0, "x_y": 2.0})  # a tag collision: told
     r0.flush(step=0)
-    r1.flush(step=0)
+    # Answered before rank 1 sends: who is told of the collision and of the derived
+    # metric follows from the order the batches came in (flushed together, a loaded
+    # machine's sender threads sent rank 1's first now and then, in either topology)
     _heard("r0", lambda: r0.wait_acks(30), out)
+    r1.submit_metric({"x": 2.0, "x_y": 2.0})  # a tag collision: told
+    r1.flush(step=0)
     _heard("r1", lambda: r1.wait_acks(30), out)
 
     r0.submit_metric({"x": 3.0})  # step 1: rank 1 straggles, then comes late
