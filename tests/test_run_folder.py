@@ -18,6 +18,7 @@ import metricsvc
 from metricsvc.cli.main import main as cli_main
 from metricsvc.client import MetricClient, ServiceUnavailable
 from metricsvc.storage.journal import JsonlSink, read_journal
+from tests.helpers import until_named
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -222,9 +223,14 @@ def test_stop_with_a_slow_sink_writes_or_dead_letters_every_step_and_never_close
 
 
 def test_a_client_of_an_actor_stopped_for_good_fails_at_once(ray_cluster, tmp_path, caplog):
-    handle = metricsvc.start_metric_worker(config(tmp_path, "gone-for-good"))
+    cfg = config(tmp_path, "gone-for-good")
+    handle = metricsvc.start_metric_worker(cfg)
     client = one_step("gone-for-good", 1.0)
     metricsvc.stop_metric_worker(handle)
+    # Gone for good once Ray has let its name go: ``ray.kill`` returns before that, and a
+    # batch sent in between meets the closed actor ("is closed (submit refused)")
+    until_named(["gone-for-good"], metricsvc.load_config(cfg).namespace, False,
+                "the stopped service kept its name")
     client.submit_metric({"x": 2.0})
     start = time.monotonic()
     with caplog.at_level(logging.WARNING), pytest.raises(ServiceUnavailable,
