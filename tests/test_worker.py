@@ -328,8 +328,7 @@ def test_a_service_ray_cannot_place_is_ended_and_refused_naming_num_cpus(ray_clu
         ray.kill(pending, no_restart=True)
     finally:
         ray.kill(training)
-    until_named([name], metricsvc.load_config(config).namespace, False,
-                "the unplaced service kept its name")
+    until_named([name], cfg.namespace, False, "the unplaced service kept its name")
     started = metricsvc.start_metric_worker({**config, "num_cpus": 0})  # the name is free
     metricsvc.stop_metric_worker(started)
 
