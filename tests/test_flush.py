@@ -107,6 +107,30 @@ def test_flushes_the_actor_never_journaled_are_resent_to_its_next_incarnation(ma
     assert c.in_flight == 0
 
 
+def test_a_senders_first_call_is_the_callers_and_the_rest_its_threads(make_worker):
+    """Ray finds an actor and connects to it after a handle's first call returns: a rank
+    actor ended right after the method that flushed its first step lost that step 15
+    times of 15 when the sender thread made the call, 5 of 30 when the caller makes it (as
+    before the thread made any: 5 of 30), and a later step 0 of 30 either way (``ray.kill``
+    at once; ``wait_acks`` is what makes a step's delivery sure)."""
+    handle, cfg = make_worker(world_size=1)
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    callers, issue = [], c.service.issue
+
+    def recording(*args):
+        callers.append(threading.current_thread())
+        return issue(*args)
+
+    c.service.issue = recording
+    for step in range(3):
+        c.submit_metric({"x": float(step)})
+        c.flush()
+        c.wait_acks(timeout_s=30)  # answered before the next: each step a call of its own
+    assert len(callers) == 3 and callers[0] is threading.current_thread()
+    assert threading.current_thread() not in callers[1:]
+    assert c.wait_final_res(2, 30) == {"x": 2.0}
+
+
 def test_back_to_back_flushes_arrive_in_step_order(make_worker):
     """Ray does not promise to run an actor's calls in the order sent; flushes sent without
     waiting used to overtake each other, and with one rank a step was published before its

@@ -6,9 +6,10 @@ A blocking ``send`` runs on the caller's thread (``wait_submit``). ``hand_over``
 at once when nothing is in flight and leaves its answer to the caller's next call, which
 reads it if it is in by then (``ray.get`` with timeout 0: the common case, no thread wakes
 for an answer); one that is not, and batches handed over meanwhile, the thread waits for,
-and the caller reads their answers later. The caller never makes a flush's Ray call
-itself: Ray's submission wakes its own IO thread, which on a busy node preempts the
-caller (4 ranks on 2 cores: 1.2 ms of a rank's wall in the call against 0.3 ms of CPU).
+and the caller reads their answers later. The caller makes only the first call of a
+hand-over itself (Ray connects to the actor on it): Ray's submission wakes its own IO
+thread, which on a busy node preempts the caller (4 ranks on 2 cores: 1.2 ms of a rank's
+wall in the call against 0.3 ms of CPU).
 Either way one delivery runs at a time, so steps reach the service in order (Ray does
 not promise to run an actor's calls in the order sent: a large batch travels through the
 object store, so batches sent without waiting could overtake each other). Every batch is
@@ -67,6 +68,7 @@ class Sender:
         # (batch, blob, wait); read by the caller's next call (``_settle``)
         self._pending: tuple[Batch, bytes, Any] | None = None
         self._waiting = 0  # callers in ``wait_until``: the thread waits out what it issues
+        self._called = False  # whether a call was made yet (a hand-over's first: the caller's)
 
     # -- blocking ------------------------------------------------------------------------
     def send(self, batch: Batch, blob: bytes, timeout_s: float | None, *,
@@ -75,6 +77,7 @@ class Sender:
         undelivered one too unless ``keep_undelivered``. ``issued``: the wait of the call
         ``hand_over`` already made for it (under the send lock, the batch in the outbox)."""
         with self._send_lock:
+            self._called = True
             if issued is None:
                 self.outbox.sent(self._position(batch), blob)
             try:
@@ -118,12 +121,35 @@ class Sender:
     def hand_over(self, batch: Batch, blob: bytes) -> None:
         """Deliver ``batch`` without waiting: queued for the sender thread, which makes the
         call at once if nothing is in flight (its answer read at a later call), else
-        delivers it after the batches before it."""
+        delivers it after the batches before it.
+
+        The sender's first call is made here, on the caller's thread: on a handle's first
+        call Ray finds the actor and connects to it, after the call returns, and a process
+        ended meanwhile loses the call (a rank actor ended right after the method that
+        flushed it returned lost its step, 15 times of 15, when the thread made it)."""
         self._settle()
         with self._cv:
             issue = self._start is not None and not self.in_flight
             self.in_flight += 1
-            self._to_thread((batch, blob, ISSUE if issue else None))
+            if not issue or self._called:
+                self._to_thread((batch, blob, ISSUE if issue else None))
+                return
+            self._called = True
+            issued = self._call_now(batch, blob)
+            if issued is None:  # the thread delivers it, retrying, and reports what fails
+                self._to_thread((batch, blob, None))
+            else:
+                self._pending = (batch, blob, issued)
+
+    def _call_now(self, batch: Batch, blob: bytes) -> Any:
+        """Make the batch's call now and return its wait; None if it could not be made."""
+        with self._send_lock:
+            try:
+                self.outbox.sent(self._position(batch), blob)
+                return self._start(blob, self.outbox.epoch)  # type: ignore[misc]
+            except Exception:  # noqa: BLE001  delivered by the thread's retrying call
+                self.outbox.drop(blob)
+                return None
 
     def _to_thread(self, item: tuple[Batch, bytes, Any], first: bool = False) -> None:
         """Queue ``item`` for the sender thread (started if idle); under the lock."""
@@ -203,13 +229,7 @@ class Sender:
         caller's next call (``_settle``); wait it out here instead when a caller waits
         (``wait_until``) or a batch is queued behind it, and deliver the batch here
         (retrying) if the call could not be made."""
-        issued = None
-        with self._send_lock:
-            try:
-                self.outbox.sent(self._position(batch), blob)
-                issued = self._start(blob, self.outbox.epoch)  # type: ignore[misc]
-            except Exception:  # noqa: BLE001  the retrying call below reports what fails
-                self.outbox.drop(blob)
+        issued = self._call_now(batch, blob)
         with self._cv:
             self._queue.popleft()
             if issued is not None and not self._waiting and not self._queue:
