@@ -6,10 +6,11 @@ A blocking ``send`` runs on the caller's thread (``wait_submit``). ``hand_over``
 at once when nothing is in flight and leaves its answer to the caller's next call, which
 reads it if it is in by then (``ray.get`` with timeout 0: the common case, no thread wakes
 for an answer); one that is not, and batches handed over meanwhile, the thread waits for,
-and the caller reads their answers later. The caller makes only the first call of a
-hand-over itself (Ray connects to the actor on it): Ray's submission wakes its own IO
-thread, which on a busy node preempts the caller (4 ranks on 2 cores: 1.2 ms of a rank's
-wall in the call against 0.3 ms of CPU).
+and the caller reads their answers later. Only a client's first call is the caller's (Ray
+connects to the actor on it), every later one the thread's: Ray's submission wakes its own
+IO thread, which on a busy node preempts the caller (4 ranks on 2 cores: 1.2 ms of a
+rank's wall in the call against 0.3 ms of CPU).
+
 Either way one delivery runs at a time, so steps reach the service in order (Ray does
 not promise to run an actor's calls in the order sent: a large batch travels through the
 object store, so batches sent without waiting could overtake each other). Every batch is
@@ -135,21 +136,25 @@ class Sender:
                 self._to_thread((batch, blob, ISSUE if issue else None))
                 return
             self._called = True
-            issued = self._call_now(batch, blob)
+            issued = self._call_now(batch, blob, block=False)
             if issued is None:  # the thread delivers it, retrying, and reports what fails
                 self._to_thread((batch, blob, None))
             else:
                 self._pending = (batch, blob, issued)
 
-    def _call_now(self, batch: Batch, blob: bytes) -> Any:
-        """Make the batch's call now and return its wait; None if it could not be made."""
-        with self._send_lock:
-            try:
-                self.outbox.sent(self._position(batch), blob)
-                return self._start(blob, self.outbox.epoch)  # type: ignore[misc]
-            except Exception:  # noqa: BLE001  delivered by the thread's retrying call
-                self.outbox.drop(blob)
-                return None
+    def _call_now(self, batch: Batch, blob: bytes, block: bool = True) -> Any:
+        """Make the batch's call now and return its wait; None if it could not be made (or,
+        unless ``block``, if another delivery holds the send lock)."""
+        if not self._send_lock.acquire(blocking=block):
+            return None
+        try:
+            self.outbox.sent(self._position(batch), blob)
+            return self._start(blob, self.outbox.epoch)  # type: ignore[misc]
+        except Exception:  # noqa: BLE001  delivered by the thread's retrying call
+            self.outbox.drop(blob)
+            return None
+        finally:
+            self._send_lock.release()
 
     def _to_thread(self, item: tuple[Batch, bytes, Any], first: bool = False) -> None:
         """Queue ``item`` for the sender thread (started if idle); under the lock."""
