@@ -31,6 +31,18 @@ class Paused:
         os.kill(self.pid, signal.SIGCONT)
 
 
+def calling_threads(client: MetricClient) -> list[threading.Thread]:
+    """Record, from now on, the thread that makes each of ``client``'s actor calls."""
+    callers, issue = [], client.service.issue
+
+    def recording(*args):
+        callers.append(threading.current_thread())
+        return issue(*args)
+
+    client.service.issue = recording
+    return callers
+
+
 def test_flush_returns_while_the_actor_answers_nothing_and_acks_come_later(make_worker):
     handle, cfg = make_worker(world_size=1)
     c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
@@ -115,13 +127,7 @@ def test_a_senders_first_call_is_the_callers_and_the_rest_its_threads(make_worke
     at once; ``wait_acks`` is what makes a step's delivery sure)."""
     handle, cfg = make_worker(world_size=1)
     c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
-    callers, issue = [], c.service.issue
-
-    def recording(*args):
-        callers.append(threading.current_thread())
-        return issue(*args)
-
-    c.service.issue = recording
+    callers = calling_threads(c)
     for step in range(3):
         c.submit_metric({"x": float(step)})
         c.flush()
@@ -235,13 +241,7 @@ def test_a_flush_wakes_the_sender_thread_once_and_reading_its_answer_never(make_
     c.wait_acks(timeout_s=30)
     assert c.sender._thread is not None  # started, idle now
     woken = c.sender.wakes
-    callers, issue = [], c.service.issue  # the threads that make flush's Ray calls
-
-    def recording(*args):
-        callers.append(threading.current_thread())
-        return issue(*args)
-
-    c.service.issue = recording
+    callers = calling_threads(c)
     for step in range(3, 13):  # each answer in before the next flush: read by that flush
         c.submit_metric({"x": float(step)})
         c.flush()
