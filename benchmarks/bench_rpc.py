@@ -7,14 +7,20 @@ actor calls per step, the latency from the last rank's flush to the final result
 ratios against ours measured in the same run. ``ours`` closes a step with ``flush()``
 (the ack is read at the next step), ``ours_wait`` with the blocking ``wait_submit()``.
 Each pattern first runs ``WARMUP`` steps that no figure counts (a sink opening, a key
-set's first merge). ``siirl1`` is siiRL's one-call pattern on its actor path (a queue, a
-processing loop, per-key lists of Metric objects: ``baselines/siirl_actor.py``);
+set's first merge). ``--gap-ms`` leaves that long between steps, as a training step's
+compute does (default 0: back to back, where a rank's next flush mostly comes before the
+answer to its last one; a few ms apart the answer is in by then, as in training); the
+steps per second count the metrics' time only. The ranks' CPU is their processes' (every
+thread) and, in brackets in the last table, their own threads' (the training loop's).
+``siirl1`` is siiRL's one-call pattern on its actor path (a queue, a processing loop,
+per-key lists of Metric objects: ``baselines/siirl_actor.py``);
 ``siirl`` its four-call pattern with the per-key lists reduced inline
 (``baselines/siirl_style.py``). ``floor`` is Ray alone, one call per rank per step with
 nothing computed (``baselines/ray_floor.py``): no pattern with one call per rank per step
 can cost less.
 
     python -m benchmarks.bench_rpc [--worlds 4 16] [--keys 30 300] [--steps 40] [--rounds 3]
+                                   [--gap-ms 0]
 
 It ends with the end-to-end table: ours against siiRL's one-call and four-call patterns,
 as ratios measured round by round.
@@ -73,9 +79,10 @@ class BenchRank:
             self.client = PerKeyClient(worker, world)
         self.pattern = pattern
 
-    def cpu_s(self) -> float:
-        """This rank process's CPU time, every thread (Ray's own included)."""
-        return time.process_time()
+    def cpu_s(self) -> tuple[float, float]:
+        """This rank process's CPU time, every thread (Ray's own and a sender thread
+        included), and its own thread's: the one that runs ``step``, the training loop's."""
+        return time.process_time(), time.thread_time()
 
     def step(self) -> float:
         values = dict(zip(self.names, self.rng.normal(size=len(self.names)).tolist()))
@@ -93,7 +100,8 @@ class BenchRank:
         return start
 
 
-def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> dict:
+def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int,
+        gap_s: float = 0.0) -> dict:
     if pattern == "harness":
         worker = None
     elif pattern in ("ours", "ours_wait"):
@@ -146,14 +154,20 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
     else:
         cpu0 = ray.get(worker.cpu_s.remote())
         calls0 = ray.get(worker.call_count.remote())
-    ranks0 = sum(ray.get([r.cpu_s.remote() for r in active]))
+    ranks0 = ray.get([r.cpu_s.remote() for r in active])
     driver0 = time.process_time()
     t0 = time.perf_counter()
+    slept = 0.0
     for step in range(WARMUP, WARMUP + steps):
         latencies.append(one(step))
-    elapsed = time.perf_counter() - t0
+        if gap_s:
+            time.sleep(gap_s)
+            slept += gap_s
+    elapsed = time.perf_counter() - t0 - slept  # steps per second of the metrics alone
     driver_ms = 1e3 * (time.process_time() - driver0) / steps
-    ranks_ms = 1e3 * (sum(ray.get([r.cpu_s.remote() for r in active])) - ranks0) / steps
+    ranks1 = ray.get([r.cpu_s.remote() for r in active])
+    ranks_ms = 1e3 * sum(b[0] - a[0] for a, b in zip(ranks0, ranks1)) / steps
+    thread_ms = 1e3 * sum(b[1] - a[1] for a, b in zip(ranks0, ranks1)) / steps
     cpu_ms_per_batch = merge_ms = 0.0
     if pattern == "harness":
         calls = 0
@@ -174,6 +188,7 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int) -> d
             "actor_cpu_ms_per_batch": cpu_ms_per_batch,
             "actor_cpu_ms_per_step": cpu_ms_per_batch * world,
             "merge_cpu_ms_per_step": merge_ms, "ranks_cpu_ms_per_step": ranks_ms,
+            "ranks_thread_cpu_ms_per_step": thread_ms, "gap_ms": 1e3 * gap_s,
             "driver_cpu_ms_per_step": driver_ms,
             "latency_p50_ms": 1e3 * statistics.median(lat),
             "latency_p95_ms": 1e3 * lat[min(len(lat) - 1, int(0.95 * len(lat)))]}
@@ -224,13 +239,15 @@ def breakdown(rows: list[dict]) -> list[str]:
     pattern), the service actor's process (for ours: its merge, validation, finishing and
     journal hand-off inside the calls, the rest Ray's per-call work and the sink threads),
     and the driver's process."""
-    lines = ["| W, K | pattern | ranks' metrics CPU ms / step | actor CPU ms / step "
-             "(ours: inside the calls) | driver CPU ms / step | steps/s |",
+    lines = ["| W, K | pattern | ranks' metrics CPU ms / step (of it their own threads) | "
+             "actor CPU ms / step (ours: inside the calls) | driver CPU ms / step | steps/s |",
              "|---|---|---:|---:|---:|---:|"]
     med = statistics.median
     for world, keys in dict.fromkeys((r["world"], r["keys"]) for r in rows):
         mine = [r for r in rows if (r["world"], r["keys"]) == (world, keys)]
         harness = med(r["ranks_cpu_ms_per_step"] for r in mine if r["pattern"] == "harness")
+        harness_thread = med(r["ranks_thread_cpu_ms_per_step"] for r in mine
+                             if r["pattern"] == "harness")
         for pattern in ("ours", "siirl1", "floor"):
             got = [r for r in mine if r["pattern"] == pattern]
             if not got:
@@ -239,7 +256,8 @@ def breakdown(rows: list[dict]) -> list[str]:
                       if pattern == "ours" else "")
             lines.append(
                 f"| {world}, {keys} | {pattern} | "
-                f"{med(r['ranks_cpu_ms_per_step'] for r in got) - harness:.2f} | "
+                f"{med(r['ranks_cpu_ms_per_step'] for r in got) - harness:.2f} "
+                f"({med(r['ranks_thread_cpu_ms_per_step'] for r in got) - harness_thread:.2f}) | "
                 f"{med(r['actor_cpu_ms_per_step'] for r in got):.2f}{inside} | "
                 f"{med(r['driver_cpu_ms_per_step'] for r in got):.2f} | "
                 f"{med(r['steps_per_s'] for r in got):.1f} |")
@@ -253,6 +271,9 @@ def main() -> list[dict]:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of every pattern back to back (ratios are per round)")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="time between steps (a training step's compute); not counted in "
+                             "steps per second")
     parser.add_argument("--per-key-steps", type=int, default=3,
                         help="steps for the one-call-per-key baseline (it is slow)")
     args = parser.parse_args()
@@ -270,11 +291,12 @@ def main() -> list[dict]:
                 extra = ["harness"] + (["per_key"] if round_ == 0 else [])
                 for pattern in extra + order:
                     steps = args.steps if pattern != "per_key" else args.per_key_steps
-                    row = run(pattern, ranks, world, keys, steps, index)
+                    row = run(pattern, ranks, world, keys, steps, index, args.gap_ms / 1e3)
                     rows.append({**row, "round": round_})
                     index += 1
     print(f"bench_rpc: local Ray on {os.cpu_count()} cores; W rank actors each flush K plain "
-          f"float metrics per step; {args.rounds} rounds, every pattern back to back")
+          f"float metrics per step, {args.gap_ms:g} ms between steps; {args.rounds} rounds, "
+          f"every pattern back to back")
     print("| W | K | round | pattern | steps/s | actor calls / step | actor CPU ms / batch | "
           "flush→final p50 ms | p95 ms | ours: steps/s × |")
     print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
