@@ -70,12 +70,15 @@ class SlowSink:
 class StallingSink:
     """A custom sink with a file of its own (one JSON line per step) that stalls once, in
     the write of ``stall_step``, until the test kills the actor. ``resume`` reads its file,
-    so it is exactly-once across restarts like the built-in sinks."""
+    so it is exactly-once across restarts like the built-in sinks; with ``reopen_s`` it
+    first takes that long, as a backend slow to reopen its run does (wandb or MLflow on a
+    loaded node)."""
 
     name = "stalling"
 
     def __init__(self, options: dict) -> None:
         self.stall_step = int(options["stall_step"])
+        self.reopen_s = float(options.get("reopen_s", 0))
         self.path = None
         self.held: set[int] = set()
 
@@ -85,7 +88,9 @@ class StallingSink:
 
     def resume(self, after) -> None:
         import json
+        import time
 
+        time.sleep(self.reopen_s)
         if self.path.exists():
             for line in self.path.read_text().splitlines():
                 step = json.loads(line)["step"]

@@ -100,3 +100,39 @@ def test_a_kill_while_a_sink_is_writing_loses_and_doubles_nothing(make_worker):
     for x in lines:
         assert x["metrics"] == pytest.approx(journal[x["step"]], rel=1e-12)
     assert health["sinks"]["stalling"]["replayed"] >= 1  # the step it died writing, at least
+
+
+def test_a_close_that_gives_up_on_a_sink_still_reopening_dead_letters_what_it_lacks(
+        make_worker):
+    """A restarted service's close gave up on a sink still reopening its run (30 s on a
+    loaded machine for wandb, MLflow and TensorBoard): the steps the ranks sent after the
+    restart were dead-lettered, the journaled steps the sink lacked were in neither its
+    backend nor the dead letters, and health counted no loss."""
+    handle, cfg = make_worker(world_size=1, sinks={
+        "console": None, "jsonl": {}, "delivery": {"close_timeout_s": 2},
+        "custom": [{"target": "tests.sink_fixtures:StallingSink",
+                    "options": {"stall_step": 1, "reopen_s": 60}}]})
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    run_dir = Path(ray.get(handle.health.remote())["run_dir"])
+    journal = run_dir / "metrics.jsonl"
+    for step in range(4):
+        client.submit_metric({"x": float(step)})
+        client.wait_submit(step=step)
+    deadline = time.monotonic() + 60
+    while not ((run_dir / "stalling.started").exists()
+               and {r["step"] for r in read_journal(journal)} >= {0, 1, 2, 3}):
+        assert time.monotonic() < deadline, "the stalling sink never started step 1"
+        time.sleep(0.02)
+    sigkill(handle)  # steps 1-3: journaled, not in the sink; its next incarnation reopens
+    client.submit_metric({"x": 4.0})
+    client.wait_submit(step=4)
+    health = ray.get(handle.close.remote(), timeout=120)
+    held = [json.loads(x)["step"] for x in (run_dir / "stalling.jsonl").read_text().splitlines()]
+    dead = [r["step"] for r in map(json.loads, (run_dir / "dead_letter.jsonl").read_text()
+                                   .splitlines()) if r["sink"] == "stalling"]
+    assert held == [0]
+    assert sorted(dead) == [1, 2, 3, 4]  # every step the sink lacks, none lost
+    stats = health["sink_errors"]["stalling"]
+    assert stats["dead_lettered"] == 4 and stats["lost"] == 0
+    assert "jsonl" not in health["sink_errors"]  # the journal, a sink of its own, holds all
+    assert [r["step"] for r in read_journal(journal)] == [0, 1, 2, 3, 4]

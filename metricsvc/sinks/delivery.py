@@ -161,6 +161,8 @@ class SinkDelivery:
         """Reopen the backend run, give it the rewinds it missed, then replay the journal
         past the watermark."""
         floor = self.mark.load()
+        with self._lock:  # from here a closer that gives up dead-letters what it lacks
+            self._backlog = self._past_floor(journal)
         resume = getattr(self.sink, "resume", None)  # without it, the attempt opens the sink
         error = self.calls.attempt(lambda: resume and resume(floor), retry=True)
         if error is not None:
@@ -177,9 +179,6 @@ class SinkDelivery:
         held_through = getattr(self.sink, "held_through", None)
         if held_through is not None and self.calls.opened:  # it can read back its content
             self.mark.believe_content(held_through())
-        floor = self.mark.floor
-        self._backlog = (("write", r["step"], r["metrics"], r["meta"]) for r in journal
-                         if floor is None or r["step"] > floor)  # one at a time
         first = None
         while True:
             with self._lock:  # a closer that gives up dead-letters the rest of the backlog
@@ -196,6 +195,15 @@ class SinkDelivery:
             log.warning("sink %s: %d journaled steps replayed after a restart, from step %s",
                         self.name, self.stats["replayed"], first)
         self._commit()
+
+    def _past_floor(self, journal: Iterator[dict[str, Any]]) -> Iterator[tuple]:
+        """The journaled steps past the sink's floor, one at a time, the floor read at the
+        first: after the sink's resume has settled it (what its content holds), or, for a
+        closer that gives up while the sink still reopens, the saved watermark."""
+        floor = self.mark.floor
+        for r in journal:
+            if floor is None or r["step"] > floor:
+                yield "write", r["step"], r["metrics"], r["meta"]
 
     def _commit(self) -> None:
         """Ask the sink to make its writes durable; advance the watermark to what it says."""
@@ -295,20 +303,27 @@ class SinkDelivery:
             except queue.Empty:
                 break
         why = f"the sink was still busy when close gave up ({self.delivery.close_timeout_s} s)"
+        # Each step once: the journal the replay reads also holds the steps finished since
+        # the restart, which the queue holds too (the sink would have skipped them there)
+        last, count = None, 0
         if current is not None and current[0] == "write":
             self.stats["in_flight_at_close"] += 1
             self._dead_letter(current, f"{why}, writing this step: it may also have reached "
                                        f"the sink")
+            last, count = current[1], 1
         for item in waiting:
             if item is not STOP and item[0] == "write":
-                self._dead_letter(item, f"not written: {why}")
+                if last is None or item[1] > last:
+                    self._dead_letter(item, f"not written: {why}")
+                    last, count = item[1], count + 1
+            elif item is not STOP and item[0] == "rewind":  # a rerun's steps follow
+                item[2].heard(self.sink, f"not rewound: {why}")
+                last = None if last is None else min(last, item[1].to_step)
             elif item is not STOP and item[0] == "flush":
                 item[1].set()
-            elif item is not STOP and item[0] == "rewind":
-                item[2].heard(self.sink, f"not rewound: {why}")
         self.queue.put_nowait(STOP)  # the thread closes the sink once its write returns
         log.error("sink %s: close gave up after %s s; %d steps dead-lettered", self.name,
-                  self.delivery.close_timeout_s, len(waiting) + (current is not None))
+                  self.delivery.close_timeout_s, count)
 
 
 class Rewound:
