@@ -139,3 +139,24 @@ def test_a_close_that_gives_up_on_a_sink_still_reopening_dead_letters_what_it_la
     assert stats["dead_lettered"] == 4 and stats["lost"] == 0
     assert "jsonl" not in health["sink_errors"]  # the journal, a sink of its own, holds all
     assert [r["step"] for r in read_journal(journal)] == [0, 1, 2, 3, 4]
+
+
+def test_a_close_that_gives_up_dead_letters_a_rerun_after_a_queued_rewind_too(tmp_path):
+    """Each step once, but a rewind queued behind a stuck write starts a new segment: its
+    rerun's steps 1 and 2 are not the steps 1 and 2 before it, and are dead-lettered too."""
+    from metricsvc.config import DeliveryConfig
+    from metricsvc.sinks.dispatch import SinkDispatcher
+    from metricsvc.storage.history import Rewind
+    from tests.sink_fixtures import SlowSink
+
+    sink = SlowSink({"seconds": 3, "trace": str(tmp_path / "trace")})
+    d = SinkDispatcher([sink], tmp_path, DeliveryConfig(close_timeout_s=0.3))
+    for step in range(3):
+        d.publish(step, {"x": float(step)}, {"ranks": [0]})
+    d.rewind(Rewind(0), wait_for=None)
+    for step in (1, 2):
+        d.publish(step, {"x": 10.0 + step}, {"ranks": [0]})
+    d.close()  # the write of step 0 takes 3 s: the close gives up on it and the rest
+    dead = [(r["step"], r["metrics"]["x"]) for r in
+            map(json.loads, (tmp_path / "dead_letter.jsonl").read_text().splitlines())]
+    assert dead == [(0, 0.0), (1, 1.0), (2, 2.0), (1, 11.0), (2, 12.0)]
