@@ -2,13 +2,19 @@
 own files hold every finished step exactly once, in one run per backend, equal to the
 journal (issue 18). Each backend is read back with its own reader (``tests/readback``)."""
 
+import itertools
 import json
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from metricsvc.client import MetricClient
 from metricsvc.core.keys import safe_tag
@@ -167,3 +173,135 @@ def test_a_close_that_gives_up_dead_letters_a_rerun_after_a_queued_rewind_too(tm
     dead = [(r["step"], r["metrics"]["x"]) for r in
             map(json.loads, (tmp_path / "dead_letter.jsonl").read_text().splitlines())]
     assert dead == [(0, 0.0), (1, 1.0), (2, 2.0), (1, 11.0), (2, 12.0)]
+
+
+class GateSink:
+    """A custom sink whose reopening and writes wait at a gate (a backend slow to reopen
+    or to write); an incarnation that crashed (``dead``) lands nothing more."""
+
+    name = "gate"
+
+    def __init__(self, gate, path: Path) -> None:
+        self.gate, self.path, self.dead = gate, path, False
+
+    def open(self, run_dir) -> None:
+        self.gate.wait()
+
+    def write(self, step, metrics, meta) -> None:
+        self.gate.wait()
+        if not self.dead:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps([step, metrics["x"]]) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class SinkHistoryMachine(RuleBasedStateMachine):
+    """A run's sinks across publishes, rewinds, a sink that stalls, crashes (the service
+    continues the run from its journal) and closes that give up on the stalled sink, in
+    any mix, against a model (step -> value): once a close returns, every value the model
+    holds is in the sink's file or in its dead letters. The real dispatcher and journal,
+    wired as the service wires them on a restart; one process, no Ray."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory(prefix="metricsvc-sinks-")
+        self.run = Path(self.tmp.name)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.model: dict[int, float] = {}
+        self.next = 0
+        self.values = itertools.count()
+        self.incarnations: list = []
+        self._start(continuing=False)
+
+    def _start(self, continuing: bool) -> None:
+        from metricsvc.config import DeliveryConfig
+        from metricsvc.sinks.dispatch import SinkDispatcher
+        from metricsvc.storage.history import RunHistory
+        from metricsvc.storage.journal import JsonlSink, iter_journal
+
+        path = self.run / "metrics.jsonl"
+        self.journal, self.sink = JsonlSink(), GateSink(self.gate, self.run / "gate.jsonl")
+        self.d = SinkDispatcher(
+            [self.journal, self.sink], self.run, DeliveryConfig(close_timeout_s=0.3),
+            replay=(lambda: iter_journal(path)) if continuing and path.exists() else None,
+            history=RunHistory.read(path if continuing else None))
+        self.incarnations.append(self.d)
+
+    def _nothing_lost(self) -> None:
+        held = {tuple(json.loads(x)) for x in _lines(self.run / "gate.jsonl")}
+        dead = {(r["step"], r["metrics"]["x"]) for r in map(json.loads,
+                _lines(self.run / "dead_letter.jsonl")) if r["sink"] == "gate"}
+        assert set(self.model.items()) <= held | dead, (self.model, held, dead)
+
+    @rule()
+    def publish(self) -> None:
+        value = float(next(self.values))
+        self.d.publish(self.next, {"x": value}, {"ranks": [0]})
+        self.model[self.next] = value
+        self.next += 1
+
+    @precondition(lambda self: self.next > 0)
+    @rule(data=st.data())
+    def rewind(self, data) -> None:
+        from metricsvc.storage.history import Rewind
+
+        to_step = data.draw(st.integers(-1, self.next - 1), label="to_step")
+        self.d.rewind(Rewind(to_step), wait_for=self.journal, timeout_s=30)
+        self.model = {s: v for s, v in self.model.items() if s <= to_step}
+        self.next = to_step + 1
+
+    @rule()
+    def stall(self) -> None:
+        self.gate.clear()
+
+    @rule()
+    def unstall(self) -> None:
+        self.gate.set()
+
+    @rule()
+    def crash(self) -> None:
+        """The process ends with nothing closed, once the journal holds every step."""
+        from metricsvc.storage.journal import read_journal
+
+        journal = self.run / "metrics.jsonl"
+        give_up = time.monotonic() + 30
+        while self.model and (not journal.exists() or self.model != {
+                r["step"]: r["metrics"]["x"] for r in read_journal(journal)}):
+            assert time.monotonic() < give_up, "the journal did not take every step"
+            time.sleep(0.01)
+        self.sink.dead = True
+        self._start(continuing=True)  # reopens the sink: at the gate if it stalls
+
+    @rule()
+    def close_then_continue(self) -> None:
+        self.d.close()  # gives up on the sink if it stalls
+        self._nothing_lost()
+        self._start(continuing=True)
+
+    @invariant()
+    def a_flowing_sink_holds_the_model(self) -> None:
+        if self.gate.is_set():
+            assert self.d.flush(30)
+            self._nothing_lost()
+
+    def teardown(self) -> None:
+        self.gate.set()
+        for d in self.incarnations:
+            d.close(5)
+        self.tmp.cleanup()
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_every_mix_of_stall_crash_rewind_and_a_close_that_gives_up_loses_no_step():
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(SinkHistoryMachine, settings=settings(
+        max_examples=25, stateful_step_count=12, deadline=None, database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck)))
