@@ -147,9 +147,12 @@ def test_a_close_that_gives_up_on_a_sink_still_reopening_dead_letters_what_it_la
     dead = [r["step"] for r in map(json.loads, (run_dir / "dead_letter.jsonl").read_text()
                                    .splitlines()) if r["sink"] == "stalling"]
     assert held == [0]
-    assert sorted(dead) == [1, 2, 3, 4]  # every step the sink lacks, none lost
+    # Every step the sink lacks, each once, none lost; step 0 too where the kill came
+    # before its watermark was saved (the sink was already writing step 1): a dead letter
+    # may hold a step the sink has, never the other way round
+    assert set(dead) - {0} == {1, 2, 3, 4} and len(dead) == len(set(dead))
     stats = health["sink_errors"]["stalling"]
-    assert stats["dead_lettered"] == 4 and stats["lost"] == 0
+    assert stats["dead_lettered"] == len(dead) and stats["lost"] == 0
     assert "jsonl" not in health["sink_errors"]  # the journal, a sink of its own, holds all
     assert [r["step"] for r in read_journal(journal)] == [0, 1, 2, 3, 4]
 
