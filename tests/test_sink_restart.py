@@ -275,6 +275,13 @@ class SinkHistoryMachine(RuleBasedStateMachine):
                 r["step"]: r["metrics"]["x"] for r in read_journal(journal)}):
             assert time.monotonic() < give_up, "the journal did not take every step"
             time.sleep(0.01)
+        # A process that ends runs nothing more: its sink threads neither land a write nor
+        # save a watermark (here they would live on: a write stalled at the gate, returning
+        # after the next incarnation started, saved its step as durable, and that
+        # incarnation, reading the watermark after it, skipped the step: 31 runs of 200)
+        for delivery in self.d._deliveries:
+            with delivery._lock:
+                delivery._abandoned = True
         self.sink.dead = True
         self._start(continuing=True)  # reopens the sink: at the gate if it stalls
 
@@ -308,3 +315,39 @@ def test_every_mix_of_stall_crash_rewind_and_a_close_that_gives_up_loses_no_step
         max_examples=25, stateful_step_count=12, deadline=None, database=None,
         phases=[Phase.explicit, Phase.generate],
         suppress_health_check=list(HealthCheck)))
+
+
+class _To:
+    """A fixed draw for ``SinkHistoryMachine.rewind``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def draw(self, strategy, label=None) -> int:
+        return self.step
+
+
+# Mixes the model found (random draws find each only now and then), run every time:
+# the first lost step 0 on the delivery.py before 62876f5 (a close gave up on a sink still
+# reopening after a crash, before its replay had a backlog); the second lost step 1 in 31
+# runs of 200 when a crashed incarnation's stalled write saved its watermark after the next
+# incarnation had started (a test that let a crashed process's thread live on).
+KNOWN_MIXES = [
+    ["stall", "publish", "crash", "publish", "close_then_continue"],
+    ["stall", "publish", "unstall", ("rewind", 0), "crash", "stall", "publish", "crash",
+     "publish", "unstall"],
+]
+
+
+@pytest.mark.parametrize("mix", KNOWN_MIXES, ids=["close-while-reopening", "stalled-crash"])
+def test_the_mixes_the_sink_model_found_lose_no_step(mix):
+    machine = SinkHistoryMachine()
+    try:
+        for rule_name in mix:
+            if isinstance(rule_name, tuple):
+                getattr(machine, rule_name[0])(_To(rule_name[1]))
+            else:
+                getattr(machine, rule_name)()
+            machine.a_flowing_sink_holds_the_model()
+    finally:
+        machine.teardown()
