@@ -11,7 +11,7 @@ own CPU included, as in ``make test``)::
 A test's figures include the fixtures it sets up (the first test of a file its module
 fixtures, the first of the run the session's cluster). It prints the files by CPU, then
 the tests that cost most, and writes every test's figures to ``runs/bench/suite.json``.
-``make test`` runs the same tests two at a time on two cores: its wall time is about the
+``make test`` runs the same tests three at a time on two cores: its wall time is about the
 total CPU here over the cores it keeps busy.
 Loaded by pytest as a plugin (``-p benchmarks.bench_suite``); nothing else uses it.
 """

@@ -85,12 +85,12 @@ def _start_cluster(ports: list[int] | None = None):
     return cluster
 
 
-# ``make test`` runs the tests in two pytest-xdist workers, a file at a time each, on ONE
+# ``make test`` runs the tests in three pytest-xdist workers, a file at a time each, on ONE
 # cluster: the controlling process starts it, once the workers are started (they inherit
 # this variable, collect meanwhile, and wait for the cluster's address in its file), and
-# stops it at the end. Two clusters on two cores would double the CPU that Ray itself
-# spends; one shared cluster lets a test that waits leave the cores to the other worker's
-# test.
+# stops it at the end. A cluster per worker on two cores would multiply the CPU that Ray
+# itself spends; one shared cluster lets a test that waits leave the cores to the other
+# workers' tests.
 _SHARED = "METRICSVC_TEST_CLUSTER"
 _controller_cluster: list = []
 _controller_locks: list[str] = []  # the folder of the lock files between the workers
@@ -146,11 +146,11 @@ def _shared_address(locks: str) -> str:
 
 
 # The files that take longest (seconds in `make test`, 2026-12-05), longest first, run
-# first, so that the two workers end close together: with pytest-xdist's own order (most
+# first, so that the workers end close together: with pytest-xdist's own order (most
 # tests first: ``--no-loadscope-reorder`` in the Makefile turns it off) the history model,
 # one test of 30 s, ran last, and one worker stood idle for the last 12 s. Only the order
 # changes; files not named keep theirs, after these. test_multinode (21 s) is not named:
-# its ``removes_nodes`` tests wait for the other worker's test to end, which among the
+# its ``removes_nodes`` tests wait for the other workers' tests to end, which among the
 # small files after these is short (11 s lost waiting for a 15 s test among the heavy).
 HEAVIEST_FIRST = ("test_examples.py", "test_docs.py", "test_history.py", "test_topology.py",
                   "test_worker.py", "test_run_folder.py", "test_history_model.py",
@@ -229,7 +229,7 @@ def _joined_cluster(address: str):
             if not _ALONE[0]:
                 raise RuntimeError("a test that adds a node to the shared cluster must be "
                                    "marked removes_nodes: the node's removal would take "
-                                   "the other worker's actors placed there with it")
+                                   "other workers' actors placed there with it")
             return super().add_node(**kwargs)
 
         def wait_for_nodes(self, timeout: float = 30) -> None:
