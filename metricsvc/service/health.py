@@ -48,6 +48,7 @@ def worker_health(w: Any) -> dict[str, Any]:
         "pid": os.getpid(),
         "node_id": ray.get_runtime_context().get_node_id(),  # its run folder is on this node
         "restored_steps": w.restored_steps,
+        "resume": w.resume,
         "journal_skipped_lines": journal["skipped_lines"],
         "journal_duplicate_steps": journal["duplicate_steps"],
         "journal": journal["path"],

@@ -50,3 +50,28 @@ class Rewinds:
         if kept:
             return self.results.get(max(kept)).meta.get("derived_totals")  # type: ignore
         return self.journal.totals_at(step)
+
+
+def resume_report(from_step: int, journal_through: int | None) -> dict[str, Any]:
+    """What resuming a run from the checkpoint of ``from_step`` finds: the journal's last
+    step (``journal_through``, None: it holds none) and, in ``missing``, the steps up to
+    ``from_step`` it lacks. The journal writes a step a moment after the step's ack, so a
+    job that crashed right after its ranks' last acks can end before it held them: those
+    steps are in no journal and no sink, and the rerun starts after them. Logged here;
+    ``start_metric_worker`` warns the driver that resumes."""
+    first = 0 if journal_through is None else journal_through + 1
+    missing = None
+    if from_step >= first:
+        span = f"step {first}" if from_step == first else f"steps {first}-{from_step}"
+        held = ("holds no step of the run" if journal_through is None else
+                f"holds the run only through step {journal_through}")
+        missing = {
+            "steps": list(range(first, min(from_step, first + 999) + 1)),
+            "count": from_step - first + 1,
+            "reason": f"resumed from step {from_step}, but the journal {held}: {span} "
+                      f"{'is' if from_step == first else 'are'} in no journal and no sink (the "
+                      f"run ended before its journal wrote them; it writes each step a moment "
+                      f"after the step's ack, and the service's flush() waits for it); the "
+                      f"rerun starts at step {from_step + 1}"}
+        log.warning("%s", missing["reason"])
+    return {"from_step": from_step, "journal_through": journal_through, "missing": missing}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config, new_trial
-from metricsvc.core.errors import ServiceUnavailable
+from metricsvc.core.errors import ServiceNotice, ServiceUnavailable
 from metricsvc.core.keys import default_namespace
 from metricsvc.core.redaction import Redactor
 from metricsvc.protocol import ray_get
@@ -106,7 +107,11 @@ def start_metric_worker(
         num_cpus=cfg.num_cpus,
         runtime_env=runtime_env,
     ).remote(cfg.model_dump())
-    _wait_until_serving(handle, cfg, start_timeout_s)  # a failing __init__ raises here
+    health = _wait_until_serving(handle, cfg, start_timeout_s)  # a failing __init__ raises
+    missing = (health.get("resume") or {}).get("missing")
+    if missing:  # steps the crashed run never journaled: said where the resume was asked
+        warnings.warn(ServiceNotice(f"MetricWorker {cfg.name!r}: {missing['reason']}"),
+                      stacklevel=2)
     if cfg.topology == "per_node":
         from metricsvc.service.combiner import start_node_combiners
 
@@ -120,10 +125,12 @@ def start_metric_worker(
 START_PATIENCE_S = 10.0  # a new service silent this long: the driver hears why it may be
 
 
-def _wait_until_serving(handle: Any, cfg: ServiceConfig, timeout_s: float) -> None:
-    """Wait for a new service's first answer (what its ``__init__`` raised, raised here);
-    warn once after ``START_PATIENCE_S``; past ``timeout_s`` end it and raise naming what
-    it asks of Ray (Ray waits for good for a CPU the training holds)."""
+def _wait_until_serving(handle: Any, cfg: ServiceConfig,
+                        timeout_s: float) -> dict[str, Any]:
+    """Wait for a new service's first answer, its health, and return it (what its
+    ``__init__`` raised, raised here); warn once after ``START_PATIENCE_S``; past
+    ``timeout_s`` end it and raise naming what it asks of Ray (Ray waits for good for a
+    CPU the training holds)."""
     answer = handle.health.remote()
     deadline = time.monotonic() + timeout_s
     warned = False
@@ -143,7 +150,7 @@ def _wait_until_serving(handle: Any, cfg: ServiceConfig, timeout_s: float) -> No
             log.warning("MetricWorker %r is not serving after %g s: %s", cfg.name,
                         START_PATIENCE_S, why)
             warned = True
-    ray_get(answer)
+    return ray_get(answer)
 
 
 def _running(cfg: ServiceConfig, timeout_s: float, grace_s: float = 30.0) -> Any:

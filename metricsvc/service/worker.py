@@ -37,7 +37,7 @@ from metricsvc.service.health import worker_health
 from metricsvc.service.intake import Intake
 from metricsvc.service.observe import LiveMetrics, Reporter
 from metricsvc.service.results import Results
-from metricsvc.service.rewinds import Rewinds
+from metricsvc.service.rewinds import Rewinds, resume_report
 from metricsvc.sinks import SinkDispatcher, build_sinks
 from metricsvc.storage.files import write_atomic
 from metricsvc.storage.history import RunHistory
@@ -115,7 +115,10 @@ class MetricWorkerImpl:
         self.started = time.time()
         # Resuming from a checkpoint: rewound before any batch is taken, once (a Ray restart
         # of this actor finds its own rewind in the journal and leaves the rerun alone)
+        # (health()["resume"]: what the journal held then; None on any other incarnation)
+        self.resume: dict[str, Any] | None = None
         if cfg.run.from_step is not None and not self.history.made_by(self.actor):
+            self.resume = resume_report(cfg.run.from_step, self.rewinds.reloaded_through)
             with lock:
                 self.rewinds.rewind(cfg.run.from_step, by=self.actor)
         self.reporter.start()
