@@ -16,7 +16,7 @@ from metricsvc.service import continuing
 from metricsvc.service.aggregator import Aggregator
 from metricsvc.service.results import Results
 from metricsvc.sinks import SinkDispatcher
-from metricsvc.storage.history import Rewind
+from metricsvc.storage.history import Rewind, missing_steps
 from metricsvc.storage.journal import Journal
 
 log = logging.getLogger(__name__)
@@ -65,13 +65,11 @@ def resume_report(from_step: int, journal_through: int | None) -> dict[str, Any]
         span = f"step {first}" if from_step == first else f"steps {first}-{from_step}"
         held = ("holds no step of the run" if journal_through is None else
                 f"holds the run only through step {journal_through}")
-        missing = {
-            "steps": list(range(first, min(from_step, first + 999) + 1)),
-            "count": from_step - first + 1,
-            "reason": f"resumed from step {from_step}, but the journal {held}: {span} "
-                      f"{'is' if from_step == first else 'are'} in no journal and no sink (the "
-                      f"run ended before its journal wrote them; it writes each step a moment "
-                      f"after the step's ack, and the service's flush() waits for it); the "
-                      f"rerun starts at step {from_step + 1}"}
+        missing = missing_steps(
+            first, from_step, f"resumed from step {from_step}, but the journal {held}: {span} "
+                              f"{'is' if from_step == first else 'are'} in no journal and no "
+                              f"sink (the run ended before its journal wrote them; it writes "
+                              f"each step a moment after the step's ack, and the service's "
+                              f"flush() waits for it); the rerun starts at step {from_step + 1}")
         log.warning("%s", missing["reason"])
     return {"from_step": from_step, "journal_through": journal_through, "missing": missing}
