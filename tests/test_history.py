@@ -90,12 +90,13 @@ def test_a_resume_past_the_journals_last_step_names_the_steps_no_journal_holds(m
     run_steps(cfg.name, {s: float(s) for s in range(3)})
     ray.get(handle.flush.remote())  # the journal holds steps 0-2: as if 3-5 never reached it
     crash(handle)
-    with pytest.warns(ServiceNotice, match=r"steps 3-5 .*in no journal and no sink") as seen:
+    with pytest.warns(ServiceNotice, match=r"steps 3-5 is in no journal and no sink") as seen:
         resumed = metricsvc.start_metric_worker(cfg.model_dump(), resume_from_step=5)
     assert len(seen) == 1, [str(w.message) for w in seen]
     report = ray.get(resumed.health.remote())["resume"]
     assert report["from_step"] == 5 and report["journal_through"] == 2
-    assert report["missing"]["steps"] == [3, 4, 5] and report["missing"]["count"] == 3
+    assert {k: report["unjournaled"][k] for k in ("first", "last")} == {"first": 3, "last": 5}
+    assert str(seen[0].message).endswith(report["unjournaled"]["reason"])
     run_steps(cfg.name, {6: 60.0})
     health = metricsvc.stop_metric_worker(resumed)
     assert_everywhere(Path(health["run_dir"]), {0: 0.0, 1: 1.0, 2: 2.0, 6: 60.0})
@@ -103,7 +104,7 @@ def test_a_resume_past_the_journals_last_step_names_the_steps_no_journal_holds(m
         warnings.simplefilter("error", ServiceNotice)  # covered by the journal: no notice
         again = metricsvc.start_metric_worker(cfg.model_dump(), resume_from_step=1)
     assert ray.get(again.health.remote())["resume"] == {
-        "from_step": 1, "journal_through": 6, "missing": None}
+        "from_step": 1, "journal_through": 6, "unjournaled": None}
     metricsvc.stop_metric_worker(again)
 
 

@@ -16,7 +16,7 @@ from metricsvc.service import continuing
 from metricsvc.service.aggregator import Aggregator
 from metricsvc.service.results import Results
 from metricsvc.sinks import SinkDispatcher
-from metricsvc.storage.history import Rewind, missing_steps
+from metricsvc.storage.history import Rewind
 from metricsvc.storage.journal import Journal
 
 log = logging.getLogger(__name__)
@@ -54,22 +54,24 @@ class Rewinds:
 
 def resume_report(from_step: int, journal_through: int | None) -> dict[str, Any]:
     """What resuming a run from the checkpoint of ``from_step`` finds: the journal's last
-    step (``journal_through``, None: it holds none) and, in ``missing``, the steps up to
-    ``from_step`` it lacks. The journal writes a step a moment after the step's ack, so a
-    job that crashed right after its ranks' last acks can end before it held them: those
-    steps are in no journal and no sink, and the rerun starts after them. Logged here;
+    step (``journal_through``, None: it holds none) and, in ``unjournaled``, the steps after
+    it up to ``from_step`` (``first``, ``last``, ``reason``; None where the journal reaches
+    the checkpoint). The journal writes a step a moment after the step's ack, so a job that
+    crashed right after its ranks' last acks can end before it held them: what the run
+    finished of those steps is in no journal and no sink, and the rerun starts after them.
+    (A run that logs every few steps may have had none of them.) Logged here;
     ``start_metric_worker`` warns the driver that resumes."""
     first = 0 if journal_through is None else journal_through + 1
-    missing = None
+    unjournaled = None
     if from_step >= first:
         span = f"step {first}" if from_step == first else f"steps {first}-{from_step}"
         held = ("holds no step of the run" if journal_through is None else
                 f"holds the run only through step {journal_through}")
-        missing = missing_steps(
-            first, from_step, f"resumed from step {from_step}, but the journal {held}: {span} "
-                              f"{'is' if from_step == first else 'are'} in no journal and no "
-                              f"sink (the run ended before its journal wrote them; it writes "
-                              f"each step a moment after the step's ack, and the service's "
-                              f"flush() waits for it); the rerun starts at step {from_step + 1}")
-        log.warning("%s", missing["reason"])
-    return {"from_step": from_step, "journal_through": journal_through, "missing": missing}
+        unjournaled = {"first": first, "last": from_step, "reason": (
+            f"resumed from step {from_step}, but the journal {held}: whatever the run "
+            f"finished of {span} is in no journal and no sink (the run ended before its "
+            f"journal wrote it; it writes each step a moment after the step's ack, and the "
+            f"service's flush() waits for it); the rerun starts at step {from_step + 1}")}
+        log.warning("%s", unjournaled["reason"])
+    return {"from_step": from_step, "journal_through": journal_through,
+            "unjournaled": unjournaled}

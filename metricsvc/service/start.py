@@ -108,9 +108,9 @@ def start_metric_worker(
         runtime_env=runtime_env,
     ).remote(cfg.model_dump())
     health = _wait_until_serving(handle, cfg, start_timeout_s)  # a failing __init__ raises
-    missing = (health.get("resume") or {}).get("missing")
-    if missing:  # steps the crashed run never journaled: said where the resume was asked
-        warnings.warn(ServiceNotice(f"MetricWorker {cfg.name!r}: {missing['reason']}"),
+    gap = (health.get("resume") or {}).get("unjournaled")
+    if gap:  # steps the crashed run may have finished unjournaled: said where it resumes
+        warnings.warn(ServiceNotice(f"MetricWorker {cfg.name!r}: {gap['reason']}"),
                       stacklevel=2)
     if cfg.topology == "per_node":
         from metricsvc.service.combiner import start_node_combiners

@@ -74,13 +74,6 @@ class RunHistory:
         return through
 
 
-def missing_steps(first: int, last: int, reason: str) -> dict:
-    """The record of steps ``first``-``last`` that a reader lacks, as health shows it: the
-    steps (the first 1,000), their count and why."""
-    return {"steps": list(range(first, min(last, first + 999) + 1)),
-            "count": last - first + 1, "reason": reason}
-
-
 def rewind_of(line: str) -> Rewind | None:
     """The rewind a journal line records, or None for any other line."""
     if '"rewind"' not in line:

@@ -23,7 +23,7 @@ from typing import Any
 from metricsvc.core.keys import safe_file_name
 from metricsvc.core.limits import is_int
 from metricsvc.storage.files import LineFile, write_atomic
-from metricsvc.storage.history import Rewind, RunHistory, missing_steps
+from metricsvc.storage.history import Rewind, RunHistory
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,12 @@ class Watermark:
         skip steps for good."""
         if self.floor is not None and (held is None or held < self.floor):
             first = 0 if held is None else held + 1
-            self.stats["missing"] = missing_steps(
-                first, self.floor, f"the watermark said the file held steps through "
-                                   f"{self.floor}, but it ends at {held} (a torn, cut or lost "
-                                   f"tail); a step ranks send again is written again")
+            self.stats["missing"] = {
+                "steps": list(range(first, min(self.floor, first + 999) + 1)),
+                "count": self.floor - first + 1,
+                "reason": f"the watermark said the file held steps through {self.floor}, "
+                          f"but it ends at {held} (a torn, cut or lost tail); a step ranks "
+                          f"send again is written again"}
             log.error("sink %s: %s", self.name, self.stats["missing"]["reason"])
         self.floor = self.stats["durable_through"] = held
 
