@@ -249,9 +249,11 @@ class SinkHistoryMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.next > 0)
     @rule(data=st.data())
     def rewind(self, data) -> None:
+        self.rewind_to(data.draw(st.integers(-1, self.next - 1), label="to_step"))
+
+    def rewind_to(self, to_step: int) -> None:
         from metricsvc.storage.history import Rewind
 
-        to_step = data.draw(st.integers(-1, self.next - 1), label="to_step")
         self.d.rewind(Rewind(to_step), wait_for=self.journal, timeout_s=30)
         self.model = {s: v for s, v in self.model.items() if s <= to_step}
         self.next = to_step + 1
@@ -317,16 +319,6 @@ def test_every_mix_of_stall_crash_rewind_and_a_close_that_gives_up_loses_no_step
         suppress_health_check=list(HealthCheck)))
 
 
-class _To:
-    """A fixed draw for ``SinkHistoryMachine.rewind``."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def draw(self, strategy, label=None) -> int:
-        return self.step
-
-
 # Mixes the model found (random draws find each only now and then), run every time:
 # the first lost step 0 on the delivery.py before 62876f5 (a close gave up on a sink still
 # reopening after a crash, before its replay had a backlog); the second lost step 1 in 31
@@ -334,7 +326,7 @@ class _To:
 # incarnation had started (a test that let a crashed process's thread live on).
 KNOWN_MIXES = [
     ["stall", "publish", "crash", "publish", "close_then_continue"],
-    ["stall", "publish", "unstall", ("rewind", 0), "crash", "stall", "publish", "crash",
+    ["stall", "publish", "unstall", ("rewind_to", 0), "crash", "stall", "publish", "crash",
      "publish", "unstall"],
 ]
 
@@ -343,11 +335,9 @@ KNOWN_MIXES = [
 def test_the_mixes_the_sink_model_found_lose_no_step(mix):
     machine = SinkHistoryMachine()
     try:
-        for rule_name in mix:
-            if isinstance(rule_name, tuple):
-                getattr(machine, rule_name[0])(_To(rule_name[1]))
-            else:
-                getattr(machine, rule_name)()
+        for step in mix:
+            name, *args = (step,) if isinstance(step, str) else step
+            getattr(machine, name)(*args)
             machine.a_flowing_sink_holds_the_model()
     finally:
         machine.teardown()
