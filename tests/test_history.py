@@ -97,6 +97,9 @@ def test_a_resume_past_the_journals_last_step_names_the_steps_no_journal_holds(m
     assert report["from_step"] == 5 and report["journal_through"] == 2
     assert {k: report["unjournaled"][k] for k in ("first", "last")} == {"first": 3, "last": 5}
     assert str(seen[0].message).endswith(report["unjournaled"]["reason"])
+    # Ray restarting the resumed service (a crash at its start, under load) keeps the report:
+    # the rewind the journal holds records what the resume found
+    assert sigkill(resumed)["resume"] == report
     run_steps(cfg.name, {6: 60.0})
     health = metricsvc.stop_metric_worker(resumed)
     assert_everywhere(Path(health["run_dir"]), {0: 0.0, 1: 1.0, 2: 2.0, 6: 60.0})

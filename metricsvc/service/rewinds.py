@@ -32,9 +32,11 @@ class Rewinds:
         # The last step the journal held when this incarnation reloaded it (None: a new run)
         self.reloaded_through = reloaded_through
 
-    def rewind(self, to_step: int, by: str | None = None) -> dict[str, Any]:
-        """Rewind to ``to_step``; return ``{"to_step", "superseded"}``."""
-        self.sinks.rewind(Rewind(to_step, by), self.journal.writer)  # the journal first
+    def rewind(self, to_step: int, by: str | None = None,
+               held: int | None = None) -> dict[str, Any]:
+        """Rewind to ``to_step``; return ``{"to_step", "superseded"}``. ``by`` and
+        ``held``: a resume's (``Rewind``)."""
+        self.sinks.rewind(Rewind(to_step, by, held), self.journal.writer)  # the journal first
         superseded = continuing.rewind(self.aggregator, to_step, self.totals_at(to_step))
         self.results.forget_after(to_step)
         if self.reloaded_through is not None:

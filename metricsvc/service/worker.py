@@ -114,13 +114,20 @@ class MetricWorkerImpl:
         self.reporter = Reporter(self.live, self.health, cfg.metrics.interval_s)
         self.started = time.time()
         # Resuming from a checkpoint: rewound before any batch is taken, once (a Ray restart
-        # of this actor finds its own rewind in the journal and leaves the rerun alone)
-        # (health()["resume"]: what the journal held then; None on any other incarnation)
+        # of this actor finds its own rewind in the journal and leaves the rerun alone).
+        # health()["resume"]: what the journal held then, recorded with the rewind, so every
+        # incarnation reports it (None where the rewind does not record it)
         self.resume: dict[str, Any] | None = None
-        if cfg.run.from_step is not None and not self.history.made_by(self.actor):
-            self.resume = resume_report(cfg.run.from_step, self.rewinds.reloaded_through)
-            with lock:
-                self.rewinds.rewind(cfg.run.from_step, by=self.actor)
+        if cfg.run.from_step is not None:
+            made = self.history.made_by(self.actor)
+            if made is None:
+                held = self.rewinds.reloaded_through
+                self.resume = resume_report(cfg.run.from_step, held)
+                with lock:
+                    self.rewinds.rewind(cfg.run.from_step, by=self.actor,
+                                        held=-1 if held is None else held)
+            elif made.held is not None:
+                self.resume = resume_report(made.to_step, None if made.held < 0 else made.held)
         self.reporter.start()
 
     def durable_through(self) -> int | None:

@@ -26,16 +26,21 @@ from metricsvc.core.limits import is_int
 class Rewind:
     """One segment boundary: steps after ``to_step`` are recorded afresh. ``by``: the
     actor that made it at its start (a resume), so that Ray restarting that actor does
-    not rewind again past the rerun's steps."""
+    not rewind again past the rerun's steps; ``held``: the journal's last step then (-1:
+    none; None: not recorded), so that every incarnation of it reports what the resume
+    found (``health()["resume"]``)."""
 
     to_step: int
     by: str | None = None
+    held: int | None = None
 
     def event(self) -> dict[str, dict[str, object]]:
         """The journal event that records it."""
         body: dict[str, object] = {"to_step": self.to_step}
         if self.by is not None:
             body["by"] = self.by
+        if self.held is not None:
+            body["held"] = self.held
         return {"rewind": body}
 
 
@@ -61,9 +66,9 @@ class RunHistory:
         """Begin a new segment."""
         self.rewinds.append(rewind)
 
-    def made_by(self, actor: str | None) -> bool:
-        """Return True if ``actor`` already made a rewind of this run (at its start)."""
-        return actor is not None and any(r.by == actor for r in self.rewinds)
+    def made_by(self, actor: str | None) -> Rewind | None:
+        """The rewind ``actor`` made of this run at its start, if it made one."""
+        return next((r for r in self.rewinds if actor is not None and r.by == actor), None)
 
     def holds_through(self, through: int | None, segment: int) -> int | None:
         """The last step of the current segment a place holds that held ``through`` (None:
@@ -85,8 +90,8 @@ def rewind_of(line: str) -> Rewind | None:
         return None
     if not is_int(to_step):
         return None
-    by = body.get("by")
-    return Rewind(to_step, by if isinstance(by, str) else None)
+    by, held = body.get("by"), body.get("held")
+    return Rewind(to_step, by if isinstance(by, str) else None, held if is_int(held) else None)
 
 
 def journal_rewinds(path: str | os.PathLike[str]) -> Iterator[tuple[int, Rewind]]:
