@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import metricsvc
 from metricsvc.client import MetricClient
-from metricsvc.errors import ServiceClosed
+from metricsvc.errors import ServiceClosed, ServiceNotice
 from tests.helpers import crash, sigkill
 
 _services = itertools.count()
@@ -69,8 +69,21 @@ class RunHistoryMachine(RuleBasedStateMachine):
         if from_step is None:
             self.handle = metricsvc.start_metric_worker({**self.cfg, "run": run})
         else:
-            self.handle = metricsvc.start_metric_worker({**self.cfg, "run": run},
-                                                        resume_from_step=from_step)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always", ServiceNotice)
+                self.handle = metricsvc.start_metric_worker({**self.cfg, "run": run},
+                                                            resume_from_step=from_step)
+            # A checkpoint past the journal's last step (the model's) is said: the steps
+            # between are in no journal, and the service names them
+            held = max(self.model, default=None)
+            first = 0 if held is None else held + 1
+            gap = {"first": first, "last": from_step} if from_step >= first else None
+            report = ray.get(self.handle.health.remote(), timeout=60)["resume"]
+            assert (report["from_step"], report["journal_through"]) == (from_step, held)
+            assert (report["unjournaled"] and {k: report["unjournaled"][k]
+                                               for k in ("first", "last")}) == gap, report
+            notices = [w for w in seen if issubclass(w.category, ServiceNotice)]
+            assert len(notices) == (gap is not None), [str(w.message) for w in notices]
             self._rewound(from_step)
         self.client = self._client()
 
@@ -127,8 +140,9 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self._settle()
         ray.get(self.handle.flush.remote(), timeout=60)  # what the crash may lose: nothing
         crash(self.handle)
-        last = self.next - 1
-        from_step = data.draw(st.one_of(st.none(), st.integers(-1, last)), label="from")
+        last = self.next - 1  # a checkpoint past it: steps the journal never held
+        from_step = data.draw(st.one_of(st.none(), st.integers(-1, last),
+                                        st.integers(last + 1, last + 2)), label="from")
         self._resume(from_step)
         if from_step is None:
             self.next = max(self.model, default=-1) + 1
