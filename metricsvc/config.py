@@ -255,8 +255,15 @@ class ServiceConfig(Strict):
     @property
     def max_readers(self) -> int:
         """Threads for ``wait_final_res`` / ``wait_final`` callers (the ``readers`` group):
-        every rank may wait on the actor at once."""
-        return self.limits.max_world_size + 64
+        every rank of the configured ``world_size`` and 64 callers more may wait at once;
+        128 where the config names no world size (a reader past them waits in Ray's queue).
+        """
+        # Ray starts every thread of a group with the actor, each with a process id of its
+        # own. Sized by limits.max_world_size, a service held 1,120 threads, and the test
+        # suite's service starts wrapped the node's ids within seconds; Ray's raylet, which
+        # SIGKILLs a worker that exits slowly by its pid 5 s later, then killed a live
+        # service whose thread had been given that id (test_multinode, once).
+        return (self.world_size or 64) + 64
 
     def merge_options(self) -> dict[str, Any]:
         """Return the ``Aggregator``'s keyword arguments this config sets."""

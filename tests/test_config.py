@@ -51,7 +51,8 @@ def test_overrides_and_round_trip():
     cfg = load_config(None, name="other", namespace="ns")
     assert (cfg.name, cfg.namespace) == ("other", "ns")
     assert load_config(cfg.model_dump()) == cfg and load_config(cfg) == cfg
-    assert cfg.max_readers > cfg.limits.max_world_size
+    assert cfg.max_readers == 128  # no world size: 64 ranks and 64 callers more
+    assert load_config(None, world_size=1000).max_readers == 1064
 
 
 def test_run_dir_is_root_experiment_trial(tmp_path):

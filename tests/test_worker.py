@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -333,6 +334,26 @@ def test_a_service_ray_cannot_place_is_ended_and_refused_naming_num_cpus(ray_clu
     metricsvc.stop_metric_worker(started)
 
 
+def test_a_service_starts_a_reader_thread_per_configured_rank_not_per_possible_one(
+        make_worker):
+    """Ray starts every thread of the readers group with the actor, each with a process id
+    of its own. Sized by ``limits.max_world_size`` (1,024 ranks), every service held 1,120
+    threads, whatever its run; the suite's starts wrapped the node's process ids within
+    seconds, and Ray's raylet, which kills a worker that exits slowly by its pid 5 s later,
+    killed a live service that had been given the id meanwhile. The group is the
+    configured world size and 64 callers more; 128 where no world size is configured."""
+    def threads(handle) -> int:
+        pid = ray.get(handle.health.remote(), timeout=60)["pid"]  # on this node: the driver's
+        return len(os.listdir(f"/proc/{pid}/task"))
+
+    plain, plain_cfg = make_worker()
+    sized, sized_cfg = make_worker(world_size=300)
+    few, many = threads(plain), threads(sized)
+    assert few < 128 + 64, few  # the readers, the sinks' and Ray's own threads: 1,120 before
+    assert (plain_cfg.max_readers, sized_cfg.max_readers) == (128, 364)
+    assert abs((many - few) - (364 - 128)) <= 8, (few, many)  # the readers, thread for thread
+
+
 def test_evicted_step_raises_a_clear_error(make_worker):
     handle, cfg = make_worker(limits={"keep_results": 2})
     (c,) = clients_for(cfg, 1)
@@ -413,7 +434,9 @@ def test_a_rank_whose_counted_steps_shifted_by_one_is_named_and_told_to_pass_ste
 def test_many_waiting_readers_never_hold_up_a_merge_and_each_gets_its_step(make_worker):
     """The actor runs its calls on threads: readers wait in a group of their own, so more
     waiting readers than merge threads (200 here, none with a timeout) cannot keep a rank's
-    batch from merging, and each reader is woken by the step it waits for."""
+    batch from merging, and each reader is woken by the step it waits for. 200 is more
+    than the group's 128 threads (no world size configured): the rest wait in Ray's queue
+    and are served as the first return."""
     handle, cfg = make_worker()
     waiting = [handle.wait_final_res.remote(i % 3, None) for i in range(200)]
     ready, _ = ray.wait(waiting, timeout=0.2)
