@@ -4,7 +4,11 @@ on known ports, ``conftest.METRICS_PORTS``)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -124,6 +128,31 @@ def test_without_rays_metrics_agent_the_service_says_what_to_install(monkeypatch
     live.report({"pending_steps": {}, "sinks": {"jsonl": {"written": 3}}})  # a no-op
     live.step(0, {"x": 1.0}, {"age_s": 0.1})
     assert live.status()["reports"] == 0
+
+
+def test_the_service_built_without_ray_reports_its_health_and_starts_no_ray(tmp_path):
+    """The service's body built directly in a process not connected to Ray (as
+    ``bench_restart`` builds it, and tests do) reads its health, reports it and closes
+    without starting Ray. Its health read Ray's runtime context, which starts a local Ray
+    instance where none is connected: a test's body whose reporter thread outlived the
+    test started two Ray clusters from a make test worker after its session had ended."""
+    script = (
+        "import json, sys, ray\n"
+        "from metricsvc.service.worker import MetricWorkerImpl\n"
+        "impl = MetricWorkerImpl({'name': 'bare', 'sinks': {'console': None},\n"
+        "                         'run': {'root': sys.argv[1], 'experiment': 'e', 'trial': 't'}})\n"
+        "impl.reporter.report()  # what its reporter thread does every interval\n"
+        "health = impl.close()\n"
+        "print(json.dumps({'ray': ray.is_initialized(), 'node_id': health['node_id'],\n"
+        "                  'export': health['metrics_export']['export']}))\n")
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # where a start would start a cluster
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got == {"ray": False, "node_id": None,
+                   "export": "off: this process is not connected to Ray"}, done.stderr[-2000:]
+    assert "Started a local Ray instance" not in done.stderr
 
 
 def test_a_combiner_reports_its_forwards_in_rays_export(make_worker):

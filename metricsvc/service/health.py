@@ -7,8 +7,6 @@ import os
 import time
 from typing import Any
 
-import ray
-
 from metricsvc.service.aggregator import Aggregator
 
 
@@ -46,7 +44,7 @@ def worker_health(w: Any) -> dict[str, Any]:
         "name": w.config.name,
         "epoch": intake.epoch,
         "pid": os.getpid(),
-        "node_id": ray.get_runtime_context().get_node_id(),  # its run folder is on this node
+        "node_id": w.node_id,  # its run folder is on this node
         "restored_steps": w.restored_steps,
         "resume": w.resume,
         "journal_skipped_lines": journal["skipped_lines"],

@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import ray
+
 log = logging.getLogger(__name__)
 
 # Series from health(): name -> (health key, what it means). Gauges are set to the value;
@@ -72,6 +74,8 @@ def export_off(enabled: bool) -> str | None:
     if missing:
         return (f"off: Ray's metrics agent needs ray[default] ({', '.join(missing)} missing: "
                 f"pip install 'metricsvc[observe]')")
+    if not ray.is_initialized():  # the service's body built directly: no agent to report to
+        return "off: this process is not connected to Ray"
     return None
 
 

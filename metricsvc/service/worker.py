@@ -47,18 +47,25 @@ from metricsvc.storage.run_folder import claim_run_dir, hold_run_dir
 log = logging.getLogger(__name__)
 
 
-def _actor_id() -> str | None:
+def _ray_context() -> Any:
+    """Ray's runtime context where this process is connected to Ray (an actor always is),
+    else None: the body built directly (``bench_restart``, a test) starts no Ray, which
+    ``ray.get_runtime_context()`` does where none is connected."""
+    return ray.get_runtime_context() if ray.is_initialized() else None
+
+
+def _actor_id(ray_context: Any) -> str | None:
     try:
-        return ray.get_runtime_context().get_actor_id()
+        return ray_context.get_actor_id()
     except Exception:  # not inside an actor (the impl built directly)
         return None
 
 
-def _restarted_by_ray() -> bool:
+def _restarted_by_ray(ray_context: Any) -> bool:
     try:
         with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
             warnings.simplefilter("ignore", DeprecationWarning)
-            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+            return bool(ray_context.was_current_actor_reconstructed)
     except Exception:  # not inside an actor (the impl built directly)
         return False
 
@@ -77,8 +84,11 @@ class MetricWorkerImpl:
         self.journal = Journal(self.run_dir, cfg.sinks)  # the service's log, its own
         self._owner_fd: int | None = hold_run_dir(self.run_dir, cfg.name)
         # Only a restart of this run (by Ray, or an explicit resume) reloads the folder.
-        continuing = _restarted_by_ray() or cfg.run.resume
-        self.actor = _actor_id()
+        context = _ray_context()
+        continuing = _restarted_by_ray(context) or cfg.run.resume
+        self.actor = _actor_id(context)
+        # where it runs: its run folder is on this node's disk (None: built without Ray)
+        self.node_id = None if context is None else context.get_node_id()
         if not continuing:
             claim_run_dir(self.run_dir, self.journal.path, cfg.name,
                           check=cfg.run.trial is not None)
@@ -89,7 +99,7 @@ class MetricWorkerImpl:
         # condition: Ray runs this actor's calls on several threads.
         lock = threading.RLock()
         self.results = Results(self.aggregator, cfg.limits.keep_results, self.run_dir, lock)
-        self.job = ray.get_runtime_context().get_job_id()  # the job whose run this is
+        self.job = None if context is None else context.get_job_id()  # whose run this is
         self.aggregator.published.journaled_meta = self.journal.meta  # old steps: checked
         # After a restart: finished steps, running totals and recent digests, streamed from
         # the journal (what stays is bounded, whatever its length)
