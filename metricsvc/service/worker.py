@@ -55,18 +55,22 @@ def _ray_context() -> Any:
 
 
 def _actor_id(ray_context: Any) -> str | None:
+    if ray_context is None:
+        return None
     try:
         return ray_context.get_actor_id()
-    except Exception:  # not inside an actor (the impl built directly)
+    except Exception:  # not inside an actor (the impl built in a driver)
         return None
 
 
 def _restarted_by_ray(ray_context: Any) -> bool:
+    if ray_context is None:
+        return False
     try:
         with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
             warnings.simplefilter("ignore", DeprecationWarning)
             return bool(ray_context.was_current_actor_reconstructed)
-    except Exception:  # not inside an actor (the impl built directly)
+    except Exception:  # not inside an actor (the impl built in a driver)
         return False
 
 
