@@ -39,10 +39,40 @@ NODES = ("node_a", "node_b")
 METRICS_PORTS: list[int] = []  # each node's Prometheus export, once the cluster runs
 
 
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out for outgoing connections (Linux's
+    ``ip_local_port_range``; IANA's range elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except OSError:
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
 def _free_ports(n: int) -> list[int]:
+    """``n`` ports free now, below the kernel's ephemeral range and above Ray's worker
+    ports (10002-19999): a port chosen now is bound seconds later, by each node's metrics
+    agent, and one from the ephemeral range could meanwhile be handed to one of the
+    connections Ray opens as it starts (a node's agent then failed to bind, the node died
+    with it, and every test of the run errored)."""
+    import random
     import socket
 
-    sockets = [socket.socket() for _ in range(n)]
+    low = min(ephemeral_ports().start, 65536)
+    candidates = random.sample(range(20000, low), k=min(200, low - 20000)) \
+        if low - 20000 >= 10 * n else []
+    ports = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    sockets = [socket.socket() for _ in range(n)]  # no room below the range: the kernel's
     for s in sockets:
         s.bind(("127.0.0.1", 0))
     ports = [s.getsockname()[1] for s in sockets]

@@ -22,7 +22,7 @@ from metricsvc.core.records import summarize_array
 from metricsvc.core.wire import encode
 from metricsvc.errors import BatchRejected
 from metricsvc.service.observe import COUNTERS, GAUGES, SINK_COUNTERS, SINK_GAUGES, LiveMetrics
-from tests.conftest import METRICS_PORTS
+from tests.conftest import METRICS_PORTS, ephemeral_ports
 
 _LINE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
 
@@ -103,6 +103,16 @@ def test_the_services_health_is_live_in_rays_prometheus_export(make_worker):
                        "ray_metricsvc_sink_steps_written_total"}, counted
     merge_cpu = values(samples, "ray_metricsvc_merge_cpu_seconds_total", **service)
     assert len(merge_cpu) == 1 and 0 < merge_cpu[0] < 60
+
+
+def test_the_nodes_export_on_ports_no_outgoing_connection_can_take(ray_cluster):
+    """Each node's metrics agent binds its export port seconds after the port was found
+    free; one from the kernel's ephemeral range could be handed meanwhile to a connection
+    Ray opens as it starts: the agent failed to bind it, its node died with it, and a
+    make test run errored in every test (the shared cluster did not start)."""
+    ephemeral = ephemeral_ports()
+    assert len(METRICS_PORTS) == 3  # the head and node_a, node_b
+    assert not [port for port in METRICS_PORTS if port in ephemeral], METRICS_PORTS
 
 
 def test_the_export_turned_off_says_so_and_reports_nothing(make_worker):
