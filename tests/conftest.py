@@ -59,7 +59,7 @@ def _free_ports(n: int) -> list[int]:
     import random
     import socket
 
-    low = min(ephemeral_ports().start, 65536)
+    low = ephemeral_ports().start
     candidates = random.sample(range(20000, low), k=min(200, low - 20000)) \
         if low - 20000 >= 10 * n else []
     ports = []
