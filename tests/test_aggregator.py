@@ -155,6 +155,31 @@ def test_malformed_batches_are_rejected_with_a_clear_message(mutate, message):
     assert agg.counts["rejected"] == 1 and agg.pending.summary() == {}
 
 
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (dict(kinds=np.array([42, int(AUTO)], dtype=np.int8)), "key 'x': unknown reduce code 42"),
+        (dict(expected=np.array([0, 5], dtype=np.int32)),
+         r"key 'y': expected contributors must be in \[0, 2\], got 5"),
+        (dict(kinds=np.array([int(AUTO), int(ReduceType.MAX)], dtype=np.int8)),
+         r"key 'y': recorded as AUTO \(from the key name\), but rank 1 in step 1 sent it as MAX"),
+    ],
+)
+def test_keys_sent_before_are_checked_again_when_their_kinds_or_expected_change(mutate, message):
+    # Ranks send the same keys every step, so a key tuple's kinds and rows are remembered;
+    # a batch of the same keys with other kinds or expected counts is checked in full.
+    import dataclasses
+
+    agg = Aggregator(world_size=2)
+    for rank in (0, 1):
+        agg.submit(batch(0, rank, x=1.0, y=2.0))
+    agg.submit(batch(1, 0, x=1.0, y=2.0))
+    with pytest.raises(BatchRejected, match=message):
+        agg.submit(dataclasses.replace(batch(1, 1, x=3.0, y=4.0), **mutate))
+    (done,) = agg.submit(batch(1, 1, x=3.0, y=4.0)).finished
+    assert done.metrics == {"x": 2.0, "y": 3.0} and agg.counts["rejected"] == 1
+
+
 def test_limits_reject_big_batches_and_too_many_keys():
     agg = Aggregator(limits=Limits(max_batch_bytes=2048, max_keys_per_batch=100))
     many = {f"k{i}": 1.0 for i in range(101)}

@@ -22,20 +22,34 @@ MAX_COUNT = float(2**53)
 
 
 class KeyCache:
-    """Key tuples already checked, with their size in bytes: ranks send the same keys each
-    step, and checking 1000 names per batch would otherwise dominate the merge."""
+    """Key tuples already checked, with their size in bytes and the layout (kind codes,
+    expected contributors, world size) last accepted with them: ranks send the same keys
+    and kinds each step, and checking 1000 names per batch would otherwise dominate the
+    merge."""
 
     def __init__(self, capacity: int = 64) -> None:
         self.capacity = capacity
         self._known: dict[tuple[str, ...], int] = {}
+        self._layouts: dict[tuple[str, ...], tuple[bytes, bytes, int]] = {}
 
     def get(self, keys: tuple[str, ...]) -> int | None:
         return self._known.get(keys)
 
     def add(self, keys: tuple[str, ...], nbytes: int) -> None:
-        if len(self._known) >= self.capacity:
-            self._known.pop(next(iter(self._known)))
-        self._known[keys] = nbytes
+        _bounded_put(self._known, keys, nbytes, self.capacity)
+
+    def has_layout(self, keys: tuple[str, ...], layout: tuple[bytes, bytes, int]) -> bool:
+        return self._layouts.get(keys) == layout
+
+    def add_layout(self, keys: tuple[str, ...], layout: tuple[bytes, bytes, int]) -> None:
+        _bounded_put(self._layouts, keys, layout, self.capacity)
+
+
+def _bounded_put(cache: dict, key: object, value: object, capacity: int) -> None:
+    """``cache[key] = value``, first forgetting the oldest entry when ``capacity`` is held."""
+    if key not in cache and len(cache) >= capacity:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def check_batch(batch: object, limits: Limits = LIMITS, cache: KeyCache | None = None) -> Batch:
@@ -75,7 +89,7 @@ def check_batch(batch: object, limits: Limits = LIMITS, cache: KeyCache | None =
             f"the limit is {limits.max_batch_bytes}"
         )
     _check_columns(batch, k)
-    _check_values(batch)
+    _check_values(batch, cache)
     _check_sketches(batch)
     _check_sources(batch)
     return batch
@@ -117,7 +131,19 @@ _SKETCH_CODE = np.zeros(256, dtype=bool)  # kinds that merge quantile sketches
 _SKETCH_CODE[[int(k) for k, spec in KINDS.items() if spec.sketch]] = True
 
 
-def _check_values(batch: Batch) -> None:
+def _check_values(batch: Batch, cache: KeyCache | None = None) -> None:
+    if cache is None:
+        _check_layout(batch)
+    else:  # a key tuple's kinds and expected contributors recur every step: checked once
+        layout = (batch.kinds.tobytes(), batch.expected.tobytes(), batch.world_size)
+        if not cache.has_layout(batch.keys, layout):
+            _check_layout(batch)
+            cache.add_layout(batch.keys, layout)
+    _check_records(batch)
+
+
+def _check_layout(batch: Batch) -> None:
+    """Every kind code known, every expected contributor count in [0, world_size]."""
     bad_kind = ~_VALID_CODE[batch.kinds.view(np.uint8)]
     if bad_kind.any():
         i = int(np.flatnonzero(bad_kind)[0])
@@ -129,7 +155,6 @@ def _check_values(batch: Batch) -> None:
             f"key {batch.keys[i]!r}: expected contributors must be in [0, {batch.world_size}], "
             f"got {int(batch.expected[i])}"
         )
-    _check_records(batch)
 
 
 def _check_records(batch: Batch) -> None:

@@ -44,7 +44,8 @@ class Collection:
         self._expected = np.zeros(16, dtype=np.int32)
         self._from_stream = np.zeros(16, dtype=bool)
         self.parts: list[Part] = []
-        self._layouts: dict[tuple[str, ...], np.ndarray] = {}  # key tuple -> rows
+        # key tuple -> its rows and the kinds they hold (``kinds.tobytes()``)
+        self._layouts: dict[tuple[str, ...], tuple[np.ndarray, bytes]] = {}
         self.declared: dict[str, Derived] = {}  # derived metrics declared for these records
         self.about: dict[str, tuple[str, str]] = {}  # what declared names mean (help, unit)
         self._ordered: tuple | None = None  # (parts held, parts in order, rows, key indices)
@@ -64,8 +65,10 @@ class Collection:
     def locate(self, keys: Sequence[str], kinds: np.ndarray, who: str) -> np.ndarray:
         """Return each key's row (-1 if new); raise if a key arrives with another kind."""
         known = self._layouts.get(keys) if isinstance(keys, tuple) else None
-        if known is not None:
-            idx = known.copy()  # the same key tuple as an earlier batch: no per-key lookups
+        if known is not None:  # the same key tuple as an earlier batch: no per-key lookups
+            if kinds.tobytes() == known[1]:  # and the same kinds: none can clash
+                return known[0].copy()
+            idx = known[0].copy()
         else:
             get = self.index.get
             idx = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
@@ -104,8 +107,8 @@ class Collection:
         self._expected[idx] = np.maximum(self._expected[idx], expected)
         if from_stream:
             self._from_stream[idx] = True
-        if isinstance(keys, tuple) and len(self._layouts) < 64:
-            self._layouts[keys] = idx.copy()
+        if isinstance(keys, tuple) and keys not in self._layouts and len(self._layouts) < 64:
+            self._layouts[keys] = (idx.copy(), self._codes[idx].tobytes())
         part.sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
         self.parts.append(part)
 
