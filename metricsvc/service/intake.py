@@ -10,12 +10,11 @@ or through a combiner: the same refusal, notice and journal lines (``take``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from metricsvc.core.batch import Batch
@@ -188,12 +187,25 @@ class Intake:
         self.calls["epoch_changed"] += 1
         return True
 
-    @contextlib.contextmanager
-    def _merging(self) -> Iterator[None]:
+    def _merging(self) -> _Merging:
         """Hold the lock for a rank's call, counting its CPU in ``merge_cpu_s``."""
-        start = time.thread_time()
+        return _Merging(self)
+
+
+class _Merging:
+    """``Intake._merging``: a plain context manager (a rank's every call enters one)."""
+
+    __slots__ = ("intake", "start")
+
+    def __init__(self, intake: Intake) -> None:
+        self.intake = intake
+
+    def __enter__(self) -> None:
+        self.intake.lock.acquire()
+        self.start = time.thread_time()
+
+    def __exit__(self, *exc: object) -> None:
         try:
-            with self.lock:
-                yield
+            self.intake.merge_cpu_s += time.thread_time() - self.start
         finally:
-            self.merge_cpu_s += time.thread_time() - start
+            self.intake.lock.release()
