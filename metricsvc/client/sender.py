@@ -55,7 +55,7 @@ class Sender:
         # One lock, two conditions: callers wait on ``_cv`` for answers (``in_flight``
         # falling), the sender thread on ``_work`` for its queue. An answer read at the
         # caller's next call (the common case) then wakes no thread.
-        lock = threading.RLock()
+        lock = self._lock = threading.RLock()  # held directly where nothing waits (C-level)
         self._cv = threading.Condition(lock)
         self._work = threading.Condition(lock)
         self._send_lock = threading.Lock()  # one delivery at a time: batches stay in order
@@ -129,7 +129,7 @@ class Sender:
         ended meanwhile loses the call (a rank actor ended right after the method that
         flushed it returned lost its step, 15 times of 15, when the thread made it)."""
         self._settle()
-        with self._cv:
+        with self._lock:
             issue = self._start is not None and not self.in_flight
             self.in_flight += 1
             if not issue or self._called:
@@ -172,7 +172,7 @@ class Sender:
         """Read the answer of the call ``hand_over`` made, here, if it is in and complete
         (an ack, or a refusal); else leave it to the sender thread, which waits it out (an
         answer still out, an actor restarting, a new incarnation to resend to)."""
-        with self._cv:
+        with self._lock:
             if self._pending is None:
                 return
             batch, blob, issued = self._pending
@@ -199,7 +199,7 @@ class Sender:
                 ack = self.send(batch, blob, None, keep_undelivered=True, issued=issued)
             except BaseException as err:  # noqa: BLE001  handed to the caller
                 error = err
-        with self._cv:
+        with self._lock:
             self.in_flight -= 1
             self._answers.append((batch, ack, error))
             self._cv.notify_all()
@@ -208,7 +208,7 @@ class Sender:
         """The sender thread: make the calls of hand-overs and deliver queued batches one
         at a time, oldest first."""
         while True:
-            with self._work:
+            with self._lock:
                 while not self._queue:
                     if not self._work.wait(timeout=30.0) and not self._queue:
                         self._thread = None  # idle: the next hand-over starts a new one
@@ -223,7 +223,7 @@ class Sender:
                 ack = self.send(batch, blob, None, keep_undelivered=True, issued=issued)
             except BaseException as err:  # noqa: BLE001  handed to the caller
                 error = err
-            with self._cv:
+            with self._lock:
                 self._queue.popleft()
                 self.in_flight -= 1
                 self._answers.append((batch, ack, error))
@@ -235,7 +235,7 @@ class Sender:
         (``wait_until``) or a batch is queued behind it, and deliver the batch here
         (retrying) if the call could not be made."""
         issued = self._call_now(batch, blob)
-        with self._cv:
+        with self._lock:
             self._queue.popleft()
             if issued is not None and not self._waiting and not self._queue:
                 self._pending = (batch, blob, issued)
@@ -251,7 +251,7 @@ class Sender:
         ``wait_until``: just made, it is not in yet."""
         acks = []
         while True:
-            with self._cv:
+            with self._lock:
                 if not self._answers:
                     return acks
                 batch, ack, error = self._answers.popleft()
@@ -270,15 +270,15 @@ class Sender:
     def wait_until(self, in_flight_below: int, timeout_s: float | None) -> bool:
         """Wait until fewer than ``in_flight_below`` hand-overs are unanswered; False on a
         timeout."""
-        with self._cv:
+        with self._lock:
             if self.in_flight < in_flight_below:
                 return True
             self._waiting += 1  # from here the thread waits out the calls it makes
         try:
             self._settle()
-            with self._cv:
+            with self._lock:
                 return self._cv.wait_for(lambda: self.in_flight < in_flight_below,
                                          timeout=timeout_s)
         finally:
-            with self._cv:
+            with self._lock:
                 self._waiting -= 1
