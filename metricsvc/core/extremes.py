@@ -53,13 +53,15 @@ def winners(rows: np.ndarray, idx: np.ndarray, merged: np.ndarray) -> list[np.nd
     out = []
     has = rows[:, COUNT] > 0
     for _, field, _ in SIDES:
-        won = np.full(n, -1, dtype=np.int64)
+        won = np.full(n, _NONE, dtype=np.int64)
         cand = np.flatnonzero(has & (rows[:, field] == merged[idx, field]))
-        if cand.size:
-            keys, first = np.unique(idx[cand], return_index=True)
-            won[keys] = cand[first]
+        np.minimum.at(won, idx[cand], cand)  # each key's first candidate
+        won[won == _NONE] = -1
         out.append(won)
     return out
+
+
+_NONE = np.iinfo(np.int64).max  # no candidate (yet): above every position
 
 
 def describe(sources: Sequence[float], side: str) -> dict[str, Any]:

@@ -55,7 +55,9 @@ SCALARS = _Scalars()
 
 def identity(n: int = 1) -> np.ndarray:
     """Return ``n`` identity records as an ``[n, NFIELDS]`` float64 matrix."""
-    return np.tile(_IDENTITY_ROW, (n, 1))
+    out = np.empty((n, NFIELDS))
+    out[:] = _IDENTITY_ROW
+    return out
 
 
 # -- exact float arithmetic (error-free transformations) ------------------------------------
@@ -203,12 +205,14 @@ def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
     count = rows[:, COUNT]
     total = np.bincount(idx, count, n)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        pivot = np.bincount(idx, rows[:, SUM], n) / np.where(total > 0, total, 1.0)
+        sums = np.bincount(idx, rows[:, SUM], n)
+        pivot = sums / np.where(total > 0, total, 1.0)
         offset = (rows[:, SUM] / count - pivot[idx]) + rows[:, SUM_LO] / count
         d1, q = _spread(rows, idx, offset, n)
         root = m2_root(total, d1, q)
         far = np.abs(pivot) * np.sqrt(total) > 10.0 * root  # |mean| > 10 std: cancellation
-        if far.any():  # offsets from double-double means where plain ones lose digits
+        some_far = bool(far.any())
+        if some_far:  # offsets from double-double means where plain ones lose digits
             sel = far[idx]
             m, r = mean_parts(rows[sel, SUM], rows[sel, SUM_LO], count[sel])
             offset[sel] = (m - pivot[idx[sel]]) + r
@@ -217,9 +221,9 @@ def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
         else:  # no key far from 0: each sum is the plain one below, the root is this one
             out[:, M2_ROOT] = root
         if not far.all():  # near 0 the sums of the contributions' sums are the better sum
-            plain = _normalised(np.bincount(idx, rows[:, SUM], n),
-                                np.bincount(idx, rows[:, SUM_LO], n), np)
-            out[~far, SUM], out[~far, SUM_LO] = plain[0][~far], plain[1][~far]
+            plain = _normalised(sums, np.bincount(idx, rows[:, SUM_LO], n), np)
+            near = ~far if some_far else slice(None)  # every key, the common case
+            out[near, SUM], out[near, SUM_LO] = plain[0][near], plain[1][near]
     out[:, COUNT] = total
     return out
 
