@@ -44,6 +44,29 @@ def test_journal_lines_read_back_with_nonfinite_values_kept_readable(tmp_path):
     assert steps[1]["meta"]["missing_ranks"] == [3]
 
 
+def test_a_journal_line_holds_each_meta_figure_whatever_it_is(tmp_path):
+    # A step of finite numbers is written as it is; a non-finite figure anywhere (a metric,
+    # a meta total past float64's range) or a mapping JSON cannot take (a read-only view)
+    # is written too, every number read back as the float it was.
+    from types import MappingProxyType
+
+    sink = JsonlSink()
+    sink.open(tmp_path)
+    plain = {"partial": False, "ranks": (0, 1), "extremes": {"x/max": {"rank": 1, "row": 3}}}
+    sink.write(0, {"x/max": 2.5}, plain)
+    sink.write(1, {"x/max": -math.inf}, {"derived_totals": {"t": [math.nan, 1e308 * 10]}})
+    sink.write(2, {"x/max": 1.0}, {"about": MappingProxyType({"x": ("help", "s")})})
+    sink.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    assert first["metrics"] == {"x/max": 2.5} and first["meta"] == {**plain, "ranks": [0, 1]}
+    steps = read_journal(tmp_path / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert steps[1]["metrics"] == {"x/max": -math.inf}
+    assert steps[1]["meta"]["derived_totals"] == {"t": ["nan", "inf"]}  # meta: as written
+    assert steps[2]["meta"]["about"] == {"x": ["help", "s"]}
+
+
 def test_console_prints_every_nth_step_and_always_partial_ones():
     out = io.StringIO()
     sink = ConsoleSink(ConsoleSinkConfig(every=2), stream=out)

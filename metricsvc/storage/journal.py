@@ -55,6 +55,11 @@ def _json_values(value: Any) -> Any:
 
 
 
+def _line(record: Mapping[str, Any]) -> str:
+    """One journal line: ``record`` as JSON (a non-finite number raises ValueError)."""
+    return json.dumps(record, allow_nan=False, sort_keys=False) + "\n"
+
+
 class JsonlSinkConfig(Strict):
     """The journal: one JSON line per finished step under the run folder."""
 
@@ -87,13 +92,14 @@ class JsonlSink:
         self._through = max((r["step"] for r in iter_journal(self.path)), default=None)
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        record = {
-            "step": step,
-            "metrics": {k: _json_number(v) for k, v in metrics.items()},
-            "meta": _json_values(meta),
-            "time": time.time(),
-        }
-        self._append(record)
+        now = time.time()
+        try:  # the common step: every number finite, written as it is (nothing copied)
+            line = _line({"step": step, "metrics": metrics, "meta": meta, "time": now})
+        except (ValueError, TypeError):  # a non-finite number, or a mapping JSON cannot take
+            line = _line({"step": step,
+                          "metrics": {k: _json_number(v) for k, v in metrics.items()},
+                          "meta": _json_values(meta), "time": now})
+        self._write(line)
 
     def held_through(self) -> int | None:
         """The newest step the journal's latest segment holds (read back from the file)."""
@@ -105,9 +111,11 @@ class JsonlSink:
         self._append({"event": dict(event), "time": time.time()}, sync="rewind" in event)
 
     def _append(self, record: Mapping[str, Any], sync: bool = False) -> None:
+        self._write(_line(record), sync)
+
+    def _write(self, line: str, sync: bool = False) -> None:
         if self._file is None:
             raise RuntimeError("JsonlSink.write called before open or after close")
-        line = json.dumps(record, allow_nan=False, sort_keys=False) + "\n"
         self._file.append(line.encode("utf-8"), fsync=sync or self.config.fsync)
 
     def close(self) -> None:
