@@ -4,7 +4,9 @@ W rank actors (num_cpus=0) each record K plain float metrics per step and close 
 step; the driver waits for each step's final result. Reported per pattern: steps/s,
 actor calls per step, the latency from the last rank's flush to the final result
 (p50/p95), and the actor's CPU time per batch (process time inside the actor), with
-ratios against ours measured in the same run. ``ours`` closes a step with ``flush()``
+ratios against ours measured in the same run. The service runs as a run does: every
+check on, its journal (the JSONL sink) written and its watermark kept each step, the
+console sink off (siiRL's actor prints nothing). ``ours`` closes a step with ``flush()``
 (the ack is read at the next step), ``ours_wait`` with the blocking ``wait_submit()``.
 Each pattern first runs ``WARMUP`` steps that no figure counts (a sink opening, a key
 set's first merge). ``--gap-ms`` leaves that long between steps, as a training step's
@@ -106,7 +108,7 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int,
         worker = None
     elif pattern in ("ours", "ours_wait"):
         worker = metricsvc.start_metric_worker(
-            {"name": f"bench-{index}", "sinks": {"console": None, "jsonl": None},
+            {"name": f"bench-{index}", "sinks": {"console": None, "jsonl": {}},
              "run": {"root": "/tmp/metricsvc-bench", "trial": f"{index}-{os.getpid()}"}})
     elif pattern == "siirl":
         worker = SiirlStyleWorker.remote()
