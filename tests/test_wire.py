@@ -79,3 +79,22 @@ def test_every_layout_decodes_to_the_batch_it_encodes(sketch, located):
             decode(blob[:-cut])
         with pytest.raises(BatchRejected, match="malformed wire batch"):
             decode(blob + b"\x00" * cut)
+
+
+def test_a_key_block_seen_before_decodes_to_the_same_tuple_and_never_to_another():
+    """Ranks send the same keys every step: their decoded tuple is reused (one object, so
+    lookups by it are cheap); a block is never mistaken for another, nor an invalid one
+    taken because a valid one of its length was cached."""
+    def one(keys, step=0):
+        return encode(Batch.build(step=step, rank=0, world_size=1, seq=1, final=True,
+                                  keys=keys, data=np.zeros((len(keys), NFIELDS)),
+                                  kinds=[0] * len(keys), expected=[0] * len(keys)))
+
+    first, again = decode(one(("a/mean", "b"))), decode(one(("a/mean", "b"), step=1))
+    assert first.keys == ("a/mean", "b") and again.keys is first.keys
+    assert decode(one(("a/mean", "c"))).keys == ("a/mean", "c")
+    assert decode(one(())).keys == ()
+    blob = bytearray(one(("a/mean", "b")))
+    blob[blob.index(b"a/mean")] = 0xFF  # the same length, no longer UTF-8
+    with pytest.raises(BatchRejected, match="malformed wire batch"):
+        decode(bytes(blob))

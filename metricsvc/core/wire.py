@@ -95,6 +95,28 @@ def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, derived_len
         raise BatchRejected(f"malformed wire batch: {key_len} bytes cannot hold {k} keys")
 
 
+# Key blocks decoded lately, and their tuples: ranks send the same keys every step, and one
+# tuple object for them makes every later lookup by the keys (caches, layouts) cheaper
+_KEY_TUPLES: dict[bytes, tuple[str, ...]] = {}
+_KEY_TUPLES_HELD = 256
+_KEY_BLOCK_CACHED = 1 << 16  # bytes: a larger key block is decoded every time
+
+
+def _keys(raw: bytes, k: int) -> tuple[str, ...]:
+    """The keys a batch's key block holds (UTF-8, separated by NUL; ``k`` of them by the
+    header, which the caller checks against what they are)."""
+    if not k:
+        return ()
+    keys = _KEY_TUPLES.get(raw)
+    if keys is None:
+        keys = tuple(raw.decode("utf-8").split("\x00"))
+        if len(raw) <= _KEY_BLOCK_CACHED:
+            if len(_KEY_TUPLES) >= _KEY_TUPLES_HELD:
+                _KEY_TUPLES.pop(next(iter(_KEY_TUPLES)), None)
+            _KEY_TUPLES[raw] = keys
+    return keys
+
+
 def decode(blob: bytes, limits: Limits | None = None) -> Batch:
     """Return the Batch a ``blob`` encodes; sizes are checked against ``limits`` first.
 
@@ -106,8 +128,7 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
             _HEADER.unpack_from(blob)
         _check_header(blob, k, s, n, key_len, derived_len, e, limits or Limits())
         pos = _HEADER.size
-        text = bytes(blob[pos : pos + key_len]).decode("utf-8")
-        keys = tuple(text.split("\x00")) if k else ()
+        keys = _keys(bytes(blob[pos : pos + key_len]), k)
         pos += key_len
         derived = bytes(blob[pos : pos + derived_len])
         pos += derived_len
