@@ -142,11 +142,11 @@ class Collection:
                 sketch_parts.setdefault(row, []).append((codes, counts))
             if part.rank is not None:
                 rank_rows.setdefault(part.rank, []).append(part.idx)
-        contributors = np.zeros(n, dtype=np.int32)
-        for rows_of in rank_rows.values():
-            # One part's rows are distinct keys; several parts of a rank may share keys.
-            contributors[rows_of[0] if len(rows_of) == 1
-                         else np.unique(np.concatenate(rows_of))] += 1
+        # One part's rows are distinct keys; several parts of a rank may share keys.
+        held = [rows_of[0] if len(rows_of) == 1 else np.unique(np.concatenate(rows_of))
+                for rows_of in rank_rows.values()]
+        contributors = (np.bincount(np.concatenate(held), minlength=n).astype(np.int32)
+                        if held else np.zeros(n, dtype=np.int32))
         return data, contributors, {r: merge_sparse(p) for r, p in sketch_parts.items()}
 
     def _in_order(self) -> tuple[list[Part], np.ndarray, np.ndarray]:
