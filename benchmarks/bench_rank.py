@@ -13,8 +13,8 @@ learning rates, counters), then closes the step. Patterns, all in the same run:
                then a blocking wait for all four (its ``wait_submit``)
   siirl_1call  the same reductions, one dict, one call, one blocking wait (its best case)
   ours_wait    ``stat(mask=...)`` + ``submit_metric`` + ``wait_submit()`` (blocking)
-  ours         the same with ``flush()``: the batch handed to the sender thread (which
-               makes the Ray call), the ack read next step
+  ours         the same with ``flush()``: the Ray call made, its ack read next step
+               (until 2026-12-05 a sender thread made the call)
 
 ``siirl``: siiRL's own batch per rank (``responses`` [64 x 1024], ``attention_mask``
 [64 x 1536] with unequal valid tokens per rank, scores, rewards, advantages, returns,

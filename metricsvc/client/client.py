@@ -127,8 +127,9 @@ class MetricClient(Tracker):
 
     def flush(self, *, step: int | None = None) -> None:
         """Close this rank's step without waiting for the service: one host copy, one
-        encoding, and the batch handed to the sender thread, which makes the call (at once
-        when nothing is in flight); the client moves to the next step at once.
+        encoding and the call made (when nothing is in flight; else the batch is handed to
+        the sender thread, which delivers it after the answer before it); the client moves
+        to the next step at once.
 
         One batch is delivered at a time, in step order. Answers are read at the next
         ``flush`` / ``wait_submit`` / ``wait_acks``: a refusal (``BatchRejected``, with a note

@@ -2,14 +2,15 @@
 the restart protocol (``metricsvc.core.resend``).
 
 A blocking ``send`` runs on the caller's thread (``wait_submit``). ``hand_over``
-(``flush``) queues the batch for the sender thread and returns: the thread makes the call
-at once when nothing is in flight and leaves its answer to the caller's next call, which
-reads it if it is in by then (``ray.get`` with timeout 0: the common case, no thread wakes
-for an answer); one that is not, and batches handed over meanwhile, the thread waits for,
-and the caller reads their answers later. Only a client's first call is the caller's (Ray
-connects to the actor on it), every later one the thread's: Ray's submission wakes its own
-IO thread, which on a busy node preempts the caller (4 ranks on 2 cores: 1.2 ms of a
-rank's wall in the call against 0.3 ms of CPU).
+(``flush``) makes the call on the caller's thread when nothing is in flight and returns,
+leaving the answer to the caller's next call, which reads it if it is in by then
+(``ray.get`` with timeout 0: the common case, and no thread wakes). An answer not in by
+then, and batches handed over meanwhile, go to the sender thread, which waits for the
+answer, delivers them and leaves their answers for the caller to read later. (Until
+2026-12-05 the thread made every call but a client's first: Ray's submission wakes its
+own IO thread, which on a node with no idle core preempts the caller, 0.5-2 ms of the
+rank's wall a step with 4-16 ranks on 2 cores; waking the thread for each call cost the
+rank's process 76-160 us of CPU a step and the service the steps it did not finish.)
 
 Either way one delivery runs at a time, so steps reach the service in order (Ray does
 not promise to run an actor's calls in the order sent: a large batch travels through the
@@ -33,8 +34,6 @@ Call = Callable[[bytes, "str | None", "float | None"], dict[str, Any]]
 # ``wait.poll()`` the ack if it is in, else None (``client.rpc.Issued``)
 Start = Callable[[bytes, "str | None"], Any]
 Answer = tuple[Batch, "dict[str, Any] | None", "BaseException | None"]
-# A queued batch whose call the sender thread makes, its answer left to the caller
-ISSUE = object()
 
 
 class Sender:
@@ -59,7 +58,7 @@ class Sender:
         self._cv = threading.Condition(lock)
         self._work = threading.Condition(lock)
         self._send_lock = threading.Lock()  # one delivery at a time: batches stay in order
-        # (batch, blob, ISSUE | the wait of a call made | None: a delivery to make)
+        # (batch, blob, the wait of a call made | None: a delivery to make)
         self._queue: deque[tuple[Batch, bytes, Any]] = deque()
         self._answers: deque[Answer] = deque()
         self.in_flight = 0  # handed over, not answered yet
@@ -68,8 +67,7 @@ class Sender:
         # The call the thread made for a hand-over, whose answer nobody waits for yet:
         # (batch, blob, wait); read by the caller's next call (``_settle``)
         self._pending: tuple[Batch, bytes, Any] | None = None
-        self._waiting = 0  # callers in ``wait_until``: the thread waits out what it issues
-        self._called = False  # whether a call was made yet (a hand-over's first: the caller's)
+        self._waiting = 0  # callers in ``wait_until``: the thread waits out a call made then
 
     # -- blocking ------------------------------------------------------------------------
     def send(self, batch: Batch, blob: bytes, timeout_s: float | None, *,
@@ -78,7 +76,6 @@ class Sender:
         undelivered one too unless ``keep_undelivered``. ``issued``: the wait of the call
         ``hand_over`` already made for it (under the send lock, the batch in the outbox)."""
         with self._send_lock:
-            self._called = True
             if issued is None:
                 self.outbox.sent(self._position(batch), blob)
             try:
@@ -120,25 +117,26 @@ class Sender:
 
     # -- in the background ---------------------------------------------------------------
     def hand_over(self, batch: Batch, blob: bytes) -> None:
-        """Deliver ``batch`` without waiting: queued for the sender thread, which makes the
-        call at once if nothing is in flight (its answer read at a later call), else
+        """Deliver ``batch`` without waiting: the call made here if nothing is in flight
+        (its answer read at a later call), else queued for the sender thread, which
         delivers it after the batches before it.
 
-        The sender's first call is made here, on the caller's thread: on a handle's first
-        call Ray finds the actor and connects to it, after the call returns, and a process
-        ended meanwhile loses the call (a rank actor ended right after the method that
-        flushed it returned lost its step, 15 times of 15, when the thread made it)."""
+        The call is the caller's: on a handle's first call Ray finds the actor and connects
+        to it, after the call returns, and a process ended meanwhile loses the call (a rank
+        actor ended right after the method that flushed its first step returned lost that
+        step 15 times of 15 when a thread made the call, 5 of 30 when the caller did)."""
         self._settle()
         with self._lock:
             issue = self._start is not None and not self.in_flight
             self.in_flight += 1
-            if not issue or self._called:
-                self._to_thread((batch, blob, ISSUE if issue else None))
+            if not issue:  # an answer still out: delivered after it, by the thread
+                self._to_thread((batch, blob, None))
                 return
-            self._called = True
             issued = self._call_now(batch, blob, block=False)
             if issued is None:  # the thread delivers it, retrying, and reports what fails
                 self._to_thread((batch, blob, None))
+            elif self._waiting:  # a caller waits for answers: the thread waits this one out
+                self._to_thread((batch, blob, issued))
             else:
                 self._pending = (batch, blob, issued)
 
@@ -205,8 +203,8 @@ class Sender:
             self._cv.notify_all()
 
     def _loop(self) -> None:
-        """The sender thread: make the calls of hand-overs and deliver queued batches one
-        at a time, oldest first."""
+        """The sender thread: deliver queued batches one at a time, oldest first (a batch
+        whose call was made: its answer waited for)."""
         while True:
             with self._lock:
                 while not self._queue:
@@ -215,9 +213,6 @@ class Sender:
                         return
                     self.wakes += 1
                 batch, blob, issued = self._queue[0]
-            if issued is ISSUE:
-                self._issue(batch, blob)
-                continue
             ack, error = None, None
             try:  # undelivered stays owed: a restarted actor that lacks it gets it
                 ack = self.send(batch, blob, None, keep_undelivered=True, issued=issued)
@@ -228,19 +223,6 @@ class Sender:
                 self.in_flight -= 1
                 self._answers.append((batch, ack, error))
                 self._cv.notify_all()
-
-    def _issue(self, batch: Batch, blob: bytes) -> None:
-        """Make the call of the hand-over at the queue's head and leave its answer to the
-        caller's next call (``_settle``); wait it out here instead when a caller waits
-        (``wait_until``) or a batch is queued behind it, and deliver the batch here
-        (retrying) if the call could not be made."""
-        issued = self._call_now(batch, blob)
-        with self._lock:
-            self._queue.popleft()
-            if issued is not None and not self._waiting and not self._queue:
-                self._pending = (batch, blob, issued)
-            else:
-                self._queue.appendleft((batch, blob, issued))
 
     def read_answers(self, on_ack: Callable[[dict[str, Any], Batch], None],
                      handed_over: int | None = None) -> list[dict[str, Any]]:
@@ -273,7 +255,7 @@ class Sender:
         with self._lock:
             if self.in_flight < in_flight_below:
                 return True
-            self._waiting += 1  # from here the thread waits out the calls it makes
+            self._waiting += 1  # from here the thread waits out the calls made
         try:
             self._settle()
             with self._lock:
