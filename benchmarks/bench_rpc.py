@@ -24,8 +24,10 @@ can cost less.
     python -m benchmarks.bench_rpc [--worlds 4 16] [--keys 30 300] [--steps 40] [--rounds 3]
                                    [--gap-ms 0]
 
-It ends with the end-to-end table: ours against siiRL's one-call and four-call patterns,
-as ratios measured round by round.
+It ends with the end-to-end table (ours against siiRL's one-call and four-call patterns,
+as ratios measured round by round), ours over siiRL's one-call pattern paired by round
+(the median of the rounds and their range: the ranks' CPU per step, the service's CPU per
+batch, steps per second), and where the CPU of one step goes.
 """
 
 from __future__ import annotations
@@ -235,6 +237,32 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def paired(rows: list[dict]) -> list[str]:
+    """Ours over siiRL's one-call pattern, round by round (each round runs both back to
+    back): the median of the rounds' ratios and their range, for what the rank, the
+    service and the run feel: the ranks' CPU per step (less the harness's, the driver's
+    trigger that every pattern pays), the service's CPU per batch and steps per second."""
+    lines = ["| W, K | ranks' CPU / step | actor CPU / batch | steps / s |",
+             "|---|---:|---:|---:|"]
+    for world, keys in dict.fromkeys((r["world"], r["keys"]) for r in rows):
+        by_round: dict[int, dict[str, dict]] = {}
+        for r in rows:
+            if (r["world"], r["keys"]) == (world, keys):
+                by_round.setdefault(r["round"], {})[r["pattern"]] = r
+        pairs = [got for got in by_round.values() if {"ours", "siirl1", "harness"} <= set(got)]
+        if not pairs:
+            continue
+        cells = []
+        for name in ("ranks_cpu_ms_per_step", "actor_cpu_ms_per_batch", "steps_per_s"):
+            values = []
+            for got in pairs:
+                less = got["harness"][name] if name == "ranks_cpu_ms_per_step" else 0.0
+                values.append((got["ours"][name] - less) / (got["siirl1"][name] - less))
+            cells.append(f"{statistics.median(values):.2f} ({_range(values)})")
+        lines.append(f"| {world}, {keys} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def breakdown(rows: list[dict]) -> list[str]:
     """Where the CPU of one step goes (medians over the rounds): the ranks' processes less
     the harness's (the driver triggering each rank's step costs the same for every
@@ -313,6 +341,9 @@ def main() -> list[dict]:
     print()
     print("End to end, ours against siiRL's patterns (ranges over the rounds):")
     print("\n".join(summary(rows)))
+    print()
+    print("Ours over siiRL's one-call pattern, paired by round (median, range):")
+    print("\n".join(paired(rows)))
     print()
     print("Where the CPU of one step goes (medians over the rounds; 2 cores share it all):")
     print("\n".join(breakdown(rows)))
