@@ -26,6 +26,7 @@ import ray
 
 import metricsvc
 from metricsvc.client import MetricClient
+from metricsvc.protocol import combiner_name
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 
@@ -72,7 +73,7 @@ def run(topology: str, world: int, keys: int, nodes: int, steps: int, index: int
     """One configuration on the running cluster."""
     name = f"scale-{index}"
     cfg = metricsvc.load_config({"name": name, "topology": topology, "world_size": world,
-                                 "sinks": {"console": None, "jsonl": None},
+                                 "sinks": {"console": None, "jsonl": {}},  # journal on, as a run
                                  "limits": {"max_world_size": 4096},
                                  "run": {"root": "/tmp/metricsvc-bench",
                                          "trial": f"{name}-{os.getpid()}"}})
@@ -96,7 +97,7 @@ def run(topology: str, world: int, keys: int, nodes: int, steps: int, index: int
     ray.get([h.drain.remote() for h in group])
     health = ray.get(worker.health.remote())
     singleton = sum(health["calls"].get(k, 0) for k in ("submit", "submit_many"))
-    combiners = [ray.get_actor(f"{name}--combiner--{n['NodeID']}")
+    combiners = [ray.get_actor(combiner_name(name, n["NodeID"]), namespace=cfg.namespace)
                  for n in ray.nodes() if n["Alive"]] if topology == "per_node" else []
     for actor in [worker, *combiners, *group]:
         ray.kill(actor)
