@@ -22,34 +22,23 @@ MAX_COUNT = float(2**53)
 
 
 class KeyCache:
-    """Key tuples already checked, with their size in bytes and the layout (kind codes,
-    expected contributors, world size) last accepted with them: ranks send the same keys
-    and kinds each step, and checking 1000 names per batch would otherwise dominate the
-    merge."""
+    """Key tuples already checked, each with its size in bytes and the layout (kind codes,
+    expected contributors, world size) last accepted with it: ranks send the same keys and
+    kinds each step, and checking 1000 names per batch would otherwise dominate the merge."""
 
     def __init__(self, capacity: int = 64) -> None:
         self.capacity = capacity
-        self._known: dict[tuple[str, ...], int] = {}
-        self._layouts: dict[tuple[str, ...], tuple[bytes, bytes, int]] = {}
+        # keys -> [their bytes, the layout last accepted with them (None: none yet)]
+        self._known: dict[tuple[str, ...], list] = {}
 
-    def get(self, keys: tuple[str, ...]) -> int | None:
+    def get(self, keys: tuple[str, ...]) -> list | None:
         return self._known.get(keys)
 
-    def add(self, keys: tuple[str, ...], nbytes: int) -> None:
-        _bounded_put(self._known, keys, nbytes, self.capacity)
-
-    def has_layout(self, keys: tuple[str, ...], layout: tuple[bytes, bytes, int]) -> bool:
-        return self._layouts.get(keys) == layout
-
-    def add_layout(self, keys: tuple[str, ...], layout: tuple[bytes, bytes, int]) -> None:
-        _bounded_put(self._layouts, keys, layout, self.capacity)
-
-
-def _bounded_put(cache: dict, key: object, value: object, capacity: int) -> None:
-    """``cache[key] = value``, first forgetting the oldest entry when ``capacity`` is held."""
-    if key not in cache and len(cache) >= capacity:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
+    def add(self, keys: tuple[str, ...], nbytes: int) -> list:
+        if len(self._known) >= self.capacity:
+            self._known.pop(next(iter(self._known)))
+        entry = self._known[keys] = [nbytes, None]
+        return entry
 
 
 def check_batch(batch: object, limits: Limits = LIMITS, cache: KeyCache | None = None) -> Batch:
@@ -76,12 +65,14 @@ def check_batch(batch: object, limits: Limits = LIMITS, cache: KeyCache | None =
         )
     if not isinstance(batch.keys, tuple):
         raise BatchRejected(f"batch keys must be a tuple, got {type(batch.keys).__name__}")
-    key_bytes = cache.get(batch.keys) if cache is not None else None
-    if key_bytes is None:
+    known = cache.get(batch.keys) if cache is not None else None
+    if known is None:
         _check_keys(batch.keys, limits)
         key_bytes = sum(len(key) for key in batch.keys)
         if cache is not None:
-            cache.add(batch.keys, key_bytes)
+            known = cache.add(batch.keys, key_bytes)
+    else:
+        key_bytes = known[0]
     nbytes = key_bytes + batch.nbytes_without_keys
     if nbytes > limits.max_batch_bytes:
         raise BatchRejected(
@@ -89,7 +80,7 @@ def check_batch(batch: object, limits: Limits = LIMITS, cache: KeyCache | None =
             f"the limit is {limits.max_batch_bytes}"
         )
     _check_columns(batch, k)
-    _check_values(batch, cache)
+    _check_values(batch, known)
     _check_sketches(batch)
     _check_sources(batch)
     return batch
@@ -131,14 +122,15 @@ _SKETCH_CODE = np.zeros(256, dtype=bool)  # kinds that merge quantile sketches
 _SKETCH_CODE[[int(k) for k, spec in KINDS.items() if spec.sketch]] = True
 
 
-def _check_values(batch: Batch, cache: KeyCache | None = None) -> None:
-    if cache is None:
+def _check_values(batch: Batch, known: list | None = None) -> None:
+    """``known``: the key tuple's ``KeyCache`` entry, whose layout was checked before."""
+    if known is None:
         _check_layout(batch)
     else:  # a key tuple's kinds and expected contributors recur every step: checked once
         layout = (batch.kinds.tobytes(), batch.expected.tobytes(), batch.world_size)
-        if not cache.has_layout(batch.keys, layout):
+        if known[1] != layout:
             _check_layout(batch)
-            cache.add_layout(batch.keys, layout)
+            known[1] = layout
     _check_records(batch)
 
 
