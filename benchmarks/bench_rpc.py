@@ -148,12 +148,13 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int,
     # each pattern's start-up, taken before anything is counted.
     for step in range(WARMUP):
         one(step)
-    merge0 = batches0 = calls0 = 0.0
+    merge0 = batches0 = calls0 = sink0 = 0.0
     if worker is None:
         cpu0 = 0.0
     elif pattern.startswith("ours"):
         health = ray.get(worker.health.remote())
         cpu0, merge0, batches0 = health["cpu_s"], health["merge_cpu_s"], health["batches"]
+        sink0 = _sink_cpu_s(health)
         calls0 = health["calls"].get("submit", 0)
     else:
         cpu0 = ray.get(worker.cpu_s.remote())
@@ -172,7 +173,7 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int,
     ranks1 = ray.get([r.cpu_s.remote() for r in active])
     ranks_ms = 1e3 * sum(b[0] - a[0] for a, b in zip(ranks0, ranks1)) / steps
     thread_ms = 1e3 * sum(b[1] - a[1] for a, b in zip(ranks0, ranks1)) / steps
-    cpu_ms_per_batch = merge_ms = 0.0
+    cpu_ms_per_batch = merge_ms = sink_ms = 0.0
     if pattern == "harness":
         calls = 0
     elif pattern.startswith("ours"):
@@ -180,6 +181,7 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int,
         calls = health["calls"]["submit"] - calls0
         cpu_ms_per_batch = 1e3 * (health["cpu_s"] - cpu0) / max(1, health["batches"] - batches0)
         merge_ms = 1e3 * (health["merge_cpu_s"] - merge0) / steps
+        sink_ms = 1e3 * (_sink_cpu_s(health) - sink0) / steps
         ray.get(worker.close.remote())
     else:
         calls = ray.get(worker.call_count.remote()) - calls0
@@ -191,11 +193,17 @@ def run(pattern: str, ranks, world: int, keys: int, steps: int, index: int,
             "steps_per_s": steps / elapsed, "calls_per_step": calls / steps,
             "actor_cpu_ms_per_batch": cpu_ms_per_batch,
             "actor_cpu_ms_per_step": cpu_ms_per_batch * world,
-            "merge_cpu_ms_per_step": merge_ms, "ranks_cpu_ms_per_step": ranks_ms,
+            "merge_cpu_ms_per_step": merge_ms, "sink_cpu_ms_per_step": sink_ms,
+            "ranks_cpu_ms_per_step": ranks_ms,
             "ranks_thread_cpu_ms_per_step": thread_ms, "gap_ms": 1e3 * gap_s,
             "driver_cpu_ms_per_step": driver_ms,
             "latency_p50_ms": 1e3 * statistics.median(lat),
             "latency_p95_ms": 1e3 * lat[min(len(lat) - 1, int(0.95 * len(lat)))]}
+
+
+def _sink_cpu_s(health: dict) -> float:
+    """The CPU the service's sink threads have spent (the journal's, here)."""
+    return sum(s["cpu_s"] or 0.0 for s in health["sinks"].values())
 
 
 def _range(values: list[float], fmt: str = ".2f") -> str:
@@ -267,10 +275,11 @@ def breakdown(rows: list[dict]) -> list[str]:
     """Where the CPU of one step goes (medians over the rounds): the ranks' processes less
     the harness's (the driver triggering each rank's step costs the same for every
     pattern), the service actor's process (for ours: its merge, validation, finishing and
-    journal hand-off inside the calls, the rest Ray's per-call work and the sink threads),
-    and the driver's process."""
+    journal hand-off inside the calls, and the journal's thread; the rest is Ray's
+    per-call work, the readers' calls included), and the driver's process."""
     lines = ["| W, K | pattern | ranks' metrics CPU ms / step (of it their own threads) | "
-             "actor CPU ms / step (ours: inside the calls) | driver CPU ms / step | steps/s |",
+             "actor CPU ms / step (ours: inside the calls; the journal's thread) | "
+             "driver CPU ms / step | steps/s |",
              "|---|---|---:|---:|---:|---:|"]
     med = statistics.median
     for world, keys in dict.fromkeys((r["world"], r["keys"]) for r in rows):
@@ -282,7 +291,8 @@ def breakdown(rows: list[dict]) -> list[str]:
             got = [r for r in mine if r["pattern"] == pattern]
             if not got:
                 continue
-            inside = (f" ({med(r['merge_cpu_ms_per_step'] for r in got):.2f})"
+            inside = (f" ({med(r['merge_cpu_ms_per_step'] for r in got):.2f}; "
+                      f"{med(r['sink_cpu_ms_per_step'] for r in got):.2f})"
                       if pattern == "ours" else "")
             lines.append(
                 f"| {world}, {keys} | {pattern} | "

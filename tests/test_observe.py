@@ -100,9 +100,12 @@ def test_the_services_health_is_live_in_rays_prometheus_export(make_worker):
     counted = {f"ray_{n}_total" for n in [*COUNTERS, *SINK_COUNTERS]} & names
     assert counted == {"ray_metricsvc_batches_total", "ray_metricsvc_rejected_batches_total",
                        "ray_metricsvc_partial_steps_total", "ray_metricsvc_merge_cpu_seconds_total",
-                       "ray_metricsvc_sink_steps_written_total"}, counted
+                       "ray_metricsvc_sink_steps_written_total",
+                       "ray_metricsvc_sink_cpu_seconds_total"}, counted
     merge_cpu = values(samples, "ray_metricsvc_merge_cpu_seconds_total", **service)
     assert len(merge_cpu) == 1 and 0 < merge_cpu[0] < 60
+    sink_cpu = values(samples, "ray_metricsvc_sink_cpu_seconds_total", sink="jsonl", **service)
+    assert len(sink_cpu) == 1 and 0 < sink_cpu[0] < 60  # the journal's thread
 
 
 def test_the_nodes_export_on_ports_no_outgoing_connection_can_take(ray_cluster):

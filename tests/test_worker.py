@@ -451,3 +451,5 @@ def test_many_waiting_readers_never_hold_up_a_merge_and_each_gets_its_step(make_
     health = ray.get(handle.health.remote(), timeout=30)
     assert health["calls"]["submit"] == 6
     assert 0 < health["merge_cpu_s"] < health["cpu_s"]  # the merges' share of the actor's CPU
+    # the journal's thread (three steps written and committed): its share, read at the call
+    assert 0 < health["sinks"]["jsonl"]["cpu_s"] < health["cpu_s"]

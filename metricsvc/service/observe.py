@@ -52,6 +52,7 @@ SINK_COUNTERS = {
     "metricsvc_sink_steps_written": ("written", "steps a sink wrote"),
     "metricsvc_sink_dead_lettered": ("dead_lettered", "steps a sink gave up on (dead letters)"),
     "metricsvc_sink_failures": ("failures", "failed writes (retried)"),
+    "metricsvc_sink_cpu_seconds": ("cpu_s", "CPU seconds the sink's thread spent"),
 }
 SINK_GAUGES = {
     "metricsvc_sink_backlog": ("queued", "steps waiting for a sink"),

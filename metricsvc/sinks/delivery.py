@@ -108,6 +108,18 @@ class SinkDelivery:
                                        daemon=True)
         self.thread.start()
 
+    def cpu_s(self) -> float | None:
+        """The CPU seconds the sink thread has spent (writing, committing, waking for each
+        step), read from its thread's CPU clock; None once it has ended, or where the
+        platform has no per-thread clock."""
+        ident = self.thread.ident
+        if ident is None or not self.thread.is_alive():
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except (AttributeError, OSError):  # no pthread_getcpuclockid (macOS), or it ended
+            return None
+
     # -- producer side -----------------------------------------------------------------
     def put(self, item: tuple) -> None:
         if item[0] == "rewind":  # never dropped: the thread makes room

@@ -127,9 +127,11 @@ class SinkDispatcher:
         return None
 
     def health(self) -> dict[str, dict[str, Any]]:
-        """Return each sink's delivery record: written, failures, dead-lettered, last error."""
+        """Return each sink's delivery record: written, failures, dead-lettered, last error,
+        and the CPU its thread has spent (``cpu_s``)."""
         return {
-            w.name: {**w.stats, "queued": w.queue.qsize(), "failing": w.stats["failures"] > 0}
+            w.name: {**w.stats, "queued": w.queue.qsize(), "failing": w.stats["failures"] > 0,
+                     "cpu_s": w.cpu_s()}
             for w in self._deliveries
         }
 
