@@ -36,6 +36,19 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def thread_cpu_s(thread: threading.Thread) -> float | None:
+    """The CPU seconds ``thread`` has spent (a sink thread: writing, committing, waking for
+    each step), read from its CPU clock; None once it has ended, or where the platform has
+    no per-thread clock."""
+    ident = thread.ident
+    if ident is None or not thread.is_alive():
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError):  # no pthread_getcpuclockid (macOS), or it just ended
+        return None
+
+
 class SinkCalls:
     """The calls of one sink, from its thread: the sink opened on first use (its delivery's
     close then registered at exit), a failing call retried with backoff that a close cuts
@@ -107,18 +120,6 @@ class SinkDelivery:
         self.thread = threading.Thread(target=self._serve, name=f"metricsvc-sink-{self.name}",
                                        daemon=True)
         self.thread.start()
-
-    def cpu_s(self) -> float | None:
-        """The CPU seconds the sink thread has spent (writing, committing, waking for each
-        step), read from its thread's CPU clock; None once it has ended, or where the
-        platform has no per-thread clock."""
-        ident = self.thread.ident
-        if ident is None or not self.thread.is_alive():
-            return None
-        try:
-            return time.clock_gettime(time.pthread_getcpuclockid(ident))
-        except (AttributeError, OSError):  # no pthread_getcpuclockid (macOS), or it ended
-            return None
 
     # -- producer side -----------------------------------------------------------------
     def put(self, item: tuple) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from metricsvc.core.errors import ServiceUnavailable
 from metricsvc.core.redaction import Redactor
 from metricsvc.sinks.base import DeliveryConfig, Sink
-from metricsvc.sinks.delivery import Rewound, SinkDelivery
+from metricsvc.sinks.delivery import Rewound, SinkDelivery, thread_cpu_s
 from metricsvc.storage.history import Rewind, RunHistory
 from metricsvc.storage.sink_state import DeadLetter
 
@@ -131,7 +131,7 @@ class SinkDispatcher:
         and the CPU its thread has spent (``cpu_s``)."""
         return {
             w.name: {**w.stats, "queued": w.queue.qsize(), "failing": w.stats["failures"] > 0,
-                     "cpu_s": w.cpu_s()}
+                     "cpu_s": thread_cpu_s(w.thread)}
             for w in self._deliveries
         }
 
