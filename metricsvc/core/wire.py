@@ -63,15 +63,8 @@ def encode(batch: Batch) -> bytes:
     head = _HEADER.pack(batch.step, batch.rank, batch.world_size, batch.seq, batch.final,
                         batch.sketch_alpha, k, s, n, len(keys), len(batch.derived),
                         len(batch.extreme_rows))
-    if not (s or n or len(batch.extreme_rows) or len(batch.sketch_counts)
-            or len(batch.extremes)):  # the common batch: records only, four columns
-        return b"".join((head, keys, batch.derived,
-                         np.ascontiguousarray(batch.data, _F64).tobytes(),
-                         np.ascontiguousarray(batch.kinds, _I8).tobytes(),
-                         np.ascontiguousarray(batch.expected, _I32).tobytes(),
-                         np.ascontiguousarray(batch.sketch_offsets, _I64).tobytes()))
     parts = [head, keys, batch.derived]
-    for name, dtype, _ in _COLUMNS:
+    for name, dtype, _, _ in _LAYOUT:
         column = getattr(batch, name)
         if len(column):  # most batches carry no sketch and no located extremes
             parts.append(np.ascontiguousarray(column, dtype=dtype).tobytes())
