@@ -44,6 +44,9 @@ def merge_sources(a_row: Any, b_row: Any, a_src: Any, b_src: Any, xp: Any = np) 
     return xp.concatenate([lows, highs], -1)
 
 
+_NONE = np.iinfo(np.int64).max  # no candidate (yet): above every position
+
+
 def winners(rows: np.ndarray, idx: np.ndarray, merged: np.ndarray) -> list[np.ndarray]:
     """Return, for the min and for the max, the position in ``rows`` of each key's winning
     contribution (-1 for a key without values). ``rows`` are the contributions in merge
@@ -59,9 +62,6 @@ def winners(rows: np.ndarray, idx: np.ndarray, merged: np.ndarray) -> list[np.nd
         won[won == _NONE] = -1
         out.append(won)
     return out
-
-
-_NONE = np.iinfo(np.int64).max  # no candidate (yet): above every position
 
 
 def describe(sources: Sequence[float], side: str) -> dict[str, Any]:
