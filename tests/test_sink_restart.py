@@ -69,13 +69,19 @@ def test_every_sink_holds_every_step_once_after_kills_right_after_final_and_twic
         if step == 2:
             sigkill(handle)  # right after step 2 is final: the sinks have barely begun
         if step == 5:
+            # What the journal holds, as the ranks are told it (they forget batches up to it)
+            held = ray.get(handle.health.remote(), timeout=60)["durable_through"]
             sigkill(handle)
             sigkill(handle)  # twice in a row: the second dies while it replays
     health = ray.get(handle.close.remote(), timeout=240)
     assert not health["sink_errors"], health["sink_errors"]["wandb"]["last_error"]
-    # The last incarnation reloaded steps 0-5, or 0-4 where the kill right after step 5 was
-    # final came before the journal wrote it (the ranks then sent step 5 again)
-    assert health["restored_steps"] in (5, 6)
+    # The last incarnation reloaded every step the journal held when the first of the two
+    # kills came, and none past step 5. The journal is a thread beside the sinks and can be
+    # a few steps behind the merge while a restarted actor opens its backends (steps 0-2 of
+    # 0-5, once on a loaded machine): the ranks then sent the steps it lacked again, and
+    # every backend below holds each step once all the same.
+    assert held is not None and held + 1 <= health["restored_steps"] <= 6, (
+        held, health["restored_steps"])
     check_every_backend(Path(health["run_dir"]), steps)
 
 
