@@ -56,6 +56,13 @@ def test_every_sink_of_all_yaml_gets_the_same_numbers_as_the_journal(make_worker
     cfg_all = load_config("all")
     handle, cfg = make_worker(sinks={**cfg_all.sinks.model_dump(), "console": None})
     run_steps(cfg, declare=[PER_LR])
+    assert ray.get(handle.flush.remote(120), timeout=150)  # every backend opened and wrote
+    # The service merges float64 records and never needs torch, even where it is installed
+    # (tensorboardX's package imports it if it can: seconds of CPU and about 300 MB in the
+    # singleton, at each start; a run on a loaded machine waited 30 s on it)
+    pid = ray.get(handle.health.remote())["pid"]
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    assert not {line.split()[-1] for line in maps if "libtorch" in line}
     health = ray.get(handle.close.remote())
     run_dir = Path(health["run_dir"])
     journal = journal_values(run_dir)

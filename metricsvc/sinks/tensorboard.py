@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -54,6 +55,25 @@ def event_file_name(logdir: Path) -> str:
             f"{os.getpid()}.{uuid.uuid4().hex[:8]}")
 
 
+def import_tensorboardx() -> None:
+    """Import tensorboardX without torch. Its package imports torch wherever torch is
+    installed (for ``SummaryWriter``'s tensors, which this sink never writes): seconds of
+    CPU and about 300 MB in the service's process at each start, which on a loaded node
+    held a first step's write back by over 30 s. Where torch is loaded already, or
+    tensorboardX is, nothing changes. Meanwhile ``import torch`` in another thread of this
+    process fails (a sink that imports it while this one opens sees an ImportError, and its
+    call is retried); imported later, torch works with tensorboardX as usual (its package
+    only names ``torch.Tensor`` in annotations, and converts tensors with a later import)."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]  ``import torch``: ImportError
+    try:
+        import tensorboardX  # noqa: F401  optional backend
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+
+
 def _histogram(tag: str, hist: Mapping[str, Any]) -> Any:
     """A merged histogram (``meta["histograms"]``) as TensorBoard's histogram summary: its
     bucket limits are the upper edges, the first bucket starts at the exact min."""
@@ -79,6 +99,7 @@ class TensorboardSink:
         self._dirty = False  # events written since the last flush
 
     def open(self, run_dir: Path) -> None:
+        import_tensorboardx()
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.record_writer import RecordWriter  # optional backend
 
