@@ -347,3 +347,46 @@ def test_the_mixes_the_sink_model_found_lose_no_step(mix):
             machine.a_flowing_sink_holds_the_model()
     finally:
         machine.teardown()
+
+
+@pytest.mark.parametrize("left", ["a torn run", "a run whose id was not kept",
+                                  "a torn experiment"])
+def test_mlflow_continues_its_store_after_a_kill_while_it_created_the_run(tmp_path, left,
+                                                                          monkeypatch):
+    """A kill inside MLflow's file store creating the experiment or the run leaves its
+    ``meta.yaml`` empty (MLflow opens it for writing, then writes), and MLflow's own readers
+    fail on it: no run of the experiment can be listed. A kill between the run's creation and
+    the sink keeping its id leaves a run that the next incarnation does not continue. Either
+    way the next incarnation leaves the store readable, with one run holding every step."""
+    import mlflow
+
+    from metricsvc.sinks.mlflow import MlflowSink
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the sink sets
+    run_dir = tmp_path / "exp" / "trial"
+    run_dir.mkdir(parents=True)
+    store = run_dir / "mlruns"
+    client = mlflow.MlflowClient(tracking_uri=store.resolve().as_uri())
+    experiment = client.create_experiment("exp")
+    torn = store / experiment  # what MLflow cannot read: moved aside
+    if left == "a torn experiment":
+        (torn / "meta.yaml").write_text("")
+    else:
+        run = client.create_run(experiment, run_name="trial")
+        torn = torn / run.info.run_id if left == "a torn run" else None
+        if torn is not None:
+            (torn / "meta.yaml").write_text("")
+    sink = MlflowSink()
+    sink.open(run_dir)
+    sink.resume(None)
+    for step in range(3):
+        sink.write(step, {"loss": 1.0 / (step + 1)}, {})
+    sink.close()
+    assert readback.mlflow_metrics(store.as_uri()) == {
+        step: {"loss": 1.0 / (step + 1)} for step in range(3)}
+    aside = run_dir / "mlruns-torn"
+    if torn is None:
+        assert not aside.exists()  # the run left unkept is the one continued
+        assert readback._mlflow_run(store.as_uri())[1].info.run_id == run.info.run_id
+    else:
+        assert not torn.exists() and (aside / torn.relative_to(store) / "meta.yaml").exists()

@@ -3,10 +3,17 @@
 ``log_batch`` returns once the store holds the metrics, so a write is durable. The run id
 is kept in the run folder: a restarted service logs into the same run (set back to
 RUNNING) and leaves out every (step, metric) the run already holds.
+
+MLflow's file store writes a new experiment's or run's ``meta.yaml`` in place, so a service
+killed while creating them leaves it empty, and MLflow's readers then fail on the whole
+experiment; killed between the run's creation and keeping its id, it leaves a run nobody
+continues. In the store of its own run folder (the default), the next incarnation moves
+such folders aside (to ``<run folder>/mlruns-torn/``) and continues the run it finds.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -19,6 +26,8 @@ from metricsvc.config_base import Strict
 from metricsvc.sinks.names import descriptions, tagged
 from metricsvc.sinks.spec import Builtin
 from metricsvc.storage.sink_state import SinkState
+
+log = logging.getLogger(__name__)
 
 
 class MlflowSinkConfig(Strict):
@@ -52,15 +61,25 @@ class MlflowSink:
         if self.tracking_uri.startswith("file:"):
             # MLflow 3 keeps the file store only on request; a local store is what we want here.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        own = cfg.tracking_uri is None  # the store in the run folder: this service's alone
+        if own:
+            set_aside_torn(run_dir / "mlruns", run_dir / "mlruns-torn")
         self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         state = SinkState(run_dir, self.name)
         kept = state.load().get("run_id")
+        experiment = cfg.experiment_name or run_dir.parent.name
+        found = self.client.get_experiment_by_name(experiment)
+        if kept is None and own and found is not None:
+            # A run an incarnation created, killed before it kept the id: continued
+            runs = self.client.search_runs([found.experiment_id], max_results=1,
+                                           order_by=["attributes.start_time DESC"])
+            if runs:
+                kept = runs[0].info.run_id
+                state.update(run_id=kept)
         if kept is not None:  # a restart: continue the run this service started
             self.client.update_run(kept, status="RUNNING")
             self.run_id = kept
             return
-        experiment = cfg.experiment_name or run_dir.parent.name
-        found = self.client.get_experiment_by_name(experiment)
         exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
         run = self.client.create_run(exp_id, run_name=cfg.run_name or run_dir.name)
         self.run_id = run.info.run_id
@@ -91,6 +110,48 @@ class MlflowSink:
         if self.client is not None and self.run_id is not None:
             self.client.set_terminated(self.run_id)
             self.run_id = None
+
+
+def set_aside_torn(store: Path, aside: Path) -> list[Path]:
+    """Move out of the file store ``store``, into ``aside``, every experiment or run folder
+    whose ``meta.yaml`` a kill left empty or cut short; return where they went."""
+    moved = []
+    if store.is_dir():
+        for experiment in sorted(store.iterdir()):
+            if not experiment.is_dir() or experiment.name.startswith("."):  # .trash
+                continue
+            if _torn(experiment / "meta.yaml"):
+                moved.append(experiment)
+                continue
+            moved += [run for run in sorted(experiment.iterdir())
+                      if run.is_dir() and _torn(run / "meta.yaml")]
+    out = []
+    for path in moved:
+        target = aside / path.relative_to(store)
+        if target.exists():
+            target = target.with_name(f"{target.name}.{time.time_ns()}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+        log.warning("mlflow: %s had an empty or cut meta.yaml (a kill while MLflow created "
+                    "it), which MLflow cannot read; moved to %s", path, target)
+        out.append(target)
+    return out
+
+
+def _torn(meta: Path) -> bool:
+    """True if ``meta`` exists but is not a whole MLflow record (a folder without one is
+    not MLflow's, or one MLflow passes over)."""
+    import yaml
+
+    try:
+        text = meta.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    try:
+        record = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return True
+    return not (isinstance(record, dict) and {"experiment_id", "lifecycle_stage"} <= set(record))
 
 
 BUILTIN = Builtin(
