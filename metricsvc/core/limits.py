@@ -39,6 +39,14 @@ class Limits:
 LIMITS = Limits()  # the defaults
 
 
+def remember(cache: dict, key: object, value: object, capacity: int) -> None:
+    """``cache[key] = value``, first forgetting the oldest entry once ``capacity`` are held:
+    the rule of the caches of what ranks send again every step (their keys)."""
+    if key not in cache and len(cache) >= capacity:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+
+
 def is_int(value: object) -> bool:
     """The rule for a count, a step or a rank: an ``int``, never a ``bool`` (which Python
     counts as one)."""

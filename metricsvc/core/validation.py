@@ -11,7 +11,7 @@ from metricsvc.core.batch import Batch
 from metricsvc.core.errors import BatchRejected
 from metricsvc.core.extremes import MAX_ID, MIN_ID, NSOURCE
 from metricsvc.core.keys import check_key, check_rank
-from metricsvc.core.limits import LIMITS, Limits
+from metricsvc.core.limits import LIMITS, Limits, remember
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM, SUM_LO
 from metricsvc.core.reduce import KINDS, VALID_CODES
 from metricsvc.core.sketch import MIN_ALPHA, SketchSpec
@@ -35,9 +35,8 @@ class KeyCache:
         return self._known.get(keys)
 
     def add(self, keys: tuple[str, ...], nbytes: int) -> list:
-        if len(self._known) >= self.capacity:
-            self._known.pop(next(iter(self._known)))
-        entry = self._known[keys] = [nbytes, None]
+        entry = [nbytes, None]
+        remember(self._known, keys, entry, self.capacity)
         return entry
 
 

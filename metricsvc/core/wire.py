@@ -23,8 +23,8 @@ import numpy as np
 from metricsvc.core.batch import Batch
 from metricsvc.core.errors import BatchRejected
 from metricsvc.core.extremes import NSOURCE
+from metricsvc.core.limits import Limits, remember
 from metricsvc.core.records import NFIELDS
-from metricsvc.core.validation import Limits
 
 _HEADER = struct.Struct("<qiiq?dIIIIII")
 _COLUMNS = (  # name, dtype, length as a function of (K, S, N, E)
@@ -104,9 +104,7 @@ def _keys(raw: bytes, k: int) -> tuple[str, ...]:
     if keys is None:
         keys = tuple(raw.decode("utf-8").split("\x00"))
         if len(raw) <= _KEY_BLOCK_CACHED:
-            if len(_KEY_TUPLES) >= _KEY_TUPLES_HELD:
-                _KEY_TUPLES.pop(next(iter(_KEY_TUPLES)), None)
-            _KEY_TUPLES[raw] = keys
+            remember(_KEY_TUPLES, raw, keys, _KEY_TUPLES_HELD)
     return keys
 
 
