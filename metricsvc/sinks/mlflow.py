@@ -67,23 +67,25 @@ class MlflowSink:
         self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         state = SinkState(run_dir, self.name)
         kept = state.load().get("run_id")
-        experiment = cfg.experiment_name or run_dir.parent.name
-        found = self.client.get_experiment_by_name(experiment)
-        if kept is None and own and found is not None:
-            # A run an incarnation created, killed before it kept the id: continued
-            runs = self.client.search_runs([found.experiment_id], max_results=1,
-                                           order_by=["attributes.start_time DESC"])
-            if runs:
-                kept = runs[0].info.run_id
-                state.update(run_id=kept)
         if kept is not None:  # a restart: continue the run this service started
             self.client.update_run(kept, status="RUNNING")
             self.run_id = kept
             return
-        exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        run = self.client.create_run(exp_id, run_name=cfg.run_name or run_dir.name)
-        self.run_id = run.info.run_id
+        self.run_id = self._first_run(cfg.experiment_name or run_dir.parent.name,
+                                      cfg.run_name or run_dir.name, own)
         state.update(run_id=self.run_id)
+
+    def _first_run(self, experiment: str, name: str, own: bool) -> str:
+        """The run a service logs into from its start: a new one, or in the store of its own
+        run folder the one an incarnation created, killed before it kept the id."""
+        found = self.client.get_experiment_by_name(experiment)
+        if found is not None and own:
+            runs = self.client.search_runs([found.experiment_id], max_results=1,
+                                           order_by=["attributes.start_time DESC"])
+            if runs:
+                return runs[0].info.run_id
+        exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        return self.client.create_run(exp_id, run_name=name).info.run_id
 
     def resume(self, after: int | None) -> None:
         """Leave out of later writes every (step, metric) past ``after`` the run holds."""
@@ -112,9 +114,9 @@ class MlflowSink:
             self.run_id = None
 
 
-def set_aside_torn(store: Path, aside: Path) -> list[Path]:
+def set_aside_torn(store: Path, aside: Path) -> None:
     """Move out of the file store ``store``, into ``aside``, every experiment or run folder
-    whose ``meta.yaml`` a kill left empty or cut short; return where they went."""
+    whose ``meta.yaml`` a kill left empty or cut short."""
     moved = []
     if store.is_dir():
         for experiment in sorted(store.iterdir()):
@@ -125,7 +127,6 @@ def set_aside_torn(store: Path, aside: Path) -> list[Path]:
                 continue
             moved += [run for run in sorted(experiment.iterdir())
                       if run.is_dir() and _torn(run / "meta.yaml")]
-    out = []
     for path in moved:
         target = aside / path.relative_to(store)
         if target.exists():
@@ -134,8 +135,6 @@ def set_aside_torn(store: Path, aside: Path) -> list[Path]:
         os.replace(path, target)
         log.warning("mlflow: %s had an empty or cut meta.yaml (a kill while MLflow created "
                     "it), which MLflow cannot read; moved to %s", path, target)
-        out.append(target)
-    return out
 
 
 def _torn(meta: Path) -> bool:
