@@ -19,6 +19,7 @@ from metricsvc.client.tracker import Tracker
 from metricsvc.protocol import (
     DEFAULT_NAME,
     RETRY_S,
+    Batch,
     Refused,
     ServiceNotice,
     ServiceUnavailable,
@@ -119,6 +120,7 @@ class MetricClient(Tracker):
         without closing, so that several calls build one step. Closing is ``flush()``: it
         does not wait for the service."""
         if step is not None:
+            self._moving_on(step)
             with self.buffer.lock:
                 self.cursor.name_step(step, "log")  # before recording: the dict is ``step``'s
         self.submit_metric(metrics)
@@ -140,12 +142,12 @@ class MetricClient(Tracker):
         until the journal holds its step and is resent to a restarted actor, as with
         ``wait_submit``. ``step`` as for ``wait_submit``.
         """
+        self._moving_on(step)
         if not self.sender.wait_until(self.max_unacked, self.retry_s + 60):
             raise ServiceUnavailable(f"rank {self.rank}: {self.in_flight} flushes "
                                      f"unanswered for {self.retry_s + 60} s")
-        batch = self.cursor.close(step)
-        self.sender.hand_over(batch, encode(batch))
-        self.cursor.handed_over(batch)
+        batch = self.cursor.close(step, "flush")
+        self._hand_over(batch)
         # earlier answers: their errors reach the caller now
         self.sender.read_answers(self.cursor.after_ack, batch.step)
 
@@ -165,21 +167,24 @@ class MetricClient(Tracker):
 
         ``step`` names the step the caller means (e.g. the trainer's global step). The
         client moves to it if nothing recorded since its last flush is pending (a first
-        flush, a step after ``discard()``, a rank that skipped steps). Records left from a
-        step that was never closed are never merged into a later one: that raises
-        ``StepMismatch`` (``discard()`` them after a failed step); so does a step at or
-        below the last one closed.
+        flush, a step after ``discard()``, a rank that skipped steps). A close of a step at
+        or below the last one closed (a retried or twice-logged step), or of another step
+        while records of the open one are pending (an exception between recording and
+        closing), is refused: ``StepMismatch`` names the call and the keys, the close's
+        records are dropped (never merged into another step), nothing is sent, and the
+        next step the caller names is taken.
 
         While the actor restarts the call waits (up to ``retry_s``). On a timeout
         the batch is kept and calling again resends it; the service merges it
         once. A refused batch (``metricsvc.core.errors.Refused``, raised) closes the step all the
         same: its records are dropped and the client moves to the next step.
         """
+        self._moving_on(step)
         if not self.sender.wait_until(1, timeout_s):  # earlier flushes first: steps in order
             raise ray.exceptions.GetTimeoutError(
                 f"rank {self.rank}: {self.in_flight} flushes unanswered after {timeout_s} s; "
                 f"this step was not closed")
-        batch = self.cursor.close(step)
+        batch = self.cursor.close(step, "wait_submit")
         blob = encode(batch)
         try:  # undelivered stays unacked: the next call sends it again
             ack = self.sender.send(batch, blob, timeout_s, keep_undelivered=False)
@@ -190,6 +195,19 @@ class MetricClient(Tracker):
         self.sender.read_answers(self.cursor.after_ack, batch.step)  # earlier flushes' errors
         self.cursor.after_ack(ack, batch)
         return ack
+
+    def _hand_over(self, batch: Batch) -> None:
+        """Give a closed step's batch to the sender, which delivers it in the background."""
+        self.sender.hand_over(batch, encode(batch))
+        self.cursor.handed_over(batch)
+
+    def _moving_on(self, step: int | None) -> None:
+        """A ``wait_submit`` that timed out left its step's batch to be sent again; once the
+        caller names another step, that step is closed all the same: its batch is handed
+        to the sender (the records recorded since belong to the next step)."""
+        held = self.cursor.unacked
+        if held is not None and step is not None and step != held.step:
+            self._hand_over(held)
 
     @property
     def step(self) -> int:
@@ -211,8 +229,7 @@ class MetricClient(Tracker):
         """
         dropped, sent = self.cursor.discard()
         if sent is not None:
-            self.sender.hand_over(sent, encode(sent))
-            self.cursor.handed_over(sent)
+            self._hand_over(sent)
             self.cursor.known = False
             warnings.warn(ServiceNotice(
                 f"rank {self.rank}: discard() cannot withdraw step {sent.step}'s batch "

@@ -2,9 +2,11 @@
 
 Records belong to the client's open step. Closing a step takes its records as one final
 batch and opens the next step; a caller may name the step it means (its trainer's global
-step), and the client moves there only when nothing recorded is pending: records of a
-step that was never closed are never merged into another. After ``discard()`` the records
-go to the step the caller names next.
+step), and the client moves there only when nothing recorded is pending. A close it
+refuses (a step already closed, another step while records are pending) drops its
+records, as a refusal by the service does: the records of one close never reach another
+step. After ``discard()`` or a refused close the records go to the step the caller names
+next.
 """
 
 from __future__ import annotations
@@ -96,22 +98,38 @@ class StepCursor:
 
     def name(self, step: int, caller: str, pending: bool) -> None:
         """Move to the step the caller names, if nothing recorded is ``pending`` for the
-        open one (and never backwards); else raise ``StepMismatch``: nothing is sent."""
+        open one (and never backwards). Otherwise the close is refused, as the service
+        refuses a batch: what was recorded for it is dropped (it cannot be told apart from
+        the records of another step), nothing is sent, and the next step the caller names
+        is taken (``StepMismatch``, or ``TypeError`` for a step that is no step)."""
         if not is_int(step) or step < 0:
-            raise TypeError(f"step must be an int >= 0, got {step!r}")
+            self.refuse(TypeError, f"{caller}(step={step!r}): step must be an int >= 0")
         if step == self.step:
             return
-        backwards = self.last_closed is not None and step <= self.last_closed
-        if backwards or (self.known and pending):
+        if self.last_closed is not None and step <= self.last_closed:
+            self.refuse(StepMismatch, f"{caller}(step={step}) refused: this client already "
+                                      f"closed step {self.last_closed} (steps only go "
+                                      f"forward)")
+        if self.known and pending:
             origin = ("its start_step" if self.last_closed is None
                       else f"the step after {self.last_closed}")
-            what = (f"already closed step {self.last_closed}: steps only go forward" if backwards
-                    else f"holds records of step {self.step} ({origin}), which was never closed "
-                         f"(an exception between recording and wait_submit? call discard() "
-                         f"after a failed step; or start the client with start_step={step})")
-            raise StepMismatch(f"rank {self.rank}: {caller}(step={step}), but this client "
-                               f"{what}; nothing was sent")
+            self.refuse(StepMismatch, f"{caller}(step={step}) refused: this client holds "
+                                      f"records of step {self.step} ({origin}), which was "
+                                      f"never closed, and a step's records never go to "
+                                      f"another step")
         self.open(step)
+
+    def refuse(self, error: type[Exception], what: str) -> None:
+        """Refuse a close: drop what was recorded for it and raise ``error`` saying so."""
+        keys = self.buffer.keys()
+        self.buffer.discard()
+        self.known = False  # the next step the caller names is taken
+        shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more"
+                                                         if len(keys) > 8 else "")
+        dropped = (f"its records were dropped ({len(keys)} keys: {shown})" if keys
+                   else "nothing was recorded for it")
+        raise error(f"rank {self.rank}: {what}; {dropped} and nothing was sent; the open "
+                    f"step is {self.step}, and the next step named is taken")
 
     def joined_late(self, ack: dict[str, Any], step: int, flushes: int) -> bool:
         """A first flush (``flushes == 1``) for a step the service has already moved past
