@@ -44,6 +44,8 @@ def test_report_prints_a_table_and_marks_partial_steps(journal):
     assert [float(x) for x in row.split()[1:]] == pytest.approx([0.3, 0.4, 0.5])
     assert "actor/lr" not in out.stdout
     assert "* step 4 is partial: missing ranks [3]" in out.stdout
+    assert lines[-1] == "# the last 3 of 6 steps (--last N shows more)"
+    assert cli("report", journal, "--last", "9").stdout.splitlines()[-1] == "# all 6 steps"
 
 
 def test_report_extremes_says_so_when_the_journal_names_no_source(journal):
@@ -179,6 +181,19 @@ def test_plot_shows_steps_as_integers_on_every_x_axis():
         if ax.get_visible():
             ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
             assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_plot_labels_the_steps_of_every_panel_not_only_the_bottom_row():
+    from metricsvc.cli.main import plot_steps
+
+    steps = [{"step": s, "metrics": {f"k{i}": float(s) for i in range(6)}, "meta": {}}
+             for s in range(3)]
+    fig, _, rows, _ = plot_steps(steps, [f"k{i}" for i in range(6)])
+    fig.canvas.draw()
+    assert rows == 2
+    for ax in (a for a in fig.axes if a.get_visible()):
+        shown = [t.get_text() for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        assert shown, ax.get_title()
 
 
 # -- the first hour: papercuts --------------------------------------------------------------

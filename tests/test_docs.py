@@ -87,3 +87,20 @@ def test_every_yaml_block_of_every_page_is_a_config_that_loads():
             load_config(yaml.safe_load(block))
         except ValueError as err:
             raise AssertionError(f"{page}: {err}") from None
+
+
+def test_every_install_extra_a_page_or_a_message_names_exists():
+    """`pip install 'metricsvc[plot]'` was in an error message and in no install section."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+                 ["optional-dependencies"])
+    sources = [*PAGES, *sorted((ROOT / "metricsvc").rglob("*.py"))]
+    named = {(path.relative_to(ROOT).as_posix(), extra) for path in sources
+             for group in re.findall(r"metricsvc\[([a-z_,\s]+)\]", path.read_text())
+             for extra in re.split(r"[,\s]+", group.strip())}
+    assert {"plot", "torch", "observe", "tensorboard"} <= {e for _, e in named}
+    assert not [(where, e) for where, e in named if e not in extras]
+    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("## ", 1)[0]
+    assert {e for e in extras if e not in ("dev", "docs")} <= set(
+        re.findall(r"\[([a-z_]+)\]", install))  # `[wandb], [swanlab]` in a comment count

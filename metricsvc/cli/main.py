@@ -97,7 +97,8 @@ def _fmt(value: Any) -> str:
 
 # -- commands ----------------------------------------------------------------------------
 def cmd_report(args: argparse.Namespace) -> None:
-    steps = load_steps(args.target)[-args.last:]
+    every = load_steps(args.target)
+    steps = every[-args.last:]
     keys = select_keys(steps, args.keys)
     heads = [f"{s['step']}{'*' if s['meta'].get('partial') else ''}" for s in steps]
     width = max(len(k) for k in keys)
@@ -111,6 +112,10 @@ def cmd_report(args: argparse.Namespace) -> None:
         print(f"* step {s['step']} is partial: missing ranks {s['meta'].get('missing_ranks')}")
     if args.extremes:
         print_extremes(steps, keys, width)
+    if len(steps) < len(every):
+        print(f"# the last {len(steps)} of {len(every)} steps (--last N shows more)")
+    else:
+        print(f"# all {len(steps)} steps")
 
 
 def print_extremes(steps: list[dict[str, Any]], keys: list[str], width: int) -> None:
@@ -172,6 +177,7 @@ def plot_steps(steps: list[dict[str, Any]], keys: list[str]) -> tuple[Any, list,
         for step in partial:
             ax.axvline(step, color="tab:red", alpha=0.3, linestyle="--")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 0.5
+        ax.tick_params(labelbottom=True)  # every panel labels its steps, not the last row
         ax.set_title(label, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.3)
@@ -326,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("target", metavar="RUN_DIR_OR_JOURNAL",
                         help="a run folder (its newest journal is read) or a metrics.jsonl")
     report.add_argument("--keys", nargs="+", help="glob patterns, e.g. 'critic/*'")
-    report.add_argument("--last", type=positive, default=5, help="last N steps (default 5)")
+    report.add_argument("--last", type=positive, default=5,
+                        help="last N steps (default 5; the output says how many it shows)")
     report.add_argument("--extremes", action="store_true",
                         help="also print the rank and sample each min and max came from")
     plot = sub.add_parser("plot", help="line plots of chosen keys over steps")
