@@ -22,7 +22,7 @@ import numpy as np
 
 from benchmarks.baselines.siirl_style import reduce_by_substring
 from metricsvc.client import MetricClient
-from metricsvc.service.aggregator import Aggregator
+from metricsvc.service.engine import Engine
 
 TOKENS = (3000, 64, 700, 150)  # tokens per rank
 
@@ -52,7 +52,7 @@ def per_rank(r: dict) -> dict[str, float]:
 
 
 def ours(ranks: list[dict]) -> dict[str, float]:
-    agg = Aggregator(world_size=len(ranks))
+    agg = Engine(world_size=len(ranks))
     finished = []
     for rank, r in enumerate(ranks):
         c = MetricClient(None, rank=rank, world_size=len(ranks))  # never sends: no actor

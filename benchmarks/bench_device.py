@@ -45,7 +45,7 @@ import torch
 import metricsvc
 from metricsvc.client import MetricClient
 from metricsvc.client import device as device_module
-from metricsvc.client.summarize import accelerator_path_on_cpu
+from metricsvc.client.tensors import accelerator_path_on_cpu
 from metricsvc.core.wire import encode
 from tests.synccount import HostTransferCounter
 
@@ -411,8 +411,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     def step_ours() -> None:
         client.stat(mask=mask, **{f"critic/{n}": x for n, x in tensors.items()})
         client.submit_metric(plain)
-        encode(client.cursor.close(None))
-        client.cursor.handed_over(client.cursor.unacked)
+        encode(client.cursor.close(None, "flush"))
 
     def step_siirl() -> None:
         metrics = dict(plain)
@@ -461,8 +460,7 @@ def compat_speed(args: argparse.Namespace) -> dict[str, Any]:
         client.compute_local_timing_metrics(batch, timing)
         client.compute_local_throughput_metrics(batch, timing, 1)
         client.submit_metric(plain)
-        encode(client.cursor.close(None))  # the flush's one host copy and its encoding
-        client.cursor.handed_over(client.cursor.unacked)
+        encode(client.cursor.close(None, "flush"))  # the flush's one host copy, encoded
 
     def theirs() -> None:
         batch = batches[turn[0] % 2]

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from metricsvc.core.batch import Batch
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NFIELDS, NONFINITE, SUM_LO
-from metricsvc.service.aggregator import Aggregator
+from metricsvc.core.wire import Batch
+from metricsvc.service.engine import Engine
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 
@@ -48,7 +48,7 @@ def main() -> dict:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    agg = Aggregator()
+    agg = Engine()
     per_step = []
     submit_s, finish_s = [], []
     for step in range(args.steps):

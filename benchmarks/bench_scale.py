@@ -26,7 +26,7 @@ import ray
 
 import metricsvc
 from metricsvc.client import MetricClient
-from metricsvc.protocol import combiner_name
+from metricsvc.core.keys import combiner_name
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
 

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from metricsvc.client import MetricClient
-from metricsvc.client.summarize import accelerator_path_on_cpu, summarize_many, to_host
+from metricsvc.client.summaries import summarize_call, to_host
+from metricsvc.client.tensors import accelerator_path_on_cpu
 from tests.synccount import HostTransferCounter
 
 RESULTS = Path("runs") / "bench"  # ignored by git: a run never dirties the checkout
@@ -47,8 +48,8 @@ def naive(values: list[torch.Tensor], mask: torch.Tensor) -> list[float]:
 
 def ours(values: list[torch.Tensor], mask: torch.Tensor, compile: bool | None) -> object:
     # What MetricClient.stat(mask=mask, **metrics) then wait_submit do before the RPC.
-    rows = summarize_many({f"m{i}": x for i, x in enumerate(values)}, mask, compile=compile)
-    return to_host(list(rows.values()))[0]
+    found = summarize_call({f"m{i}": x for i, x in enumerate(values)}, mask, compile=compile)
+    return to_host([rows.rows for rows in found])[0]
 
 
 def floor(flat: torch.Tensor) -> float:

@@ -8,7 +8,9 @@ Two halves, one package:
   Ray driver imports to start it.
 
 Names are imported on first use (PEP 562), so ``import metricsvc.client`` on a rank stays
-light and ``from metricsvc import start_metric_worker`` on a driver works as before.
+light and ``from metricsvc import start_metric_worker`` on a driver works as before;
+``metricsvc.errors`` is there after ``import metricsvc``, and ``python -m metricsvc`` is
+the command line.
 """
 
 from __future__ import annotations
@@ -20,47 +22,50 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "Aggregator": "metricsvc.service.aggregator",
-    "StepResult": "metricsvc.core.step_result",
+    "Batch": "metricsvc.core.wire",
+    "BatchRejected": "metricsvc.errors",
     "Combiner": "metricsvc.service.combiner",
-    "start_combiner": "metricsvc.service.combiner",
-    "ServiceConfig": "metricsvc.config",
-    "load_config": "metricsvc.config",
-    "presets": "metricsvc.config",
-    "Batch": "metricsvc.core.records",
-    "ReduceType": "metricsvc.core.reduce",
     "Derived": "metricsvc.core.declare",
+    "Late": "metricsvc.errors",
+    "LateBatch": "metricsvc.errors",
     "Metric": "metricsvc.core.declare",
-    "BatchRejected": "metricsvc.core.errors",
-    "MetricsvcError": "metricsvc.core.errors",
-    "Refused": "metricsvc.core.errors",
-    "Unavailable": "metricsvc.core.errors",
-    "NotFinal": "metricsvc.core.errors",
-    "Late": "metricsvc.core.errors",
-    "LateBatch": "metricsvc.core.errors",
-    "ServiceNotice": "metricsvc.core.errors",
-    "StepAlreadyFinal": "metricsvc.core.errors",
-    "StepMismatch": "metricsvc.core.errors",
-    "MetricWorker": "metricsvc.service.worker",
-    "StepNotFinal": "metricsvc.core.errors",
-    "StepUnavailable": "metricsvc.core.errors",
-    "get_metric_worker": "metricsvc.service.start",
-    "start_metric_worker": "metricsvc.service.start",
-    "stop_metric_worker": "metricsvc.service.start",
     "MetricClient": "metricsvc.client",
+    "MetricWorker": "metricsvc.service.worker",
+    "MetricsvcError": "metricsvc.errors",
+    "NotFinal": "metricsvc.errors",
+    "ReduceType": "metricsvc.core.reduce",
+    "Refused": "metricsvc.errors",
+    "ServiceClosed": "metricsvc.errors",
+    "ServiceConfig": "metricsvc.config",
+    "ServiceNotice": "metricsvc.errors",
+    "ServiceUnavailable": "metricsvc.errors",
+    "StepAlreadyFinal": "metricsvc.errors",
+    "StepMismatch": "metricsvc.errors",
+    "StepNotFinal": "metricsvc.errors",
+    "StepResult": "metricsvc.service.output",
+    "StepUnavailable": "metricsvc.errors",
     "StreamRecorder": "metricsvc.client",
     "Tracker": "metricsvc.client",
-    "ServiceUnavailable": "metricsvc.core.errors",
-    "ServiceClosed": "metricsvc.core.errors",
+    "Unavailable": "metricsvc.errors",
     "final_result": "metricsvc.service.start",
+    "get_metric_worker": "metricsvc.service.start",
+    "load_config": "metricsvc.config",
+    "presets": "metricsvc.config",
     "rewind": "metricsvc.service.start",
     "service_health": "metricsvc.service.start",
+    "start_combiner": "metricsvc.service.combiner",
+    "start_metric_worker": "metricsvc.service.start",
+    "stop_metric_worker": "metricsvc.service.start",
 }
+# Submodules a user reaches as attributes after ``import metricsvc``
+_MODULES = ("errors", "client", "config")
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(f"metricsvc.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'metricsvc' has no attribute {name!r}")
@@ -70,4 +75,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_MODULES))

@@ -20,18 +20,18 @@ from pydantic import (
     model_validator,
 )
 
-from metricsvc.config_base import Strict
 from metricsvc.core.keys import DEFAULT_NAME, default_namespace, is_plain_part
 from metricsvc.core.limits import LIMITS, MAX_PENDING_STEPS, MAX_STEPS_AHEAD, Limits
 from metricsvc.core.reduce import OutputRules, ReduceType, framework_conflict
 from metricsvc.core.sketch import MIN_ALPHA, SketchSpec
-from metricsvc.sinks.base import CustomSinkConfig, DeliveryConfig, sinks_model
+from metricsvc.sinks.base import CustomSinkConfig, DeliveryConfig, Strict, sinks_model
 from metricsvc.sinks.console import ConsoleSinkConfig
 from metricsvc.sinks.jsonl import JsonlSinkConfig
 from metricsvc.sinks.mlflow import MlflowSinkConfig
 from metricsvc.sinks.swanlab import SwanlabSinkConfig
 from metricsvc.sinks.tensorboard import TensorboardSinkConfig
 from metricsvc.sinks.wandb import WandbSinkConfig
+from metricsvc.storage.journal import journal_file
 
 # The sinks section: a field per built-in sink, as its registration says (sinks/<name>.py).
 SinksConfig = sinks_model()
@@ -272,6 +272,11 @@ class ServiceConfig(Strict):
                 "max_steps_ahead": self.limits.max_steps_ahead, "world_size": self.world_size,
                 "limits": self.limits.to_limits(), "reduce_rules": self.parsed_rules(),
                 "renames": self.renames, "output": self.output.rules()}
+
+    def journal(self, run_dir: Path) -> Path | None:
+        """Where the journal of the run in ``run_dir`` is (None: the journal is off)."""
+        jsonl = self.sinks.jsonl  # type: ignore[attr-defined]
+        return journal_file(run_dir, jsonl.filename if jsonl and jsonl.enabled else None)
 
     def parsed_rules(self) -> dict[str, ReduceType]:
         """Return the reduce rules with kinds parsed."""

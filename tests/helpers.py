@@ -177,3 +177,36 @@ def run_scripts(commands: Mapping[str, tuple[list[str], dict[str, Any]]],
             err += f"\n(timed out after {timeout_s} s)"
         done[name] = (proc.returncode, out, err)
     return done
+
+
+# -- a call's records, read through the client's one summary entry ---------------------------
+def located_of(values: Mapping[str, Any], mask: Any = None, ids: Any = None,
+               **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``({key: record row}, {key: where its min and max came from})`` of one call's values
+    (``summarize_call``), each row where it lives; sources only with ``ids``."""
+    from metricsvc.client.summaries import summarize_call
+
+    rows, sources = {}, {}
+    for found in summarize_call(values, mask, ids=ids, **kwargs):
+        for i, key in enumerate(found.keys):
+            rows[key] = found.rows[i]
+            if found.sources is not None:
+                sources[key] = found.sources[i]
+    return {key: rows[key] for key in values}, sources
+
+
+def rows_of(values: Mapping[str, Any], mask: Any = None, **kwargs: Any) -> dict[str, Any]:
+    """``{key: record row}`` of one call's values (``summarize_call``)."""
+    return located_of(values, mask, **kwargs)[0]
+
+
+def each_of(values: Mapping[str, tuple[Any, Any]], **kwargs: Any) -> dict[str, Any]:
+    """``{key: record row}`` of ``{key: (value, its mask)}`` (what ``stat_each`` records)."""
+    return rows_of({k: v for k, (v, _) in values.items()},
+                   masks={k: m for k, (_, m) in values.items()}, **kwargs)
+
+
+def merged(buffer: Any) -> dict[str, Any]:
+    """``{key: merged record}`` of what a client's buffer holds (closing it as step 0)."""
+    batch = buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    return dict(zip(batch.keys, batch.data))

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 from metricsvc.core import records
-from metricsvc.core.batch import Batch
-from metricsvc.core.reduce import AUTO, OutputRules, ReduceType, finalize_columns
-from metricsvc.core.validation import BatchRejected, Limits
-from metricsvc.service.aggregator import Aggregator
+from metricsvc.core.limits import Limits
+from metricsvc.core.reduce import AUTO, OutputRules, ReduceType, finalize, finalize_row
+from metricsvc.core.wire import Batch
+from metricsvc.errors import BatchRejected
+from metricsvc.service.engine import Engine as Aggregator
 
 
 def batch(step, rank, world_size=2, seq=None, final=True, kind=AUTO, expected=0, **values):
@@ -295,11 +296,11 @@ def test_a_step_with_other_keys_kinds_or_tag_clashes_is_finished_as_a_new_servic
 
 
 @pytest.mark.parametrize("nonfinite", ["exclude", "propagate"])
-def test_values_read_a_column_at_a_time_equal_the_row_by_row_finalise(nonfinite):
-    """The plain kinds' values come from the merged records a column at a time
-    (``finalize_columns``): the same numbers, in the same order, as ``finalize`` row by
-    row, across magnitudes, renames, internal keys, non-finite values and empty records
-    (which the row-by-row path takes)."""
+def test_values_read_a_column_at_a_time_equal_each_records_own_finalisation(nonfinite):
+    """The one finalizer reads the plain kinds' values a column at a time where it can: the
+    same numbers, in the same order, as each record finalised on its own
+    (``finalize_row``), across magnitudes, renames, internal keys, non-finite values and
+    empty records (which take the per-row path)."""
     rng = np.random.default_rng(11)
     agg = Aggregator(renames={"t/": "perf/t/"}, output=OutputRules(nonfinite=nonfinite))
     out = agg.out
@@ -309,7 +310,8 @@ def test_values_read_a_column_at_a_time_equal_the_row_by_row_finalise(nonfinite)
     codes = np.array([int(plain[i % len(plain)]) for i in range(12)] + [AUTO, AUTO, AUTO],
                      dtype=np.int8)
     plan = out.plan(keys, codes)
-    assert plan.names is not None and plan.internal == [14]
+    exports = plan.exports
+    assert exports.columns is not None and plan.internal == [14]
     taken = {"columns": 0, "rows": 0}
     for trial in range(60):
         rows = []
@@ -322,11 +324,15 @@ def test_values_read_a_column_at_a_time_equal_the_row_by_row_finalise(nonfinite)
         if trial % 7 == 2:
             rows[5] = records.identity(1)[0]  # an empty record
         data = np.array(rows)
-        merged = (data, np.ones(len(keys), dtype=np.int32), {})
-        fast = out.metrics(merged, keys, plan.kinds, plan.internal, {}, derive=False, plan=plan)
-        slow = out.metrics(merged, keys, plan.kinds, plan.internal, {}, derive=False)
-        assert [(k, repr(v)) for k, v in fast.items()] == [(k, repr(v)) for k, v in slow.items()]
-        assert "a/__in" not in fast and "perf/t/k0/mean" in fast
-        taken["columns" if finalize_columns(data, plan.names, plan.cells, out.output)
-              is not None else "rows"] += 1
+        got = finalize(keys, plan.kinds, data, rules=out.output, exports=exports)
+        want = {}
+        for name, row, at in zip(exports.names, exports.rows, exports.positions):
+            values = finalize_row(data[row].tolist(), plan.kinds[row], None, out.output)
+            if values is not None:
+                want[name] = values[at]
+        assert [(k, repr(v)) for k, v in got.items()] == [(k, repr(v)) for k, v in want.items()]
+        assert "a/__in" not in got and "perf/t/k0/mean" in got
+        plainly = (data[:, records.COUNT] > 0).all() and not (
+            nonfinite == "propagate" and data[:, records.NONFINITE].any())
+        taken["columns" if plainly else "rows"] += 1
     assert taken["columns"] > 30 and taken["rows"] > 5  # both paths were compared

@@ -9,7 +9,7 @@ import torch
 
 from metricsvc.client import MetricClient
 from metricsvc.client.metrics import validation_metrics
-from metricsvc.protocol import COUNT, SUM
+from metricsvc.core.records import COUNT, SUM
 from tests.helpers import pooled_ranks
 
 WORLD = 4
@@ -384,18 +384,18 @@ def test_the_throughput_counts_the_attention_masks_tokens_whatever_was_recorded_
 
 def test_a_family_call_of_several_kinds_is_one_record_whose_keys_keep_their_kinds():
     """The throughput's three numbers (two SUM, one MAX) are one record of the buffer (one
-    block); recorded again they merge as each key's kind says, a key taken out of the block
-    keeps its kind, and recording it with another kind is refused naming both."""
-    from metricsvc.protocol import MAX as MAX_FIELD
-    from metricsvc.protocol import ReduceType
+    part); recorded again they merge at the close as each key's kind says, a key recorded
+    on its own keeps its kind, and recording it with another kind is refused naming both."""
+    from metricsvc.core.records import MAX as MAX_FIELD
+    from metricsvc.core.reduce import ReduceType
 
     batch = make_batch(3, 6)
     tokens = float(batch["attention_mask"].sum())
     c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
     c.compute_local_throughput_metrics(batch, {"step": 2.0}, 1)
-    assert len(c.buffer._blocks) == 1
-    c.compute_local_throughput_metrics(batch, {"step": 3.0}, 1)  # a micro-batch: merged
-    assert len(c.buffer._blocks) == 1
+    assert len(c.buffer.parts) == 1
+    c.compute_local_throughput_metrics(batch, {"step": 3.0}, 1)  # a micro-batch: kept
+    assert len(c.buffer.parts) == 2
     c.stat(reduce="max", **{"perf/time_per_step": 2.5})  # out of the block, still MAX
     with pytest.raises(ValueError, match=r"'perf/time_per_step' was recorded as MAX.*as SUM"):
         c.stat(reduce="sum", **{"perf/time_per_step": 1.0})
@@ -451,7 +451,7 @@ def test_every_built_in_family_records_exactly_what_it_declares():
         c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
         record(c)
         used = set()
-        names = c.buffer.declared
+        names = c.buffer.declarations.held
         sent = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
         for key, code in zip(sent.keys, sent.kinds):  # each key's kind as the wire has it
             found = [d for d in declared if isinstance(d, Metric) and d.matches(key)]
@@ -473,7 +473,7 @@ def test_moe_balance_declares_two_metrics_whatever_the_number_of_layers_and_expe
     c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
     record_moe_balance(c, {layer: torch.arange(16) for layer in range(8)})
     first = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
-    assert len(first.keys) == 8 * 16 and len(c.buffer.declared) == 2
+    assert len(first.keys) == 8 * 16 and len(c.buffer.declarations.held) == 2
     assert b'"about"' in first.derived  # what the two mean: with the first batch only
     record_moe_balance(c, {layer: torch.arange(16) for layer in range(8)})
     batch = c.buffer.take_batch(step=1, rank=0, world_size=1, seq=1, final=True)
@@ -500,7 +500,7 @@ def test_a_family_catalogue_gives_each_key_its_one_declared_kind():
     key's kind (declared once, with its help text); an undeclared key is refused."""
     from metricsvc.client.metrics import data, timing
     from metricsvc.client.metrics.catalogue import Catalogue
-    from metricsvc.protocol import ReduceType
+    from metricsvc.core.reduce import ReduceType
 
     assert isinstance(data.METRICS, Catalogue)
     assert data.METRICS.kind("critic/score") is ReduceType.AVG_MIN_MAX
@@ -514,7 +514,7 @@ def test_each_name_is_described_once_whatever_arrives_later_and_after_a_restart(
     """A name's description goes to the sinks with the first step that exports it, once:
     descriptions that arrive later (another family recorded from a later step on) or are
     read back after a restart never send it again."""
-    from metricsvc.service.descriptions import Descriptions
+    from metricsvc.service.output import Descriptions
 
     live = Descriptions()
     assert live.learn({"timing_s/<stage>": ("seconds", "s")}, 0)
@@ -539,7 +539,7 @@ def test_data_metrics_on_the_host_and_on_an_accelerator_record_the_same_rows():
     """The per-sequence values take numpy on the host and stay torch tensors on a device
     (here the accelerator path on the CPU): the two record the same keys and rows, with
     aborted, clipped, correct and wrong responses all present."""
-    from metricsvc.client.summarize import accelerator_path_on_cpu
+    from metricsvc.client.tensors import accelerator_path_on_cpu
 
     batch = make_batch(7, 12)
     for row, valid in ((0, 0), (1, 1)):  # an aborted response, one at the maximum length
@@ -573,7 +573,7 @@ def test_siirl_methods_on_an_accelerator_read_nothing_back_until_the_flush(respo
     """siiRL's data, timing and throughput methods on a device batch (here the accelerator
     path on the CPU) record without one host read, whether the batch has its own response
     mask or takes it from the attention mask: the flush's one copy is the only one."""
-    from metricsvc.client.summarize import accelerator_path_on_cpu
+    from metricsvc.client.tensors import accelerator_path_on_cpu
     from tests.synccount import HostTransferCounter
 
     batch = make_batch(3, 9)

@@ -21,7 +21,7 @@ def cli(*args, timeout=240, env=None):
 @pytest.fixture(scope="module")
 def journal(tmp_path_factory):
     """A small journal with a partial step, written as the service writes it."""
-    from metricsvc.storage.journal import JsonlSink
+    from metricsvc.sinks.jsonl import JsonlSink
 
     run = tmp_path_factory.mktemp("run")
     sink = JsonlSink()
@@ -137,7 +137,7 @@ def test_validate_config_errors_are_one_line_with_exit_2(tmp_path):
 def test_report_reads_the_newest_journal_by_time_and_says_which(tmp_path):
     import os
 
-    from metricsvc.storage.journal import JsonlSink
+    from metricsvc.sinks.jsonl import JsonlSink
 
     for trial, value, age in (("b-older", 1.0, 100), ("a-newer", 2.0, 0)):
         (tmp_path / trial).mkdir()
@@ -153,7 +153,7 @@ def test_report_reads_the_newest_journal_by_time_and_says_which(tmp_path):
 
 
 def test_plot_lays_many_keys_out_in_a_readable_grid(tmp_path):
-    from metricsvc.storage.journal import JsonlSink
+    from metricsvc.sinks.jsonl import JsonlSink
 
     sink = JsonlSink()
     sink.open(tmp_path)
@@ -213,7 +213,7 @@ def test_report_last_takes_a_positive_count_in_one_line(journal, last):
 
 def test_report_into_a_pipe_that_closes_early_ends_quietly(tmp_path):
     """`metricsvc report RUN | head`: more output than a pipe holds, a reader that leaves."""
-    from metricsvc.storage.journal import JsonlSink
+    from metricsvc.sinks.jsonl import JsonlSink
 
     sink = JsonlSink()
     sink.open(tmp_path)
@@ -293,8 +293,7 @@ def test_report_finds_a_journal_under_its_configured_file_name(tmp_path):
     by its run folder's saved config, not by the default name."""
     import yaml
 
-    from metricsvc.config import JsonlSinkConfig
-    from metricsvc.storage.journal import JsonlSink
+    from metricsvc.sinks.jsonl import JsonlSink, JsonlSinkConfig
 
     run = tmp_path / "exp" / "trial"
     run.mkdir(parents=True)

@@ -64,7 +64,7 @@ def test_the_limits_config_and_the_validation_limits_share_their_defaults():
     from dataclasses import fields
 
     from metricsvc.config import LimitsConfig
-    from metricsvc.core.validation import Limits
+    from metricsvc.core.limits import Limits
 
     assert LimitsConfig().to_limits() == Limits()
     assert {f.name for f in fields(Limits)} <= set(LimitsConfig.model_fields)
@@ -79,13 +79,13 @@ def test_each_default_more_than_one_part_reads_comes_from_one_place():
     from metricsvc.client import MetricClient, StreamRecorder
     from metricsvc.config import ServiceConfig
     from metricsvc.core import limits
-    from metricsvc.core.batch import Batch
     from metricsvc.core.keys import safe_tag
     from metricsvc.core.reduce import OutputRules
     from metricsvc.core.sketch import SketchSpec
-    from metricsvc.service.aggregator import Aggregator
+    from metricsvc.core.wire import Batch
     from metricsvc.service.derive import Deriver
-    from metricsvc.sinks.names import descriptions, tagged
+    from metricsvc.service.engine import Engine as Aggregator
+    from metricsvc.sinks.base import descriptions, tagged
 
     def default(f, name):
         return inspect.signature(f).parameters[name].default

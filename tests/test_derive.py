@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from metricsvc.core import records
-from metricsvc.core.batch import Batch
-from metricsvc.core.declare import Derived, decode_derived, encode_derived, is_internal
+from metricsvc.core.declare import Derived, decode_declarations, encode_derived
 from metricsvc.core.formula import parse
+from metricsvc.core.keys import is_internal
 from metricsvc.core.reduce import OutputRules, ReduceType
-from metricsvc.service import continuing
+from metricsvc.core.wire import Batch
 from metricsvc.service.derive import Deriver
 
 RULES = OutputRules()
@@ -156,11 +156,11 @@ def test_a_bad_declaration_is_refused_naming_the_metric_and_the_rule(formula, me
 def test_declarations_travel_as_data_and_are_checked_again_on_receipt():
     ev = Derived("a/ev", "1 - sample_var(r) / (sample_var(t) + 1e-5)",
                  {"r": "a/__ev/r", "t": "a/t"})
-    assert decode_derived(encode_derived([ev])) == (ev,)
+    assert decode_declarations(encode_derived([ev]))[0] == (ev,)
     with pytest.raises(ValueError, match="derived metric 'x': .*unknown function 'open'"):
-        decode_derived(b'[["x", "open(a)", [["a", "k"]]]]')
+        decode_declarations(b'[["x", "open(a)", [["a", "k"]]]]')
     with pytest.raises(ValueError, match="malformed"):
-        decode_derived(b'{"x": 1}')
+        decode_declarations(b'{"x": 1}')
 
 
 def test_formulas_are_parsed_once_and_their_inputs_listed():
@@ -178,8 +178,8 @@ def _batch(rank, derived, **values):
 
 
 def test_the_service_evaluates_what_ranks_declare_and_refuses_a_bad_declaration():
-    from metricsvc.core.validation import BatchRejected
-    from metricsvc.service.aggregator import Aggregator
+    from metricsvc.errors import BatchRejected
+    from metricsvc.service.engine import Engine as Aggregator
 
     agg = Aggregator(world_size=2)
     share = Derived("a/share", "sum(a) / (sum(a) + sum(b))", {"a": "a/__n", "b": "a/__m"})
@@ -214,7 +214,7 @@ def test_a_declaration_means_the_same_whoever_arrives_first_and_the_loser_is_tol
     timeout. Now, in both orders, both ranks' data is merged at once under rank 0's
     formula, and rank 1 is told (a notice naming both formulas), in later steps and after
     a restart too."""
-    from metricsvc.service.aggregator import Aggregator
+    from metricsvc.service.engine import Engine as Aggregator
 
     agg = Aggregator(world_size=2)
     told = (r"derived metric 'a/share': rank 1 declares 'sum\(b\) / sum\(a\)'.* but the "
@@ -233,7 +233,7 @@ def test_a_declaration_means_the_same_whoever_arrives_first_and_the_loser_is_tol
         assert re.search(told, later.notice)
     assert done.metrics == {"a/share": 0.75}  # rank 0's formula over both ranks' data
     restarted = Aggregator(world_size=2)
-    continuing.restore(restarted, [{"step": 0, "metrics": done.metrics, "meta": done.meta}])
+    restarted.restore([{"step": 0, "metrics": done.metrics, "meta": done.meta}])
     notice = _step(restarted, 1, 1, OTHER, 1.0, 1.0).notice
     assert re.search(r"'a/share': rank 1 declares .* yours is ignored and your data merged",
                      notice)

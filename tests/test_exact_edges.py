@@ -17,7 +17,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from metricsvc.client import MetricClient
-from metricsvc.client.summarize import accelerator_path_on_cpu, sketch, summarize
+from metricsvc.client.summaries import sketch, summarize
+from metricsvc.client.tensors import accelerator_path_on_cpu
 from metricsvc.core import records
 from metricsvc.core.declare import Derived
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, SUM, SUM_LO
@@ -269,8 +270,8 @@ def test_a_masks_positions_are_the_same_whether_picked_from_a_kept_arange_or_cou
     """A mask's valid positions come from a kept ``arange`` up to ``_ARANGE_MAX`` values and
     from ``flatnonzero`` past it: the same positions, so the same rows, either way; a mask
     changed in place is read again, and a larger mask grows the kept arange."""
-    from metricsvc.client import tensors
-    from metricsvc.client.summarize import summarize_many
+    from metricsvc.client import host as tensors
+    from tests.helpers import rows_of
 
     g = torch.Generator().manual_seed(7)
     cache = tensors.MaskCache()
@@ -280,7 +281,7 @@ def test_a_masks_positions_are_the_same_whether_picked_from_a_kept_arange_or_cou
         for _ in range(2):  # the second time: the mask changed in place
             picked = cache.index(mask)
             assert torch.equal(picked, torch.nonzero(mask).reshape(-1)), n
-            row = summarize_many({"x": x}, mask, cache=cache)["x"]
+            row = rows_of({"x": x}, mask, cache=cache)["x"]
             kept = x.numpy()[mask.numpy()]
             assert row[COUNT] == kept.size and row[MIN] == kept.min() and row[MAX] == kept.max()
             assert math.isclose(row[SUM] + row[SUM_LO], math.fsum(kept), rel_tol=1e-15)

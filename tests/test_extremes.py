@@ -15,16 +15,15 @@ import torch
 from metricsvc.client import MetricClient
 from metricsvc.client.buffer import RecordBuffer
 from metricsvc.client.device import _kernel_located
-from metricsvc.client.extremes import summarize_located
-from metricsvc.client.summarize import accelerator_path_on_cpu
-from metricsvc.core.batch import Batch
-from metricsvc.core.errors import BatchRejected
-from metricsvc.core.extremes import unknown
+from metricsvc.client.tensors import accelerator_path_on_cpu
 from metricsvc.core.records import COUNT, MAX, MIN
-from metricsvc.core.validation import check_batch
-from metricsvc.core.wire import decode, encode
-from metricsvc.protocol import ReduceType
+from metricsvc.core.records import unknown_sources as unknown
+from metricsvc.core.reduce import ReduceType
+from metricsvc.core.wire import Batch, decode, encode
+from metricsvc.core.wire import check as check_batch
+from metricsvc.errors import BatchRejected
 from metricsvc.sinks.console import format_step
+from tests.helpers import located_of
 from tests.synccount import HostTransferCounter
 
 WORLD = 4
@@ -171,9 +170,9 @@ def test_sources_on_the_accelerator_path_match_the_host_and_read_nothing_back():
         v[torch.rand(*shape, generator=g) < 0.05] = float("nan")
         mask = torch.rand(*shape, generator=g) < 0.6
         ids = torch.arange(100, 100 + shape[0])
-        host_rows, host_src = summarize_located({"k": v}, mask, ids)
+        host_rows, host_src = located_of({"k": v}, mask, ids)
         with accelerator_path_on_cpu(), HostTransferCounter() as counter:
-            dev_rows, dev_src = summarize_located({"k": v}, mask, ids)
+            dev_rows, dev_src = located_of({"k": v}, mask, ids)
         assert counter.calls == []
         np.testing.assert_array_equal(np.asarray(host_src["k"]), dev_src["k"].numpy())
         for field in (MIN, MAX, COUNT):  # the same values the sources point at

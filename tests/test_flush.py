@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from metricsvc.client import MetricClient
-from metricsvc.core.validation import BatchRejected
+from metricsvc.errors import BatchRejected
 from tests.helpers import wait_for_new_incarnation
 
 
@@ -169,7 +169,8 @@ def test_discard_after_a_timed_out_close_withdraws_nothing_sent_and_says_so(make
     c.stat(loss=np.array([3.0, 1000.0]))
     with Paused(handle), pytest.raises(ray.exceptions.GetTimeoutError):
         c.wait_submit(timeout_s=0.5, step=0)
-    with pytest.warns(ServiceNotice, match="step 0's batch .* may have been merged"):
+    with pytest.warns(ServiceNotice, match="step 0's batch: wait_submit closed that step "
+                                           ".* may have been merged"):
         assert c.discard() == 0  # nothing was withdrawn
     c.stat(loss=np.array([1.0]))
     c.wait_submit(step=1, timeout_s=30)  # the next step is not refused as a conflict

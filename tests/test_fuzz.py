@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import metricsvc
 from metricsvc.client import MetricClient
 from metricsvc.core import records
-from metricsvc.core.declare import is_internal
+from metricsvc.core.keys import is_internal
 from metricsvc.core.records import COUNT, SUM
 from metricsvc.core.reduce import finalize, kind_for_key
 

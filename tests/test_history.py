@@ -121,8 +121,8 @@ def test_a_restart_finds_a_rewind_only_the_journal_recorded_and_writes_the_rerun
     the rerun's steps as "held": TensorBoard showed steps 4-7 of the first run, and nothing
     said so. Here the folder is left exactly so (the rewind written by the journal's own
     writer), then continued."""
+    from metricsvc.sinks.jsonl import JsonlSink
     from metricsvc.storage.history import Rewind
-    from metricsvc.storage.journal import JsonlSink
 
     handle, cfg = make_worker(world_size=1, sinks=SINKS)
     run_steps(cfg.name, {s: float(s) for s in range(8)})

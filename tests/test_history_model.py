@@ -153,8 +153,8 @@ class RunHistoryMachine(RuleBasedStateMachine):
         """The service ends between the journal's record of a rewind and the other sinks'
         turn (a rewind the journal lacks never happened: it records it first): the folder
         is left so, by the journal's own writer, and a new driver continues the run."""
+        from metricsvc.sinks.jsonl import JsonlSink
         from metricsvc.storage.history import Rewind
-        from metricsvc.storage.journal import JsonlSink
 
         self._settle()
         ray.get(self.handle.flush.remote(), timeout=60)

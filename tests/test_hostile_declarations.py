@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from metricsvc.core.batch import Batch
 from metricsvc.core.declare import Derived, KeyIndex, key_pattern
+from metricsvc.core.wire import Batch
 
 
 @pytest.mark.parametrize(("pattern", "key", "binding"), [
@@ -63,8 +63,8 @@ def test_keys_sharing_a_sink_tag_show_the_same_one_whatever_the_arrival_order():
     """'acc rate' and 'acc_rate' from two ranks shared one TensorBoard tag, which showed 1.0
     at step 0 and 2.0 at step 1 for identical data (whichever arrived first). Now the name
     written as its tag is shown every step, and the rank that sent the other is told."""
-    from metricsvc.service.aggregator import Aggregator
-    from metricsvc.sinks.names import tagged
+    from metricsvc.service.engine import Engine as Aggregator
+    from metricsvc.sinks.base import tagged
 
     agg = Aggregator(world_size=2)
     shown, notices = [], []
@@ -158,10 +158,10 @@ def test_a_malformed_description_is_refused_naming_the_key_and_the_rule(about, r
     aggregator, naming the key and the rule, and merges nothing."""
     import json
 
-    from metricsvc.core.batch import Batch
     from metricsvc.core.records import scalar_row
+    from metricsvc.core.wire import Batch
     from metricsvc.errors import BatchRejected
-    from metricsvc.service.aggregator import Aggregator
+    from metricsvc.service.engine import Engine as Aggregator
 
     blob = json.dumps({"derived": [], "about": about}).encode()
     batch = Batch.build(step=0, rank=0, world_size=1, seq=0, final=True, keys=("x",),
@@ -176,7 +176,7 @@ def test_a_malformed_description_is_refused_naming_the_key_and_the_rule(about, r
 def test_a_metric_declared_again_each_step_costs_no_check_and_a_changed_one_is_refused(
         monkeypatch):
     from metricsvc.client import MetricClient
-    from metricsvc.client.declarations import ClientDeclarations
+    from metricsvc.client.buffer import Declarations as ClientDeclarations
 
     c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
     ratio = Derived("train/ratio", "value(a) / value(b)", {"a": "train/a", "b": "train/b"})

@@ -16,12 +16,12 @@ import ray
 
 from metricsvc.client import MetricClient
 from metricsvc.core import records
-from metricsvc.core.batch import Batch
+from metricsvc.core.limits import Limits
 from metricsvc.core.reduce import AUTO, ReduceType
 from metricsvc.core.sketch import SketchSpec, sparse_counts
-from metricsvc.core.validation import BatchRejected, Limits
-from metricsvc.core.wire import decode, encode
-from metricsvc.service.aggregator import Aggregator
+from metricsvc.core.wire import Batch, decode, encode
+from metricsvc.errors import BatchRejected
+from metricsvc.service.engine import Engine as Aggregator
 
 
 def batch(step, rank, world_size=2, seq=None, final=True, kind=AUTO, **values):
@@ -484,7 +484,8 @@ def test_the_quick_check_of_plain_records_accepts_nothing_the_rules_refuse():
     a field at a time (NaN, infinities, -0.0, halves, 2**53 and past it, negatives, the
     float64 extremes, subnormals): the service's verdict is the rules' verdict, anything the
     quick check accepts passes every rule, and a refusal names the key."""
-    from metricsvc.core.validation import _check_each_rule, _plainly_whole, check_batch
+    from metricsvc.core.wire import check as check_batch
+    from metricsvc.core.wire import check_each_rule, plainly_whole
 
     rng = np.random.default_rng(11)
     values = [np.nan, np.inf, -np.inf, -0.0, 0.0, 0.5, 1.0, 2.0**53, 2.0**53 + 2, -1.0,
@@ -501,12 +502,12 @@ def test_the_quick_check_of_plain_records_accepts_nothing_the_rules_refuse():
         batch = Batch.build(step=0, rank=0, world_size=1, seq=1, final=True, keys=keys,
                             data=data, kinds=[int(AUTO)] * 12, expected=[0] * 12)
         try:
-            _check_each_rule(batch)
+            check_each_rule(batch)
             valid = True
         except BatchRejected as err:
             valid = False
             assert any(repr(k) in str(err) for k in keys), err
-        quick = _plainly_whole(batch.data)
+        quick = plainly_whole(batch.data)
         assert valid or not quick, batch.data
         try:
             check_batch(batch)

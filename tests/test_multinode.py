@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import ray
 
-from metricsvc.protocol import combiner_name
+from metricsvc.core.keys import combiner_name
 from metricsvc.storage.journal import read_journal
 from tests.chaos.test_chaos import calls_for, expected_for
 from tests.helpers import RankActor

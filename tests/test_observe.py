@@ -17,9 +17,8 @@ import pytest
 import ray
 
 from metricsvc.client import MetricClient
-from metricsvc.core.batch import Batch
 from metricsvc.core.records import summarize_array
-from metricsvc.core.wire import encode
+from metricsvc.core.wire import Batch, encode
 from metricsvc.errors import BatchRejected
 from metricsvc.service.observe import COUNTERS, GAUGES, SINK_COUNTERS, SINK_GAUGES, LiveMetrics
 from tests.conftest import METRICS_PORTS, ephemeral_ports
@@ -138,8 +137,10 @@ def test_without_rays_metrics_agent_the_service_says_what_to_install(monkeypatch
                         lambda name, *a: None if name == "aiohttp" else real(name, *a))
     live = LiveMetrics("svc")
     assert not live.on and "pip install 'metricsvc[observe]'" in live.status()["export"]
-    live.report({"pending_steps": {}, "sinks": {"jsonl": {"written": 3}}})  # a no-op
-    live.step(0, {"x": 1.0}, {"age_s": 0.1})
+    from metricsvc.service.output import StepResult
+
+    live.report({"pending_steps": {}, "sinks": {"jsonl": {"written": 3}}},  # a no-op
+                [StepResult(0, {"x": 1.0}, {"age_s": 0.1})])
     assert live.status()["reports"] == 0
 
 

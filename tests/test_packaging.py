@@ -1,4 +1,6 @@
-"""Layout promises: the service never imports torch; the demo runs end to end."""
+"""Layout promises: tiers that import downwards only, rooms that keep to themselves (no
+private name imported across modules, no object writing another's fields), the engine
+free of Ray, pydantic and threads, a front door that opens; the demo runs end to end."""
 
 import os
 import shutil
@@ -12,10 +14,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# What ``import metricsvc.client`` may load of this package: the client, the core and the
-# protocol module. Never the service, sinks, storage or config (nor pydantic): a training
-# rank imports the client, not the service.
+# What ``import metricsvc.client`` may load of this package: the client, the core, the
+# errors and how actors are called. Never the service, sinks, storage or config (nor
+# pydantic): a training rank imports the client, not the service.
 CLIENT_TIERS = ("metricsvc.client", "metricsvc.core")
+CLIENT_MODULES = ("metricsvc", "metricsvc.calls", "metricsvc.errors")
 
 
 def _loaded_by(statement: str) -> dict[str, list[str]]:
@@ -32,9 +35,8 @@ def _loaded_by(statement: str) -> dict[str, list[str]]:
 def test_importing_the_client_loads_no_service_module_and_no_pydantic():
     loaded = _loaded_by("import metricsvc.client")
     ours = {m for m in loaded if m.startswith("metricsvc")}
-    assert {"metricsvc.client.client", "metricsvc.core.records", "metricsvc.protocol"} <= ours
-    assert {m for m in ours if not (m in ("metricsvc", "metricsvc.protocol")
-                                    or m.startswith(CLIENT_TIERS))} == set()
+    assert {"metricsvc.client.client", "metricsvc.core.records", "metricsvc.calls"} <= ours
+    assert {m for m in ours if not (m in CLIENT_MODULES or m.startswith(CLIENT_TIERS))} == set()
     assert not any(m.startswith(("pydantic", "torch")) for m in loaded)
 
 
@@ -110,16 +112,15 @@ def test_no_import_loop_anywhere_in_the_package():
 def test_the_key_rules_live_in_one_leaf_module_both_sides_use():
     graph = import_graph()
     assert graph["metricsvc.core.keys"] == {"metricsvc.core.limits"}
-    assert graph["metricsvc.core.limits"] == set()
-    assert "metricsvc.core.keys" in graph["metricsvc.protocol"]
-    assert "metricsvc.core.keys" in graph["metricsvc.sinks.names"]
-    assert "metricsvc.core.keys" in graph["metricsvc.core.validation"]
+    assert graph["metricsvc.core.limits"] == set() and graph["metricsvc.errors"] == set()
+    for user in ("metricsvc.client.buffer", "metricsvc.sinks.base", "metricsvc.core.wire"):
+        assert "metricsvc.core.keys" in graph[user], user
 
 
 def test_every_module_imports_on_its_own():
     """No module works only when another was imported first (an empty ``__init__`` used
     to break ``import metricsvc.protocol`` with a partially initialised module)."""
-    names = sorted(import_graph())
+    names = sorted(set(import_graph()) - {"metricsvc.__main__"})  # a script: it runs the CLI
     code = ("import sys\n"
             "for name in sys.argv[1:]:\n"
             "    for m in [m for m in sys.modules if m.split('.')[0] == 'metricsvc']:\n"
@@ -133,13 +134,15 @@ def test_every_module_imports_on_its_own():
     assert out.returncode == 0 and out.stdout == "", out.stdout + out.stderr[-2000:]
 
 
-def test_the_client_depends_on_the_service_only_through_its_protocol_module():
-    """The client package imports one module of the service, ``metricsvc.protocol`` (which
-    re-exports the record, the wire format and the key rules)."""
+def test_the_client_depends_on_the_core_and_the_calling_rules_only():
+    """The client package imports the core, the errors and how actors are called
+    (``metricsvc.calls``, shared with the combiner): never the service, its config, the
+    sinks or the storage."""
     graph = import_graph()
     client = {n for n in graph if n.startswith("metricsvc.client")}
     used = set().union(*(graph[n] for n in client)) - client - {"metricsvc"}
-    assert used == {"metricsvc.protocol"}, used
+    assert {u for u in used if not u.startswith("metricsvc.core.")} == {
+        "metricsvc.calls", "metricsvc.errors"}, used
 
 
 def test_the_recording_layer_uses_no_private_method_of_the_buffer():
@@ -150,9 +153,57 @@ def test_the_recording_layer_uses_no_private_method_of_the_buffer():
     from metricsvc.client import MetricClient, StreamRecorder, Tracker
 
     assert issubclass(MetricClient, Tracker) and issubclass(StreamRecorder, Tracker)
-    source = (ROOT / "metricsvc" / "client" / "tracker.py").read_text()
-    assert not re.findall(r"self\.buffer\._\w+", source)
+    source = (ROOT / "metricsvc" / "client" / "client.py").read_text()
+    assert not re.findall(r"\.buffer\._\w+", source)
     assert MetricClient.stat is Tracker.stat  # no forwarding layer in between
+
+
+def _sources():
+    for path in sorted((ROOT / "metricsvc").rglob("*.py")):
+        yield path.relative_to(ROOT).as_posix(), __import__("ast").parse(path.read_text())
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name with a leading underscore is its module's own: another module that needs it
+    needs a public name, or the code belongs where the name is."""
+    import ast
+
+    crossing = [f"{where}: from {node.module} import {alias.name}"
+                for where, tree in _sources() for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("metricsvc")
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not crossing, crossing
+
+
+def test_no_object_assigns_another_objects_attributes():
+    """An object's fields are written by its own methods (``self.x = ...``) and nowhere
+    else: a part that sets another part's fields (``agg.world.size = ...``,
+    ``self.buffer.label = ...``) is a method of that other part, moved home."""
+    import ast
+
+    def targets(node):
+        if isinstance(node, (ast.Assign,)):
+            return node.targets
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            return [node.target]
+        return []
+
+    def flatten(target):
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for item in target.elts:
+                yield from flatten(item)
+        else:
+            yield target
+
+    foreign = []
+    for where, tree in _sources():
+        for node in ast.walk(tree):
+            for target in (t for raw in targets(node) for t in flatten(raw)):
+                if isinstance(target, ast.Attribute) and not target.attr.startswith("__") and not (
+                        isinstance(target.value, ast.Name) and target.value.id in ("self", "cls")):
+                    foreign.append(f"{where}:{node.lineno}: {ast.unparse(target)}")
+    assert not foreign, foreign
 
 
 @pytest.mark.slow
@@ -192,17 +243,19 @@ def test_example_driver_runs_and_writes_the_journal(tmp_path):
 # The package's tiers, lowest first (each tier's ``__init__`` says what it may import): a
 # module imports from its own tier or lower ones, never from a higher one (the top-level
 # ``metricsvc`` loads names lazily and is outside). The client stands beside the storage,
-# sinks and service: it may import the core only, through ``metricsvc.protocol``.
+# sinks and service: it imports the core, the errors and how actors are called only.
 LAYERS = [
+    {"metricsvc.errors"},                                 # the errors: a leaf every tier uses
     {"metricsvc.core*"},                                  # pure: numbers and rules
-    {"metricsvc.protocol", "metricsvc.errors", "metricsvc.config_base"},
+    {"metricsvc.calls"},                                  # calling actors over Ray
     {"metricsvc.client*", "metricsvc.storage*"},
     {"metricsvc.sinks*"},
     {"metricsvc.config"},
     {"metricsvc.service*"},
-    {"metricsvc.cli*"},
+    {"metricsvc.cli*", "metricsvc.__main__"},
 ]
 TIERS = ["core", "storage", "sinks", "service", "client", "cli"]
+CLIENT_MAY_IMPORT = ("metricsvc.client", "metricsvc.core", "metricsvc.calls", "metricsvc.errors")
 
 
 def _layer(module: str) -> int:
@@ -223,34 +276,38 @@ def test_no_module_imports_from_a_higher_layer_and_the_client_never_from_the_ser
             if _layer(imported) > _layer(module):
                 upward.append(f"{module} -> {imported}")
             if (module.startswith("metricsvc.client")
-                    and not imported.startswith(("metricsvc.client", "metricsvc.protocol"))):
+                    and not imported.startswith(CLIENT_MAY_IMPORT)):
                 client_to_service.append(f"{module} -> {imported}")
     assert not upward, upward
     assert not client_to_service, client_to_service
 
 
-def test_no_module_over_400_lines_and_no_class_over_250():
+ENGINE = ("metricsvc.service.engine", "metricsvc.service.steps", "metricsvc.service.output",
+          "metricsvc.service.derive", "metricsvc.service.streams")
+
+
+def test_the_engine_is_pure_no_ray_no_pydantic_no_threads_no_files():
+    """The step's life runs on decoded batches and a clock: importing it loads neither Ray
+    nor pydantic, and none of its modules imports threading or opens a file."""
     import ast
 
-    big = []
-    for path in sorted((ROOT / "metricsvc").rglob("*.py")):
-        text = path.read_text()
-        if len(text.splitlines()) > 400:
-            big.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
-                big.append(f"{path.relative_to(ROOT)}: class {node.name}: "
-                           f"{node.end_lineno - node.lineno + 1} lines")
-    assert not big, big
-
-
-def test_the_merge_loads_neither_ray_nor_pydantic():
-    """The aggregator's docstring says so: the step state machine runs without either."""
-    code = ("import sys, metricsvc.service.aggregator; "
-            "print([m for m in ('ray', 'pydantic') if m in sys.modules])")
+    code = ("import sys, metricsvc.service.engine; "
+            "print([m for m in ('ray', 'pydantic', 'threading') if m in sys.modules and m != "
+            "'threading'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT / "tests")
     assert out.stdout.strip() == "[]"
+    graph = import_graph()
+    for module in ENGINE:
+        path = ROOT / (module.replace(".", "/") + ".py")
+        tree = ast.parse(path.read_text())
+        names = {a.name.split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, (ast.Import, ast.ImportFrom))
+                 for a in (n.names if isinstance(n, ast.Import) else [ast.alias(n.module or "")])}
+        assert not names & {"ray", "pydantic", "threading", "os", "pathlib"}, (module, names)
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Name) and n.func.id == "open"], module
+        assert {m for m in graph[module] if m.startswith("metricsvc.service")} <= set(ENGINE)
 
 
 def test_the_package_is_in_tiers_with_a_handful_of_modules_at_its_top():
@@ -265,7 +322,7 @@ def test_the_package_is_in_tiers_with_a_handful_of_modules_at_its_top():
         doc = ast.get_docstring(ast.parse((package / tier / "__init__.py").read_text()))
         assert doc and "import" in doc, tier
     top = sorted(p.name for p in package.glob("*.py"))
-    assert len(top) <= 6, top
+    assert top == ["__init__.py", "__main__.py", "calls.py", "config.py", "errors.py"], top
     for module in import_graph():
         if module != "metricsvc":
             _layer(module)
@@ -301,3 +358,26 @@ def test_no_class_is_assembled_from_mixins():
                     if name.endswith(("Methods", "Mixin")):
                         mixed.append(f"{path.relative_to(ROOT)}: {node.name}({name})")
     assert not mixed, mixed
+
+
+def test_the_front_door_opens():
+    """Every name in ``__all__`` resolves, ``from metricsvc import *`` works,
+    ``metricsvc.errors`` is there after ``import metricsvc``, and ``python -m metricsvc`` is
+    the command line."""
+    code = ("import metricsvc\n"
+            "assert metricsvc.errors.Refused.__module__ == 'metricsvc.errors'\n"
+            "missing = [n for n in metricsvc.__all__ if not hasattr(metricsvc, n)]\n"
+            "assert not missing, missing\n"
+            "namespace = {}\n"
+            "exec('from metricsvc import *', namespace)\n"
+            "assert set(metricsvc.__all__) <= set(namespace)\n"
+            "try:\n"
+            "    raise metricsvc.errors.BatchRejected('x')\n"
+            "except metricsvc.errors.Refused:\n"
+            "    pass\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT / "tests", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "metricsvc", "--version"], capture_output=True,
+                         text=True, cwd=ROOT / "tests", timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("metricsvc "), out.stderr

@@ -10,9 +10,9 @@ import ray
 import torch
 
 from metricsvc.client import MetricClient, StepAlreadyFinal, StepMismatch
-from metricsvc.client.summarize import summarize_many
 from metricsvc.core.records import summarize_array
 from metricsvc.storage.journal import read_journal
+from tests.helpers import rows_of
 
 
 def client(cfg, rank=0, world_size=1, **kwargs):
@@ -25,7 +25,7 @@ def test_every_value_of_one_call_is_summarised_on_its_own_shape_dtype_and_kind()
               "d": np.arange(3.0), "e": 2.5, "f": torch.arange(6).reshape(2, 3),
               "g": torch.ones(5, dtype=torch.float16), "h": torch.tensor([True, False, True]),
               "i": torch.tensor([0.5, -1.25, 3.0], dtype=torch.float64)}
-    rows = summarize_many(values)
+    rows = rows_of(values)
     for key, value in values.items():
         data = value.double().numpy() if isinstance(value, torch.Tensor) else value
         expected = summarize_array(np.asarray(data, dtype=np.float64))
@@ -34,7 +34,7 @@ def test_every_value_of_one_call_is_summarised_on_its_own_shape_dtype_and_kind()
 
 def test_a_value_that_does_not_fit_its_mask_is_refused_naming_key_and_shapes():
     with pytest.raises(ValueError, match=r"expected mask of shape \(1,\) for key 'b', got \(4,\)"):
-        summarize_many({"a": torch.ones(4), "b": torch.ones(1)},
+        rows_of({"a": torch.ones(4), "b": torch.ones(1)},
                        torch.ones(4, dtype=torch.bool))
 
 

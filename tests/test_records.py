@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metricsvc.core import records
-from metricsvc.core.batch import Batch
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM
+from metricsvc.core.wire import Batch
 
 
 def _whole(x):

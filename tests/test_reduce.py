@@ -123,13 +123,13 @@ def test_a_kinds_table_entry_is_the_one_place_a_kind_is_defined(monkeypatch):
     an entry changes every one of them (here STD exporting ``/sd`` as a variance)."""
     import numpy as np
 
-    from metricsvc.client import names
+    from metricsvc.client import buffer
     from metricsvc.core import reduce
     from metricsvc.core.records import summarize_array
 
     def clear():
         reduce.output_names.cache_clear()
-        names._exported.cache_clear()
+        buffer.exported_names.cache_clear()
 
     clear()
     monkeypatch.setitem(reduce.KINDS, reduce.ReduceType.STD, reduce.Kind(
@@ -139,7 +139,7 @@ def test_a_kinds_table_entry_is_the_one_place_a_kind_is_defined(monkeypatch):
         assert reduce.output_names("k", reduce.ReduceType.STD) == ("k/sd",)
         assert reduce.finalize(["k"], [reduce.ReduceType.STD], row[None]) == {
             "k/sd": pytest.approx(1.0, rel=1e-15)}
-        assert "k/sd" in names._exported("k", int(reduce.ReduceType.STD))
+        assert "k/sd" in buffer.exported_names("k", int(reduce.ReduceType.STD))
     finally:
         monkeypatch.undo()
         clear()

@@ -17,7 +17,8 @@ import ray
 import metricsvc
 from metricsvc.cli.main import main as cli_main
 from metricsvc.client import MetricClient, ServiceUnavailable
-from metricsvc.storage.journal import JsonlSink, read_journal
+from metricsvc.sinks.jsonl import JsonlSink
+from metricsvc.storage.journal import read_journal
 from tests.helpers import until_named
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +143,7 @@ def test_a_transient_write_failure_never_duplicates_a_line_or_tears_the_dead_let
         from pathlib import Path
         from metricsvc.config import DeliveryConfig
         from metricsvc.sinks.dispatch import SinkDispatcher
-        from metricsvc.storage.journal import JsonlSink
+        from metricsvc.sinks.jsonl import JsonlSink
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail (EFBIG)
         run = Path({str(tmp_path)!r})
         d = SinkDispatcher([JsonlSink()], run, DeliveryConfig(retries=2, backoff_s=0.05))
@@ -395,7 +396,7 @@ def test_a_restart_streams_the_journal_and_keeps_a_bounded_part(tmp_path):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     impl.close()  # its sinks and its reporter thread, which would outlive the test
-    assert impl.restored_steps == 5000 and impl.results.steps() == [4995, 4996, 4997,
+    assert impl.restored_steps == 5000 and list(impl.results.by_step) == [4995, 4996, 4997,
                                                                     4998, 4999]
     assert peak < 12 * 2**20, f"a restart held {peak / 2**20:.0f} MB"  # 6.9 MB measured
 
@@ -405,9 +406,8 @@ def test_a_resend_of_an_old_step_is_told_by_its_content_read_back_from_the_journ
     """Past the 64 steps whose digests the service keeps in memory, the journal's digests
     (meta.digests) still tell a byte-identical resend (a duplicate) from a rerun (refused):
     by content, not by a window."""
-    from metricsvc.core.batch import Batch
     from metricsvc.core.records import scalar_row
-    from metricsvc.core.wire import encode
+    from metricsvc.core.wire import Batch, encode
 
     handle = metricsvc.start_metric_worker(config(tmp_path, "old-resend"))
     blobs = [encode(Batch.build(step=s, rank=0, world_size=1, seq=s + 1, final=True,
@@ -450,7 +450,7 @@ def test_a_sinks_state_is_appended_per_step_and_reads_back_whole_after_a_torn_wr
     cost the service ~0.3 ms of CPU per sink here), folded on reading, a torn last line
     left out; a sink's own fields (wandb's run id) and the watermark's, written by two
     readers of the one file, both stay; a long file is compacted into one line."""
-    from metricsvc.storage.sink_state import SinkState
+    from metricsvc.storage.history import SinkState
 
     ours, sinks = SinkState(tmp_path, "wandb"), SinkState(tmp_path, "wandb")
     ours.update(durable_through=0, segment=0)

@@ -116,8 +116,8 @@ def test_failing_sink_dead_letters_every_step_while_others_get_all(make_worker):
 
 def test_nonfinite_values_reach_only_sinks_that_support_them(tmp_path):
     recording = RecordingSink()
-    dispatcher = SinkDispatcher(build_sinks(load_config({"sinks": {"console": None}}).sinks)
-                                + [recording], tmp_path)
+    dispatcher = SinkDispatcher({**build_sinks(load_config({"sinks": {"console": None}}).sinks),
+                                 "recording": recording}, tmp_path)
     dispatcher.publish(0, {"a": 1.0, "b": math.nan, "__hidden": 2.0, "c__count": 4.0}, {})
     dispatcher.close()
     assert recording.steps[0][1] == {"a": 1.0, "c__count": 4.0}
@@ -150,8 +150,12 @@ def test_third_party_sinks_load_by_entry_point_and_dotted_path(tmp_path, monkeyp
         registry.create("tests.nope:X", {})
     cfg = load_config({"sinks": {"console": None, "jsonl": None,
                                  "custom": [{"target": "recorder", "name": "mine"}]}})
-    (sink,) = build_sinks(cfg.sinks, registry)
-    assert sink.name == "mine"
+    sinks = build_sinks(cfg.sinks, registry)
+    assert list(sinks) == ["mine"] and isinstance(sinks["mine"], RecordingSink)
+    two = load_config({"sinks": {"console": None, "jsonl": None, "custom": [
+        {"target": "recorder", "name": "mine"}, {"target": "recorder", "name": "mine"}]}})
+    with pytest.raises(ValueError, match="two sinks are named 'mine'"):
+        build_sinks(two.sinks, registry)
 
 
 def test_secrets_from_the_environment_never_reach_our_files_or_output(tmp_path, capfd,

@@ -228,8 +228,9 @@ class SinkHistoryMachine(RuleBasedStateMachine):
     def _start(self, continuing: bool) -> None:
         from metricsvc.config import DeliveryConfig
         from metricsvc.sinks.dispatch import SinkDispatcher
+        from metricsvc.sinks.jsonl import JsonlSink
         from metricsvc.storage.history import RunHistory
-        from metricsvc.storage.journal import JsonlSink, iter_journal
+        from metricsvc.storage.journal import iter_journal
 
         path = self.run / "metrics.jsonl"
         self.journal, self.sink = JsonlSink(), GateSink(self.gate, self.run / "gate.jsonl")

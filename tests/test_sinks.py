@@ -6,15 +6,16 @@ import math
 
 import pytest
 
-from metricsvc.config import ConsoleSinkConfig, DeliveryConfig, JsonlSinkConfig, SinksConfig
+from metricsvc.config import DeliveryConfig, SinksConfig
 from metricsvc.sinks import Sink, SinkDispatcher, SinkRegistry, build_sinks, default_registry
-from metricsvc.sinks.console import ConsoleSink
-from metricsvc.storage.journal import JsonlSink, read_journal
+from metricsvc.sinks.console import ConsoleSink, ConsoleSinkConfig
+from metricsvc.sinks.jsonl import JsonlSink, JsonlSinkConfig
+from metricsvc.storage.journal import read_journal
 
 
 def test_builtin_sinks_satisfy_the_protocol_and_build_from_config():
     sinks = build_sinks(SinksConfig(console=ConsoleSinkConfig(enabled=False)))
-    assert [s.name for s in sinks] == ["jsonl"]
+    assert list(sinks) == ["jsonl"] and sinks["jsonl"].name == "jsonl"
     assert all(isinstance(s, Sink) for s in (ConsoleSink(), JsonlSink()))
 
 
@@ -129,8 +130,7 @@ def test_keys_become_safe_tags_that_cannot_climb_out_of_a_folder():
 def test_the_console_shows_steps_per_minute_and_an_eta():
     import io
 
-    from metricsvc.config import ConsoleSinkConfig
-    from metricsvc.sinks.console import ConsoleSink
+    from metricsvc.sinks.console import ConsoleSink, ConsoleSinkConfig
 
     sink = ConsoleSink(ConsoleSinkConfig(total_steps=100), io.StringIO())
     assert sink.pace(0, now=0.0) == ""  # nothing to measure yet
@@ -149,7 +149,7 @@ def test_each_built_in_sinks_registration_makes_its_config_section():
     assert list(SinksConfig.model_fields) == [*specs, "custom", "delivery"]
     for name, spec in specs.items():
         # (the journal's config lives with the journal, in storage: the worker owns it)
-        home = "metricsvc.storage.journal" if name == "jsonl" else f"metricsvc.sinks.{name}"
+        home = f"metricsvc.sinks.{name}"
         assert spec.config.__module__ == home, name
         assert SinksConfig.model_fields[name].default == spec.default
         assert name in default_registry(with_entry_points=False)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from metricsvc.client.summarize import accelerator_path_on_cpu, sketch
+from metricsvc.client.summaries import sketch
+from metricsvc.client.tensors import accelerator_path_on_cpu
 from metricsvc.core.sketch import (
     SketchSpec,
     dense_counts,

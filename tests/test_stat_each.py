@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from metricsvc.client import MetricClient
-from metricsvc.client.summarize import accelerator_path_on_cpu, summarize
-from metricsvc.client.vectors import summarize_each
+from metricsvc.client.summaries import summarize
+from metricsvc.client.tensors import accelerator_path_on_cpu
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, SUM_LO
+from tests.helpers import each_of
 
 
 def _vectors(rng):
@@ -46,7 +47,7 @@ def test_every_row_equals_numpy_on_the_valid_values_and_the_single_key_path(acce
     for _ in range(5):
         values = _vectors(rng)
         with path():
-            rows = summarize_each(values)
+            rows = each_of(values)
             alones = {key: summarize(v, m, key=key) for key, (v, m) in values.items()}
         for key, (v, m) in values.items():
             row = np.asarray(rows[key], dtype=np.float64)

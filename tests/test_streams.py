@@ -6,9 +6,9 @@ import ray
 
 from metricsvc.client import MetricClient
 from metricsvc.core import records
-from metricsvc.core.batch import Batch
-from metricsvc.core.validation import BatchRejected
-from metricsvc.service.aggregator import Aggregator
+from metricsvc.core.wire import Batch
+from metricsvc.errors import BatchRejected
+from metricsvc.service.engine import Engine as Aggregator
 
 
 def quiet(client, name="rollout"):
@@ -108,9 +108,9 @@ def test_stream_batches_are_idempotent_per_client_and_seq():
     row = records.scalar_row(3.0)[None]
     b = Batch.build(step=0, rank=0, world_size=1, seq=1, final=False, keys=("r",), data=row,
                     kinds=[2], expected=[0])
-    assert agg.streams.submit("s", "client-a", b) == "merged"
-    assert agg.streams.submit("s", "client-a", b) == "duplicate"
-    assert agg.streams.submit("s", "client-b", b) == "merged"
+    assert agg.submit_stream("s", "client-a", b)[0] == "merged"
+    assert agg.submit_stream("s", "client-a", b)[0] == "duplicate"
+    assert agg.submit_stream("s", "client-b", b)[0] == "merged"
     metrics, finished = agg.export_stream("s", 0, close=True)
     assert metrics == {"r": 3.0} and [r.step for r in finished] == [0]
     assert finished[0].meta["partial"] is False and finished[0].meta["world_size"] == 0
@@ -153,7 +153,7 @@ def test_a_restart_before_the_export_loses_and_doubles_no_stream_batch(make_work
 def test_a_stream_recorder_reaches_the_service_under_per_node_topology(make_worker):
     """Streams have no step barrier, so they go to the MetricWorker itself, not through the
     node's combiner (which gathers ranks' steps)."""
-    from metricsvc.protocol import combiner_name
+    from metricsvc.core.keys import combiner_name
 
     handle, cfg = make_worker(topology="per_node")
     node = ray.get_runtime_context().get_node_id()

@@ -1,7 +1,6 @@
 """Client-side summaries: masked, float64, non-finite excluded, no host transfer while recording."""
 
 import math
-import sys
 from fractions import Fraction
 
 import numpy as np
@@ -11,14 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metricsvc.client.buffer import RecordBuffer
-from metricsvc.client.summarize import (
-    accelerator_path_on_cpu,
-    merge_rows,
-    summarize,
-    summarize_many,
-    to_host,
-)
-from metricsvc.core import records
+from metricsvc.client.summaries import summarize, to_host
+from metricsvc.client.tensors import accelerator_path_on_cpu
 from metricsvc.core.records import (
     COUNT,
     M2_ROOT,
@@ -30,7 +23,8 @@ from metricsvc.core.records import (
     SUM_LO,
     summarize_array,
 )
-from metricsvc.protocol import AUTO, ReduceType
+from metricsvc.core.reduce import AUTO, ReduceType
+from tests.helpers import located_of, merged, rows_of
 from tests.synccount import HostTransferCounter
 
 
@@ -62,8 +56,9 @@ def test_tensor_summary_stays_on_device_and_never_syncs():
     mask = torch.rand(64, 32) > 0.2
     with accelerator_path_on_cpu(), HostTransferCounter() as counter:
         row = summarize(v, mask, key="k")
-        row = merge_rows(row, summarize(v[:3], mask[:3], key="k"))
+        again = summarize(v[:3], mask[:3], key="k")
     assert isinstance(row, torch.Tensor) and row.dtype == torch.float64
+    assert isinstance(again, torch.Tensor)
     assert counter.calls == []
 
 
@@ -122,16 +117,18 @@ def test_to_host_makes_one_transfer_for_all_device_rows():
     data = np.stack(host)
     assert data.shape == (41, NFIELDS) and data[-1, SUM] == 3.0
     np.testing.assert_array_equal(data[0], rows[0].numpy())
-    # The host path's rows (CPU tensors) are read where they are: no copy at all
+    # The host path's rows (numpy) are read where they are: no copy at all
     rows = [summarize(torch.randn(5) + i) for i in range(3)]
     host, copies = to_host(rows)
-    assert copies == 0 and all(np.shares_memory(h, r.numpy()) for h, r in zip(host, rows))
+    assert copies == 0 and all(np.shares_memory(h, r) for h, r in zip(host, rows))
 
 
-def test_merge_rows_mixes_host_and_device_rows_exactly():
-    a = summarize(torch.tensor([2.0, 6.0]))
-    b = summarize(np.array([12.0]))
-    row = _host(merge_rows(a, b))
+def test_a_key_recorded_on_the_host_and_on_a_device_merges_exactly():
+    buf = RecordBuffer()
+    with accelerator_path_on_cpu():  # the first recording's row lives on "the device"
+        buf.record({"k": torch.tensor([2.0, 6.0])}, None, ReduceType.AVG_MIN_MAX)
+    buf.record({"k": np.array([12.0])}, None, ReduceType.AVG_MIN_MAX)
+    row = merged(buf)["k"]
     assert row[SUM] == 20.0 and row[COUNT] == 3 and row[MIN] == 2.0 and row[MAX] == 12.0
 
 
@@ -147,8 +144,7 @@ def test_compiled_kernel_equals_eager_and_never_recompiles_for_new_shapes(monkey
 
     from torch._dynamo.utils import counters
 
-    from metricsvc.client.extremes import summarize_located
-    from metricsvc.client.vectors import summarize_each
+    from tests.helpers import each_of
 
     s = importlib.import_module("metricsvc.client.device")  # the accelerator path's module
     monkeypatch.setattr(s, "_compiled", {
@@ -171,13 +167,13 @@ def test_compiled_kernel_equals_eager_and_never_recompiles_for_new_shapes(monkey
         mask = torch.rand(rows, 96, generator=g) > 0.4
         ids = torch.arange(rows)
         for located in (False, True):
-            got = (summarize_located(values, mask, ids, compile=True)[0] if located
-                   else summarize_many(values, mask, compile=True))
+            got = (located_of(values, mask, ids, compile=True)[0] if located
+                   else rows_of(values, mask, compile=True))
             for key, v in values.items():
                 check(got[key], summarize(v, mask, compile=False), v, mask)
         each = {key: (v[0], mask[0] if i in (1, 2, 3) else None) for i, (key, v) in
                 enumerate(values.items())}  # a row each, under masks of their own
-        got = summarize_each(each, compile=True)
+        got = each_of(each, compile=True)
         for key, (v, m) in each.items():
             m = torch.ones_like(v, dtype=torch.bool) if m is None else m
             check(got[key], summarize(v, m, compile=False), v, m)
@@ -214,7 +210,7 @@ def test_summary_equals_numpy_reference_on_random_masked_data(n, dtype_i, seed, 
             pos = np.arange(n) if inject == "all_bad" else rng.choice(n, size=max(1, n // 4))
             v[torch.from_numpy(np.asarray(pos))] = special
     mask = torch.from_numpy(rng.random(n) < 0.6) if with_mask else None
-    row = summarize(v, mask, compile=False).numpy()
+    row = _host(summarize(v, mask, compile=False))
     x = v.to(torch.float64).numpy()
     valid = np.ones(n, dtype=bool) if mask is None else mask.numpy()
     finite = np.isfinite(x)
@@ -229,7 +225,7 @@ def test_summary_equals_numpy_reference_on_random_masked_data(n, dtype_i, seed, 
 def test_values_sharing_a_mask_share_its_preparation():
     mask = torch.rand(50) > 0.5
     a, b = torch.randn(50), torch.randn(50, dtype=torch.float64)
-    rows = summarize_many({"a": a, "b": b}, mask)
+    rows = rows_of({"a": a, "b": b}, mask)
     for key, v in (("a", a), ("b", b)):
         ref = v.to(torch.float64)[mask]
         assert rows[key][SUM].item() == pytest.approx(ref.sum().item(), rel=1e-12)
@@ -245,11 +241,11 @@ def test_a_mask_is_prepared_once_per_step_and_an_in_place_change_is_noticed():
     x, y = torch.randn(4, 64), torch.randn(4, 64)
     c.stat(mask=mask, x=x)
     c.stat(mask=mask, y=y)  # another call, the same mask: its positions are reused
-    assert len(c.buffer._masks._entries) == 1
+    assert len(c.buffer.masks) == 1
     mask[0, :] = ~mask[0, :]  # changed in place: never the stale positions
     c.stat(mask=mask, z=x)
-    assert len(c.buffer._masks._entries) == 2
-    rows = {k: e.row for k, e in c.buffer._entries.items()}
+    assert len(c.buffer.masks) == 2
+    rows = merged(c.buffer)
     assert rows["z"][SUM].item() == pytest.approx(x[mask].double().sum().item(), rel=1e-12)
     assert rows["z"][COUNT].item() == mask.sum().item()
     assert rows["x"][COUNT].item() == rows["z"][COUNT].item() + 64
@@ -276,8 +272,9 @@ def test_threads_recording_masked_tensors_into_one_client_stay_exact():
         t.start()
     for t in threads:
         t.join(60)
+    rows = merged(c.buffer)
     for k, (x, m) in data.items():
-        row = c.buffer._entries[k].row
+        row = rows[k]
         ref = x[m].double()
         assert row[COUNT].item() == 20 * ref.numel()
         assert row[SUM].item() == pytest.approx(20 * ref.sum().item(), rel=1e-9)
@@ -287,7 +284,7 @@ def test_threads_recording_masked_tensors_into_one_client_stay_exact():
 @pytest.mark.parametrize("n", [7, 5000, 70_000])  # numpy's small path, torch's, several chunks
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_a_difference_is_summarised_exactly_over_the_valid_positions(n, dtype):
-    from metricsvc.client.summarize import Difference
+    from metricsvc.client.tensors import Difference
 
     g = torch.Generator().manual_seed(n)
     a = (torch.randn(n, generator=g) * 3 + 1).to(dtype)
@@ -295,7 +292,7 @@ def test_a_difference_is_summarised_exactly_over_the_valid_positions(n, dtype):
     mask = torch.rand(n, generator=g) < 0.7
     a[~mask] = float("nan")  # garbage where masked out never matters
     a[int(mask.nonzero()[0])] = float("inf")  # a valid inf is counted, not summed
-    rows = summarize_many({"res": Difference(a, b), "a": a}, mask)
+    rows = rows_of({"res": Difference(a, b), "a": a}, mask)
     ref = summarize_array(a.double().numpy() - b.double().numpy(), mask.numpy())
     row = _host(rows["res"])
     assert row[COUNT] == ref[COUNT] and row[NONFINITE] == ref[NONFINITE] == 1
@@ -318,7 +315,7 @@ def test_small_values_of_one_call_are_summarised_together_each_exactly(n):
         "half": torch.randn(n, generator=g).half(),
         "brain": torch.randn(n, generator=g).bfloat16(),
     }
-    rows = summarize_many(values)
+    rows = rows_of(values)
     for key, v in values.items():
         ref = summarize_array(v.double().numpy())
         row = _host(rows[key])
@@ -333,7 +330,7 @@ def test_small_values_of_one_call_are_summarised_together_each_exactly(n):
 def test_each_tensor_of_a_call_is_gathered_once_whatever_it_is_recorded_as():
     from torch.overrides import TorchFunctionMode
 
-    from metricsvc.client.summarize import Difference
+    from metricsvc.client.tensors import Difference
 
     class Count(TorchFunctionMode):
         def __init__(self):
@@ -350,7 +347,7 @@ def test_each_tensor_of_a_call_is_gathered_once_whatever_it_is_recorded_as():
     ret, val = torch.randn(64, 1024, generator=g), torch.randn(64, 1024, generator=g)
     mask = torch.rand(64, 1024, generator=g) < 0.5
     with Count() as count:
-        rows = summarize_many({"returns": ret, "values": val, "target": ret,
+        rows = rows_of({"returns": ret, "values": val, "target": ret,
                                "residual": Difference(ret, val)}, mask)
     # picked by the bool mask in numpy: a view of the mask, of returns and of values, once
     # each (each tensor's gather read once: 4, 6 with the residual, before it was shared)
@@ -362,14 +359,30 @@ def test_each_tensor_of_a_call_is_gathered_once_whatever_it_is_recorded_as():
     assert _host(rows["residual"])[SUM] == pytest.approx(ref.sum().item(), rel=1e-12)
 
 
-def test_plain_dicts_recorded_again_in_a_step_merge_as_one_matrix_exactly(monkeypatch):
-    """Each micro-batch's dict of plain numbers merges into the step's records in one
-    vectorised merge (not one per key), bit for bit the merge of each key's rows in the
-    order recorded, and exact against the concatenated values."""
+def _counted_merges(monkeypatch):
+    """Count the client's merges: records merged by key (the step's close)."""
+    from metricsvc.client import buffer
+
     merges = []
-    real = records.merge_pair
-    monkeypatch.setattr(records, "merge_pair",
-                        lambda a, b, xp=np: merges.append(np.shape(a)) or real(a, b, xp))
+    real = buffer.merge_grouped
+    monkeypatch.setattr(buffer, "merge_grouped",
+                        lambda rows, idx, n: merges.append(len(rows)) or real(rows, idx, n))
+    return merges
+
+
+def _exact(row, x):
+    """A merged record equals the values' own: count, extremes, the sum within 1e-15 of
+    sum(|x|) (the float64 sums of +-values round by order) and the spread to 1e-12."""
+    assert row[COUNT] == x.size and row[MIN] == x.min() and row[MAX] == x.max()
+    assert abs(row[SUM] + row[SUM_LO] - math.fsum(x)) <= 1e-15 * math.fsum(np.abs(x))
+    assert row[M2_ROOT] == pytest.approx(_exact_root(x), rel=1e-12, abs=1e-300)
+
+
+def test_plain_dicts_recorded_again_in_a_step_merge_once_at_the_close_exactly(monkeypatch):
+    """Each micro-batch's dict of plain numbers is kept as it came: recording merges
+    nothing, the close merges every key's records in one pass, and each merged record is
+    exact against the concatenated values."""
+    merges = _counted_merges(monkeypatch)
     rng = np.random.default_rng(11)
     k = 200
     keys = [f"train/group{i % 7}/value_{i}" for i in range(k)]
@@ -393,41 +406,24 @@ def test_plain_dicts_recorded_again_in_a_step_merge_as_one_matrix_exactly(monkey
     calls.append(draw(keys[: k // 2] + extra))  # part of it, with keys new in this step
     calls.append(draw(keys[:k]))
     buf = RecordBuffer()
-    for n, values in enumerate(calls):
-        before = len(merges)
-        buf.record_plain(values, 0)
-        assert len(merges) - before == (0 if n == 0 else 1), "one merge per call"
+    for values in calls:
+        buf.record(values, None, AUTO)
+    assert merges == []  # recording merges nothing
     batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    assert merges == [sum(len(c) for c in calls)]  # one merge of every record, at the close
     got = dict(zip(batch.keys, batch.data))
-    assert sorted(got) == sorted(keys)
+    assert list(got) == keys[:k] + extra  # in the order first recorded
     for key in keys:
-        rows = [summarize_array(np.array([float(c[key])])) for c in calls if key in c]
-        folded = rows[0]
-        for row in rows[1:]:  # the old merge, one key at a time
-            folded = records.merge(folded, row)
-        np.testing.assert_array_equal(got[key], folded, err_msg=key)
-        x = np.array([float(c[key]) for c in calls if key in c])
-        row = got[key]
-        assert row[COUNT] == x.size and row[MIN] == x.min() and row[MAX] == x.max()
-        assert row[SUM] == math.fsum(x)
-        assert row[M2_ROOT] == pytest.approx(_exact_root(x), rel=1e-12, abs=1e-300)
+        _exact(got[key], np.array([float(c[key]) for c in calls if key in c]))
     assert all(code == AUTO for code in batch.kinds)
 
 
-def test_host_tensor_micro_batches_merge_as_one_matrix_exactly(monkeypatch):
-    """Masked CPU tensors recorded micro-batch after micro-batch: each call's records merge
-    with the step's in one numpy merge (a CPU row is a host row), bit for bit the merge of
-    each key's rows in the order recorded, and exact against the concatenated values; on
-    the accelerator path the rows stay tensors and merge there (no host copy)."""
-    merges = []
-    real = records.merge_pair
-    def counted(a, b, xp=np):
-        merges.append(xp)
-        return real(a, b, xp)
-
-    client_summaries = sys.modules["metricsvc.client.summarize"]
-    monkeypatch.setattr(records, "merge_pair", counted)
-    monkeypatch.setattr(client_summaries, "merge_pair", counted)  # device rows merge there
+def test_host_and_device_micro_batches_merge_once_at_the_close_exactly(monkeypatch):
+    """Masked tensors recorded micro-batch after micro-batch, magnitudes far apart, a key
+    left out of one: nothing merges while recording (on the accelerator path nothing is
+    read back either), the close merges once, exact against the concatenated values, and
+    the accelerator path's records are the host path's."""
+    merges = _counted_merges(monkeypatch)
     g = torch.Generator().manual_seed(5)
     keys = ["actor/kl", "actor/ratio", "actor/entropy", "actor/pg_loss"]
     dtypes = (torch.float32, torch.bfloat16, torch.float64, torch.float16)
@@ -441,32 +437,25 @@ def test_host_tensor_micro_batches_merge_as_one_matrix_exactly(monkeypatch):
                   if not (micro == 3 and i == 1)}
         calls.append((values, mask))
     buf = RecordBuffer()
-    for n, (values, mask) in enumerate(calls):
-        before = len(merges)
+    for values, mask in calls:
         buf.record(values, mask, ReduceType.AVG_MIN_MAX)
-        assert merges[before:] == ([] if n == 0 else [np]), "one numpy merge per call"
-    batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
-    got = dict(zip(batch.keys, batch.data))
+    assert merges == []
+    got = merged(buf)
+    assert len(merges) == 1
     for key in keys:
-        own = [_host(summarize_many(v, m)[key]) for v, m in calls if key in v]
-        folded = own[0]
-        for row in own[1:]:  # the merge of each call's row, one at a time
-            folded = records.merge(folded, row)
-        np.testing.assert_array_equal(got[key], folded, err_msg=key)
         parts = [(v[key].double().numpy(), m.numpy()) for v, m in calls if key in v]
-        x = np.concatenate([v[m] for v, m in parts])
-        assert got[key][COUNT] == x.size and got[key][MIN] == x.min()
-        assert got[key][MAX] == x.max() and got[key][SUM] == math.fsum(x)
-        assert got[key][M2_ROOT] == pytest.approx(_exact_root(x), rel=1e-12)
+        _exact(got[key], np.concatenate([v[m] for v, m in parts]))
     with accelerator_path_on_cpu(), HostTransferCounter() as counter:
         for values, mask in calls:
             buf.record(values, mask, ReduceType.AVG_MIN_MAX)
-        assert counter.calls == [] and merges[-1] is torch
+        assert counter.calls == [] and len(merges) == 1
         device = buf.take_batch(step=1, rank=0, world_size=1, seq=1, final=True)
+    assert buf.host_copies == 1  # the close's one copy of the device rows
     for key, row in zip(device.keys, device.data):
         assert row[COUNT] == got[key][COUNT] and row[MIN] == got[key][MIN]
         assert row[MAX] == got[key][MAX]
-        assert row[SUM] + row[SUM_LO] == pytest.approx(got[key][SUM], rel=1e-15)
+        assert row[SUM] + row[SUM_LO] == pytest.approx(got[key][SUM] + got[key][SUM_LO],
+                                                       rel=1e-15, abs=1e-300)
 
 
 class _DataOps(torch.overrides.TorchFunctionMode):
@@ -500,7 +489,7 @@ def test_values_of_one_call_on_an_accelerator_take_the_kernels_of_one_and_the_sa
     launches of one value for all of them (a launch costs a device more than its work
     on a batch's tensors), and each row (and where its min and max lie) what the value
     summarised alone gives."""
-    from metricsvc.client.extremes import summarize_located
+    from tests.helpers import located_of
 
     g = torch.Generator().manual_seed(5)
     mask = torch.rand(24, 40, generator=g) < 0.7
@@ -509,9 +498,9 @@ def test_values_of_one_call_on_an_accelerator_take_the_kernels_of_one_and_the_sa
     def run(values):
         with accelerator_path_on_cpu(), torch.no_grad(), _DataOps() as ops:
             if locate:
-                rows, sources = summarize_located(values, mask, ids)
+                rows, sources = located_of(values, mask, ids)
             else:
-                rows, sources = summarize_many(values, mask), {}
+                rows, sources = rows_of(values, mask), {}
         return rows, sources, ops.calls
 
     values = _accelerator_values(g, 8)
@@ -547,10 +536,10 @@ def test_a_calls_device_values_group_by_dtype_and_length_and_large_ones_in_bound
               "flags": torch.rand(24, 40, generator=g) < 0.5}
     mask = torch.rand(24, 40, generator=g) < 0.6
     with accelerator_path_on_cpu():
-        whole = summarize_many(values, mask)
+        whole = rows_of(values, mask)
         monkeypatch.setattr(device, "STACK_MAX", 2 * 24 * 40)  # two values per stack
-        bounded = summarize_many(values, mask)
-        alone = {key: summarize_many({key: v}, mask)[key] for key, v in values.items()}
+        bounded = rows_of(values, mask)
+        alone = {key: rows_of({key: v}, mask)[key] for key, v in values.items()}
     for key in values:
         for rows in (whole, bounded):
             np.testing.assert_allclose(rows[key].numpy(), alone[key].numpy(), rtol=1e-15,
@@ -595,15 +584,15 @@ def test_single_numbers_on_an_accelerator_are_their_own_rows_in_a_few_launches()
     values = {"loss": torch.tensor(0.25), "tokens": torch.tensor([512.0]),
               "nan": torch.tensor(float("nan")), "inf": torch.tensor([float("inf")]),
               "neg": torch.tensor(-3.5, dtype=torch.float64), "int": torch.tensor(7)}
-    host = summarize_many(values)
+    host = rows_of(values)
     with accelerator_path_on_cpu(), torch.no_grad(), _DataOps() as ops:
-        on_device = summarize_many(values)
+        on_device = rows_of(values)
     for key, row in on_device.items():
         np.testing.assert_array_equal(row.numpy(), np.asarray(host[key]), err_msg=key)
     assert len(ops.calls) <= 30, ops.calls  # few launches, not ~150 per group
     masked = torch.tensor([False])
     with accelerator_path_on_cpu():
-        row = summarize_many({"x": torch.tensor([2.0])}, masked)["x"]
+        row = rows_of({"x": torch.tensor([2.0])}, masked)["x"]
         eager = device._MaskPack(masked, torch.tensor([[2.0]])).row(torch.tensor([[2.0]]))[0]
     np.testing.assert_array_equal(row.numpy(), eager.numpy())
     assert row[COUNT] == 0 and row[MIN] == math.inf

@@ -5,7 +5,7 @@ import pytest
 import ray
 
 import metricsvc
-from metricsvc.protocol import combiner_name
+from metricsvc.core.keys import combiner_name
 from metricsvc.storage.journal import read_journal
 from tests.chaos.test_chaos import calls_for, rank_data
 from tests.helpers import pooled_ranks, until_named, wait_for_new_incarnation

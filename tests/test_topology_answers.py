@@ -14,7 +14,7 @@ import ray
 import metricsvc
 from metricsvc.client import MetricClient
 from metricsvc.core.declare import Derived
-from metricsvc.protocol import combiner_name
+from metricsvc.core.keys import combiner_name
 
 
 def _heard(label: str, call, out: list) -> None:
@@ -26,7 +26,7 @@ def _heard(label: str, call, out: list) -> None:
         except Exception as err:  # what the rank meets
             out.append((label, type(err).__name__, str(err)))
     out += [(label, w.category.__name__, str(w.message)) for w in caught
-            if w.category.__module__ == "metricsvc.core.errors"]
+            if w.category.__module__ == "metricsvc.errors"]
 
 
 def scenario(name: str, handle, via: str | None) -> list:

@@ -11,7 +11,7 @@ import torch
 
 from metricsvc import ReduceType as ServiceReduceType
 from metricsvc.client import MetricClient, ReduceType
-from metricsvc.client.summarize import accelerator_path_on_cpu
+from metricsvc.client.tensors import accelerator_path_on_cpu
 from tests.synccount import HostTransferCounter
 
 

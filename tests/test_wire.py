@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 
-from metricsvc.core.batch import Batch
 from metricsvc.core.records import NFIELDS
 from metricsvc.core.sketch import SketchSpec, sparse_counts
-from metricsvc.core.validation import BatchRejected
-from metricsvc.core.wire import decode, encode
+from metricsvc.core.wire import Batch, decode, encode
+from metricsvc.errors import BatchRejected
 
 
 def test_round_trip_keeps_every_field_bit_for_bit():

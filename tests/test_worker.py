@@ -13,9 +13,9 @@ import torch
 
 import metricsvc
 from metricsvc.client import MetricClient, ReduceType
-from metricsvc.client.summarize import accelerator_path_on_cpu
-from metricsvc.core.batch import Batch
+from metricsvc.client.tensors import accelerator_path_on_cpu
 from metricsvc.core.records import scalar_row
+from metricsvc.core.wire import Batch
 from tests.helpers import pooled_ranks, random_rank_data, until_named
 from tests.synccount import HostTransferCounter
 

@@ -20,10 +20,10 @@ from typing import Any
 import yaml
 
 from metricsvc import __version__
-from metricsvc.config import DEFAULT_NAME, load_config, presets
-from metricsvc.core.keys import NAMESPACE_ENV, default_namespace
+from metricsvc.config import load_config, presets
+from metricsvc.core.keys import DEFAULT_NAME, NAMESPACE_ENV, default_namespace
 from metricsvc.core.redaction import Redactor
-from metricsvc.storage.journal import DEFAULT_JOURNAL, read_journal, run_journal
+from metricsvc.storage.journal import journals_under, read_journal
 
 
 class CliError(Exception):
@@ -47,15 +47,6 @@ def journal_path(target: str) -> Path:
     if b"\0" in head or head.decode("utf-8", "replace").count("\ufffd") > 3:
         raise CliError(f"{path} is not a metrics journal: it holds binary data")
     return path
-
-
-def journals_under(folder: Path) -> list[Path]:
-    """Return the journals of the runs under ``folder``: each run folder's (``config.yaml``
-    names its file), and files with the default name in folders without a saved config."""
-    runs = {p.parent for p in folder.rglob("config.yaml")} | {folder}
-    found = {run_journal(run) for run in runs}
-    found |= {p for p in folder.rglob(DEFAULT_JOURNAL) if not (p.parent / "config.yaml").exists()}
-    return sorted(p for p in found if p is not None and p.is_file())
 
 
 def load_steps(target: str) -> list[dict[str, Any]]:
@@ -347,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "MetricWorker's health.")
     health.add_argument("--name", default=DEFAULT_NAME,
                         help=f"the service's actor name (default {DEFAULT_NAME})")
-    health.add_argument("--namespace", default=None,
+    health.add_argument("--namespace", default=default_namespace(),
                         help=f"its Ray namespace (default ${NAMESPACE_ENV}, else metricsvc)")
     health.add_argument("--address", default="auto",
                         help="the cluster's GCS address, host:port as `ray status` shows it "
@@ -362,8 +353,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "namespace", "") is None:
-        args.namespace = default_namespace()
     handler = {"demo": cmd_demo, "report": cmd_report, "plot": cmd_plot, "health": cmd_health,
                "validate-config": cmd_validate_config}[args.command]
     try:

@@ -1,19 +1,17 @@
 """The rank side: what every training rank imports (``MetricClient``, ``Tracker``,
 ``StreamRecorder``, the built-in metric families). It summarises on the rank's device,
-merges micro-batches and sends one batch per step. It imports ``metricsvc.protocol`` and
-nothing else of metricsvc (never the service, the sinks or pydantic)."""
+merges micro-batches and sends one batch per step. It imports ``metricsvc.core``,
+``metricsvc.calls`` and ``metricsvc.errors``, and nothing else of metricsvc (never the
+service, the sinks, the config or pydantic)."""
 
-from metricsvc.client.client import MetricClient
-from metricsvc.client.stream import StreamRecorder
-from metricsvc.client.summarize import summarize
-from metricsvc.client.tracker import Tracker
-from metricsvc.protocol import (
+from metricsvc.client.client import MetricClient, StreamRecorder, Tracker
+from metricsvc.client.summaries import summarize
+from metricsvc.core.declare import Derived, Metric
+from metricsvc.core.reduce import ReduceType
+from metricsvc.errors import (
     BatchRejected,
-    Derived,
     LateBatch,
-    Metric,
     MetricsvcError,
-    ReduceType,
     Refused,
     ServiceNotice,
     ServiceUnavailable,
@@ -24,12 +22,12 @@ from metricsvc.protocol import (
 __all__ = [
     "BatchRejected",
     "Derived",
-    "MetricsvcError",
-    "Refused",
     "LateBatch",
     "Metric",
     "MetricClient",
+    "MetricsvcError",
     "ReduceType",
+    "Refused",
     "ServiceNotice",
     "ServiceUnavailable",
     "StepAlreadyFinal",

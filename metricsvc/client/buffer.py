@@ -1,155 +1,280 @@
-"""The records one client holds before a flush: merged locally, built into one wire batch."""
+"""A rank's open step: its records, which step it is, and how it is closed.
+
+Each recording call's records are kept as they come (a ``Part``: a call's keys and their
+rows, on the host or on their device) and merged when the step is closed: one copy to the
+host per device, then one exact merge (``records.merge_grouped``, the service's own) for
+keys recorded more than once (micro-batches). Where a key's min and max came from
+(``stat(ids=)``) merges the same way: the first recording holding the merged value wins.
+
+One exported name, one source: a key whose exported name another key (or a declared
+derived metric) of the step exports is refused where it is recorded. A step is closed as
+one final batch; a caller may name the step it means, and a close the client refuses (a
+step already closed, another step while records are pending) drops its records, as a
+refusal by the service does: the records of one close never reach another step.
+"""
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from metricsvc.client.blocks import (
-    _Block,
-    _Entry,
-    _plain_block,
-    by_code,
-    code_of,
-    columns,
-    own_entries,
-)
-from metricsvc.client.declarations import ClientDeclarations
-from metricsvc.client.device import _on_host
-from metricsvc.client.extremes import merge_row_sources, summarize_located
-from metricsvc.client.names import ExportedNames
-from metricsvc.client.summarize import (
-    add_sketches,
-    element_rows,
-    merge_rows_on_device,
-    sketch,
-    summarize,
-    summarize_many,
-    to_host,
-)
-from metricsvc.client.tensors import MaskCache, Row, is_tensor
-from metricsvc.client.vectors import summarize_each
-from metricsvc.protocol import (
-    AUTO,
-    KINDS,
+from metricsvc.client.host import MaskCache
+from metricsvc.client.summaries import Rows, add_sketches, sketch, summarize_call, to_host
+from metricsvc.client.tensors import is_tensor, to_device
+from metricsvc.core.declare import Derived, Metric, encode_derived
+from metricsvc.core.keys import check_key, is_int, is_internal, safe_tag
+from metricsvc.core.limits import Recent
+from metricsvc.core.records import (
+    MAX_CALL,
+    MIN_CALL,
     NFIELDS,
-    Batch,
-    Derived,
-    Metric,
-    ReduceType,
-    SketchSpec,
-    check_key,
-    dense_to_sparse,
-    is_internal,
-    kind_name,
-    merge,
-    scalar_row,
+    SIDES,
+    merge_grouped,
+    unknown_sources,
+    winners,
 )
+from metricsvc.core.reduce import AUTO, KINDS, ReduceType, kind_name
+from metricsvc.core.sketch import SketchSpec, dense_to_sparse
+from metricsvc.core.wire import Batch
+from metricsvc.errors import LateBatch, ServiceNotice, StepAlreadyFinal, StepMismatch
+
+MAX_PARTS = 512  # recordings held before they are merged (a bound on a step's memory)
 
 
-def _merge_on_host(pairs: list[tuple[_Entry, np.ndarray, np.ndarray]]) -> None:
-    """Merge each ``(entry, its row, a row recorded again)`` on the host, in one merge."""
-    if pairs:
-        merged = merge(np.array([a for _, a, _ in pairs]), np.array([b for _, _, b in pairs]))
-        for (entry, _, _), row in zip(pairs, merged):
-            entry.row = row
+@dataclass(slots=True)
+class Part:
+    """One recording call's records: ``rows [k, NFIELDS]`` of ``keys`` (numpy on the host, a
+    tensor on its device), each key's kind code (one for all, or one each), the ranks
+    expected to send them (one for all, or one each), and where located, ``sources``."""
 
-
-def _merge_on_device(pairs: list[tuple[_Entry, Row, Row]]) -> None:
-    """Merge each ``(entry, its row, a row recorded again)``, either on a device, where the
-    device row is: one stacked merge per device (``merge_rows_on_device``)."""
-    if pairs:
-        for (entry, _, _), row in zip(pairs, merge_rows_on_device([(a, b) for _, a, b in pairs])):
-            entry.row = row
-
-
-def _host_view(row: Row) -> np.ndarray | None:
-    """A host row as numpy (a CPU tensor's row is a view of it, no copy); None for a row on
-    a device (or on the accelerator path), which merges where it is."""
-    if not is_tensor(row):
-        return row
-    return row.numpy() if _on_host(row, None) else None
-
-
-def _entry_columns(held: list[tuple[str, _Entry]], entries: list[_Entry],
-                   spec: Any) -> tuple[list, list, dict, dict, int]:
-    """The keys, rows (one host copy per device), sparse sketches and extremes' sources of
-    the entries ``held`` (``entries``: their records), and the copies made; nothing for a
-    step of plain numbers only (its blocks hold every key)."""
-    if not held:
-        return [], [], {}, {}, 0
-    dense = [i for i, e in enumerate(entries) if e.sketch is not None and is_tensor(e.sketch)]
-    located = [i for i, e in enumerate(entries) if e.sources is not None]
-    parts, copies = to_host([e.row for e in entries] + [entries[i].sketch for i in dense]
-                            + [entries[i].sources for i in located])
-    k = len(entries)
-    sketches = {i: e.sketch for i, e in enumerate(entries)
-                if e.sketch is not None and not is_tensor(e.sketch)}
-    sketches.update({i: dense_to_sparse(parts[k + j], spec) for j, i in enumerate(dense)})
-    start = k + len(dense)
-    extremes = {i: parts[start + j] for j, i in enumerate(located)}
-    return [key for key, _ in held], [np.reshape(parts[:k], (k, NFIELDS))], sketches, \
-        extremes, copies
+    keys: tuple[str, ...]
+    rows: Any
+    codes: int | tuple[int, ...]
+    expected: int | np.ndarray
+    sources: Any = None
 
 
 class RecordBuffer:
-    """Keys recorded since the last flush, each one merged record (and sketch) on its device."""
+    """The records of one client's open step; ``take_batch`` makes them one wire batch."""
 
-    def __init__(self, sketch_spec: SketchSpec | None = None, compile: bool | None = None):
+    def __init__(self, sketch_spec: SketchSpec | None = None, compile: bool | None = None,
+                 label: str = "this step", on_record: Callable[[], None] | None = None):
+        """``label``: how errors name the open window; ``on_record``: called after each
+        recording (a stream's auto-flush)."""
         self.sketch_spec = sketch_spec or SketchSpec()
         self.compile = compile
         self.lock = threading.RLock()
-        self._entries: dict[str, _Entry | _Block] = {}  # key -> its record (or its block)
-        self._blocks: list[_Block] = []
-        self._masks = MaskCache()  # one mask preparation per mask per step
-        self._good_keys: set[str] = set()  # names already checked (they recur every step)
-        self.declarations = ClientDeclarations()  # derived metrics and what names mean
-        self.names = ExportedNames(self)  # which key of the step exports each name
+        self.parts: list[Part] = []
+        self.kinds: dict[str, int] = {}  # key -> its kind code in this step, in first order
+        self.seen: dict[str, int] = {}  # key -> recordings of it so far in this step
+        self.sketches: dict[str, Any] = {}  # QUANTILES key -> its buckets
+        self.masks = MaskCache()  # one mask preparation per mask per step
+        self.good_keys: set[str] = set()  # names already checked (they recur every step)
+        self.declarations = Declarations()
+        self.names = ExportedNames()
         self.trackers: dict[str, Any] = {}  # named trackers, by prefix (Tracker.get)
         self._attached: list[Any] = []  # what records here and has step-scoped state
         self.host_copies = 0
-        self.label = "this step"  # how errors name the open window
-        self.on_record: Any = None  # called after each successful recording (auto-flush)
+        self.label = label
+        self.on_record = on_record
 
-    # -- trackers ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.kinds)
+
     def attach(self, tracker: Any) -> None:
         """Let ``tracker`` record here; its ``end_step()`` is called as each step ends."""
-        with self.lock:
-            self._attached.append(tracker)
+        self._attached.append(tracker)
 
-    # -- recording -----------------------------------------------------------------------
-    def record_plain(self, metrics: Mapping[str, Any], expected: int) -> None:
-        """Record a plain dict whose reductions the service takes from the key names."""
-        keys = tuple(metrics)
-        if not self._good_keys.issuperset(keys):  # else every name was checked before
-            keys = tuple(self.checked(k) for k in keys)
-        block = _plain_block(list(metrics.values()))  # the common case: a dict of floats
-        if block is not None:
-            return self._record_block(keys, block, AUTO, expected)
-        rows = [summarize(v, key=k, compile=self.compile) for k, v in metrics.items()]
-        self._record_all(dict(zip(keys, rows)), AUTO, expected)
+    def opened(self, label: str) -> None:
+        """A new window opened (``label``: how errors name it, e.g. ``"step 5"``)."""
+        self.label = label
+
+    def keys(self) -> list[str]:
+        """Return the keys recorded since the last flush."""
+        return list(self.kinds)
 
     def checked(self, key: str) -> str:
         """Return ``key`` if it is a usable name here (key rules; an internal key must be
         read by a declared metric); each key is checked once (keys recur every step)."""
-        if key not in self._good_keys:
-            self.check_internal(check_key(key))
-            if len(self._good_keys) < 100_000:
-                self._good_keys.add(key)
+        if key not in self.good_keys:
+            check_key(key)
+            if is_internal(key) and not self.declarations.reads(key):
+                raise ValueError(
+                    f"key {key!r}: a path segment starting with '__' marks an input of a "
+                    f"derived metric, and no metric declared in this client reads it; declare "
+                    f"the metric first (declare(Derived(...))) or rename the key")
+            if len(self.good_keys) < 100_000:
+                self.good_keys.add(key)
         return key
 
-    def check_internal(self, key: str) -> str:
-        """Refuse an internal key (a ``__`` path segment) that no declared metric reads."""
-        if is_internal(key) and not self.declarations.reads(key):
-            raise ValueError(
-                f"key {key!r}: a path segment starting with '__' marks an input of a derived "
-                f"metric, and no metric declared in this client reads it; declare the metric "
-                f"first (declare(Derived(...))) or rename the key"
-            )
-        return key
+    # -- recording -----------------------------------------------------------------------
+    def record(self, values: Mapping[str, Any], mask: Any,
+               kinds: ReduceType | int | Mapping[str, ReduceType | int], ids: Any = None,
+               expected: int = 0, masks: Mapping[str, Any] | None = None) -> None:
+        """Summarise ``{full key: value}`` (under ``mask``, or each under its own: ``masks``;
+        with ``ids``, where each min and max lies) and keep the records as ``kinds`` (one
+        for every key, or one per key; ``AUTO``: a plain dict's, chosen by the service)."""
+        each = {k: int(c) for k, c in kinds.items()} if isinstance(kinds, Mapping) else None
+        code = None if each is not None else int(kinds)  # type: ignore[arg-type]
+        with self.lock:  # the mask cache's scratch buffers serve one summary at a time
+            found = summarize_call(values, mask, masks=masks, ids=ids, compile=self.compile,
+                                   cache=self.masks)
+            sketched = {k: v for k, v in values.items()
+                        if (each[k] if each else code) != AUTO
+                        and KINDS[ReduceType(each[k] if each else code)].sketch}
+            sketches = {k: sketch(v, mask if masks is None else masks.get(k),
+                                  self.sketch_spec, key=k) for k, v in sketched.items()}
+            for rows in found:
+                self.keep(rows, code if each is None else tuple(each[k] for k in rows.keys),
+                          expected, sketches)
+        if self.on_record is not None:
+            self.on_record()
+
+    def keep(self, found: Rows, codes: int | tuple[int, ...], expected: int = 0,
+             sketches: Mapping[str, Any] | None = None) -> None:
+        """Keep records as one part: ``codes`` one kind for all keys, or one each."""
+        keys = found.keys
+        with self.lock:
+            kinds = self.kinds
+            each = codes if codes.__class__ is tuple else None
+            if kinds.keys().isdisjoint(keys):  # new in this step: the common case
+                self.names.claim(keys, codes, kinds, self.declarations, self.label)
+                kinds.update(zip(keys, each) if each else dict.fromkeys(keys, codes))
+                self.seen.update(dict.fromkeys(keys, 1))
+                sources = found.sources
+            else:
+                sources = self._again(found, codes, each)
+            self.parts.append(Part(keys, found.rows, codes, expected, sources))
+            for key in keys if sketches else ():
+                buckets, held = sketches.get(key), self.sketches.get(key)  # type: ignore[union-attr]
+                if buckets is not None:
+                    self.sketches[key] = buckets if held is None else add_sketches(held, buckets)
+            if len(self.parts) > MAX_PARTS:
+                self._compact()
+
+    def _again(self, found: Rows, codes: int | tuple[int, ...],
+               each: tuple[int, ...] | None) -> Any:
+        """Keys of which some were recorded before in this step: every kind checked before
+        the buffer is touched (a bad call records nothing); their sources' call numbers."""
+        kinds, keys = self.kinds, found.keys
+        for i, key in enumerate(keys):
+            held, code = kinds.get(key), codes if each is None else each[i]
+            if held is not None and held != code:
+                raise ValueError(f"key {key!r} was recorded as {kind_name(held)} in "
+                                 f"{self.label}; recording it as {kind_name(code)} would mix "
+                                 f"reductions")
+        new = tuple(k for k in keys if k not in kinds)
+        self.names.claim(new, codes if each is None else tuple(
+            c for k, c in zip(keys, each) if k not in kinds), kinds, self.declarations,
+            self.label)
+        calls = [self.seen.get(k, 0) for k in keys]
+        for key, code in zip(keys, each or [codes] * len(keys)):
+            kinds.setdefault(key, code)  # type: ignore[arg-type]
+            self.seen[key] = self.seen.get(key, 0) + 1
+        sources = found.sources
+        if sources is not None and any(calls):  # the call of each key's recording
+            calls_of = np.asarray(calls, dtype=np.float64)[:, None]
+            if is_tensor(sources):
+                calls_of = to_device(calls_of, sources.device)
+            sources = sources.clone() if is_tensor(sources) else sources.copy()
+            sources[:, [MIN_CALL, MAX_CALL]] = calls_of
+        return sources
+
+    # -- closing -------------------------------------------------------------------------
+    def take_batch(self, *, step: int, rank: int, world_size: int, seq: int,
+                   final: bool) -> Batch:
+        """Return everything recorded as one wire batch (one host copy per device) and
+        start afresh."""
+        with self.lock:
+            keys, data, codes, expected, extremes, sketches = self._merged()
+            batch = Batch.build(step=step, rank=rank, world_size=world_size, seq=seq,
+                                final=final, keys=keys, data=data, kinds=codes,
+                                expected=expected, sketches=sketches,
+                                sketch_alpha=self.sketch_spec.alpha,
+                                derived=self.declarations.take_wire(), extremes=extremes)
+            self._reset()
+            return batch
+
+    def _merged(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, dict, dict]:
+        """Every part merged: the keys in the order first recorded, their records, kind
+        codes, expected ranks, the sources of the keys some recording located, and the
+        QUANTILES keys' buckets (sparse), all copied to the host in one copy per device."""
+        parts, keys = self.parts, list(self.kinds)
+        if not parts:
+            return [], np.zeros((0, NFIELDS)), np.zeros(0, np.int8), np.zeros(0, np.int32), \
+                {}, {}
+        located = [p for p in parts if p.sources is not None]
+        dense = [k for k, s in self.sketches.items() if is_tensor(s)]
+        arrays, copies = to_host([p.rows for p in parts] + [p.sources for p in located]
+                                 + [self.sketches[k] for k in dense])
+        self.host_copies += copies
+        at = {k: i for i, k in enumerate(keys)}
+        sketches = {at[k]: s for k, s in self.sketches.items() if not is_tensor(s)}
+        sketches.update({at[k]: dense_to_sparse(a, self.sketch_spec)
+                         for k, a in zip(dense, arrays[len(parts) + len(located):])})
+        rows = arrays[0] if len(parts) == 1 else np.concatenate(arrays[:len(parts)])
+        order = [k for p in parts for k in p.keys]
+        codes = np.fromiter(self.kinds.values(), dtype=np.int8, count=len(keys))
+        if all(p.expected.__class__ is int and not p.expected for p in parts):
+            wants = np.zeros(len(order), np.int32)
+        else:
+            wants = np.concatenate([np.broadcast_to(np.asarray(p.expected, np.int32),
+                                                    (len(p.keys),)) for p in parts])
+        if len(order) == len(keys):  # every key recorded once: nothing to merge
+            data, idx, expected = rows, None, wants
+        else:
+            idx = np.fromiter((at[k] for k in order), dtype=np.int64, count=len(order))
+            data = merge_grouped(rows, idx, len(keys))
+            expected = np.zeros(len(keys), np.int32)
+            np.maximum.at(expected, idx, wants)
+        extremes = {}
+        if located:
+            sources = iter(arrays[len(parts):])
+            src = np.concatenate([next(sources) if p.sources is not None
+                                  else unknown_sources(len(p.keys)) for p in parts])
+            if idx is None:
+                idx = np.arange(len(keys))
+            carried = np.concatenate([np.full(len(p.keys), p.sources is not None)
+                                      for p in parts])
+            won = winners(rows, idx, data)
+            for i in np.unique(idx[carried]).tolist():
+                out = unknown_sources(1)[0]
+                for (_, _, first), side in zip(SIDES, won):
+                    if side[i] >= 0:
+                        out[first:first + 4] = src[side[i], first:first + 4]
+                extremes[i] = out
+        return keys, data, codes, expected, extremes, sketches
+
+    def _compact(self) -> None:
+        """Merge every part held into one, on the host (a copy per device: counted)."""
+        keys, data, codes, expected, extremes, sketches = self._merged()
+        self.sketches = {keys[i]: found for i, found in sketches.items()}
+        sources = None
+        if extremes:
+            sources = unknown_sources(len(keys))
+            for i, found in extremes.items():
+                sources[i] = found
+        self.parts = [Part(tuple(keys), data, tuple(int(c) for c in codes), expected, sources)]
+
+    def discard(self) -> int:
+        """Drop everything recorded since the last flush; return how many keys were dropped."""
+        with self.lock:
+            dropped = len(self.kinds)
+            self._reset()
+            return dropped
+
+    def _reset(self) -> None:
+        self.masks.clear()  # a mask is prepared once per step; the scratch buffers stay
+        self.parts, self.kinds, self.seen, self.sketches = [], {}, {}, {}
+        self.names.forget()
+        for tracker in self._attached:
+            tracker.end_step()
 
     # -- declarations --------------------------------------------------------------------
     def declare(self, *declarations: Derived) -> None:
@@ -167,170 +292,230 @@ class RecordBuffer:
 
     def describe(self, *metrics: Metric | Derived, under: Any = None) -> None:
         """Say what ``metrics`` mean: the help and unit of each go to the service with the
-        next batch, once (the service journals them and gives them to the sinks).
-        ``under(name)``: the key a tracker records ``name`` as (its prefix and scopes)."""
+        next batch, once. ``under(name)``: the key a tracker records ``name`` as."""
         with self.lock:
             self.declarations.describe(metrics, under)
 
-    @property
-    def declared(self) -> dict[str, Derived]:
-        """Return the derived metrics declared in this client, by name."""
-        return dict(self.declarations.held)
 
-    def record(self, values: Mapping[str, Any], mask: Any, kind: ReduceType,
-               ids: Any = None) -> None:
-        """Summarise ``{full key: value}`` under one mask and merge into the buffer; with
-        ``ids`` (one per row), where each min and max lies too (``client.extremes``)."""
-        block = None if mask is not None or ids is not None or KINDS[kind].sketch \
-            else _plain_block(list(values.values()))  # plain numbers: timings, counters
-        if block is not None:
-            return self._record_block(tuple(values), block, int(kind), 0)
-        with self.lock:  # the mask cache's scratch buffers serve one summary at a time
-            rows, sources = (summarize_many(values, mask, compile=self.compile,
-                                            cache=self._masks), None) if ids is None else \
-                summarize_located(values, mask, ids, compile=self.compile, cache=self._masks)
-        sketches = None
-        if KINDS[kind].sketch:
-            sketches = {k: sketch(v, mask, self.sketch_spec, key=k) for k, v in values.items()}
-        self._record_all(rows, int(kind), 0, sketches, sources)
+@functools.lru_cache(maxsize=65536)  # keys recur every step
+def exported_names(key: str, code: int) -> tuple[str, ...]:
+    """Every name ``key`` may export under ``code``: its declaration's claims."""
+    if code == AUTO:  # a plain number exports its key (its kind is the service's to pick)
+        return tuple(dict.fromkeys((key, safe_tag(key))))
+    return Metric(key, ReduceType(code)).claims()
 
-    def record_each(self, values: Mapping[str, tuple[Any, Any]],
-                    kinds: Mapping[str, ReduceType]) -> None:
-        """Summarise ``{full key: (value, mask)}``, each key under its own mask and with its
-        kind (short host vectors in one pass: ``client.vectors``); merge into the buffer."""
-        with self.lock:  # the mask cache's scratch buffers serve one summary at a time
-            rows = summarize_each(values, compile=self.compile, cache=self._masks)
-        groups: dict[int, dict[str, Row]] = {}
-        for key, row in rows.items():
-            groups.setdefault(int(kinds[key]), {})[key] = row
-        for code, group in groups.items():
-            self._record_all(group, code, 0)
 
-    def record_elements(self, keys: list[str], values: Any, kind: ReduceType) -> None:
-        """Record element ``i`` of ``values`` as one value (count 1) of ``keys[i]``."""
-        rows = element_rows(values, key=keys[0] if keys else "value")
-        if len(rows) != len(keys):
-            raise ValueError(f"{len(keys)} keys for {len(rows)} values (first key {keys[0]!r})")
-        self._record_all(dict(zip(keys, rows)), int(kind), 0)
+class ExportedNames:
+    """The names the keys of the open step export (``owner``: name or sink tag -> the key
+    exporting it), and what each recurring call's keys claimed, reused."""
 
-    def record_weighted(self, key: str, value: float, weight: float) -> None:
-        if not weight >= 0:
-            raise ValueError(f"weight for key {key!r} must be >= 0, got {weight}")
-        self._record_all({key: scalar_row(float(value), float(weight))}, int(ReduceType.AVG), 0)
+    def __init__(self) -> None:
+        self.owner: dict[str, str] = {}
+        self._claims: Recent = Recent(64)  # (keys, codes, declarations held) -> claimed
 
-    def _record_all(
-        self,
-        rows: dict[str, Row],
-        code: int,
-        expected: int,
-        sketches: dict[str, Row] | None = None,
-        sources: dict[str, Row] | None = None,
-    ) -> None:
-        with self.lock:
-            entries = self._entries
-            if sketches is None and sources is None and entries.keys().isdisjoint(rows):
-                # Keys new in this step (the common case): nothing to merge with.
-                self.names.claim(rows, code, self._entries, fresh=True)
-                entries.update(zip(rows, [_Entry(code, expected, row) for row in rows.values()]))
-            else:
-                self._merge_rows(rows, code, expected, sketches, sources or {})
-        if self.on_record is not None:
-            self.on_record()
+    def forget(self) -> None:
+        self.owner = {}
 
-    def _record_block(self, keys: tuple[str, ...], rows: np.ndarray,
-                      code: int | tuple[int, ...], expected: int) -> None:
-        with self.lock:
-            entries = self._entries
-            if entries.keys().isdisjoint(keys):  # new in this step: kept as one block
-                self.names.claim(keys, code, entries, fresh=True)
-                block = _Block(code, expected, keys, rows)
-                entries.update(dict.fromkeys(keys, block))
-                self._blocks.append(block)
-            else:  # recorded before in this step: the same dict again is one merge
-                held = entries[keys[0]]
-                if not (held.__class__ is _Block and held.merged(keys, rows, code, expected)):
-                    for c, group in (by_code(keys, code, rows) if code.__class__ is tuple
-                                     else {code: dict(zip(keys, rows))}).items():  # kind by kind
-                        self._merge_rows(group, c, expected, None, {})
-        if self.on_record is not None:
-            self.on_record()
+    def claim(self, keys: tuple[str, ...], codes: int | tuple[int, ...],
+              recorded: Mapping[str, Any], declarations: Declarations, label: str) -> None:
+        """Own the names new ``keys`` export (``recorded``: the keys of the step so far);
+        refuse one that another key of the step or a declared metric exports. A call with
+        the keys of an earlier one (every step's same dict) reuses what it claimed."""
+        names = self.owner
+        known = (keys, codes, len(declarations.held))
+        claimed = self._claims.get(known)
+        if claimed is not None and names.keys().isdisjoint(claimed):
+            names.update(claimed)
+            return
+        claimed = {}
+        each = dict(zip(keys, codes)) if codes.__class__ is tuple else None
+        for key in keys:
+            kind = codes if each is None else each[key]
+            for name in exported_names(key, kind):  # type: ignore[arg-type]
+                if name in declarations.names:
+                    raise ValueError(
+                        f"key {key!r} ({kind_name(kind)}) would export {name!r}, which the "
+                        f"derived metric {declarations.names[name]!r} declared in this client "
+                        f"exports: one exported name, one source (rename one of them)")
+                owner = names.get(name, claimed.get(name, key))
+                if owner != key:
+                    raise ValueError(
+                        f"key {key!r} ({kind_name(kind)}) would export {name!r}, which key "
+                        f"{owner!r} already exports in {label}: one exported name, one source "
+                        f"(rename one of them)")
+                claimed[name] = key
+        names.update(claimed)
+        if recorded.keys().isdisjoint(keys):  # every key new: the same call next step
+            self._claims[known] = claimed
 
-    def _merge_rows(self, rows: dict[str, Row], code: int, expected: int,
-                    sketches: dict[str, Row] | None, sources: dict[str, Row]) -> None:
-        entries = self._entries
-        # Check every key before touching the buffer: a bad call records nothing.
-        for key in rows:
-            held = code_of(entries.get(key), key)
-            if held is not None and held != code:
-                raise ValueError(f"key {key!r} was recorded as {kind_name(held)} in {self.label}; "
-                                 f"recording it as {kind_name(code)} would mix reductions")
-        self.names.claim(rows, code, self._entries)
-        on_host: list[tuple[_Entry, Row, Row]] = []  # the host rows: merged as one
-        on_device: list[tuple[_Entry, Row, Row]] = []  # the rest: one merge per device
-        for key, row in rows.items():
-            sk = None if sketches is None else sketches[key]
-            src = sources.get(key)
-            entry = entries.get(key)
-            if entry.__class__ is _Block:
-                entry = entries[key] = entry.take(key)
-            if entry is None:
-                entries[key] = _Entry(code, expected, row, sk, src)
+
+class Declarations:
+    """The derived metrics declared in one client, the names they export, and what declared
+    names mean, not sent yet (the caller holds the buffer's lock)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, Derived] = {}  # derived metrics, for every step
+        self.names: dict[str, str] = {}  # a name (or sink tag) one of them exports
+        self._wire = b""
+        self._described: set[str] = set()  # names whose meaning was given (describe)
+        self._about: dict[str, list[str]] = {}  # what they mean, not sent yet: next batch
+
+    def holds(self, declarations: Iterable[Derived]) -> bool:
+        """Whether every one of ``declarations`` is held already, the same object (what a
+        family declares each step): then declaring them again has nothing to check."""
+        return all(self.held.get(getattr(d, "name", None)) is d for d in declarations)
+
+    def declare(self, declarations: Iterable[Derived], key_names: Mapping[str, str],
+                label: str) -> None:
+        """Hold ``declarations``; refuse one that changes a held name or exports a name a
+        key (``key_names``: exported name -> key, in ``label``) or another one exports."""
+        new: dict[str, Derived] = {}
+        for decl in declarations:
+            if not isinstance(decl, Derived):
+                raise TypeError(f"declare() takes Derived metrics, got {type(decl).__name__}")
+            held = self.held.get(decl.name, new.get(decl.name))
+            if held is decl:  # declared again each step: the same object
                 continue
-            if src is not None or entry.sources is not None:  # from the rows before merging
-                entry.sources = merge_row_sources(entry.row, row, entry.sources, src,
-                                                  entry.calls)
-            a, b = _host_view(entry.row), _host_view(row)
-            if a is None or b is None:
-                on_device.append((entry, entry.row, row))  # on the device: no host copy
-            else:
-                on_host.append((entry, a, b))
-            entry.calls += 1
-            entry.expected = max(entry.expected, expected)
-            if sk is not None:
-                entry.sketch = sk if entry.sketch is None else add_sketches(entry.sketch, sk)
-        _merge_on_host(on_host)
-        _merge_on_device(on_device)
+            if held is not None and held != decl:
+                raise ValueError(
+                    f"derived metric {decl.name!r} is declared with formula "
+                    f"{held.formula!r} over {held.inputs}; it cannot be declared again "
+                    f"as {decl.formula!r} over {decl.inputs}: one exported name, one source")
+            if held is not None:
+                continue
+            for name in decl.claims():
+                owner = key_names.get(name)
+                other = self.names.get(name)
+                if owner is not None or (other is not None and other != decl.name):
+                    raise ValueError(
+                        f"derived metric {decl.name!r} would export {name!r}, which "
+                        f"{f'key {owner!r}' if owner else f'derived metric {other!r}'} "
+                        f"already exports in {label}: one exported name, one source "
+                        f"(rename one of them)")
+            new[decl.name] = decl
+        if new:
+            for decl in new.values():
+                self.names.update(dict.fromkeys(decl.claims(), decl.name))
+            self.held.update(new)
+            self._wire = encode_derived(self.held.values())
+            self.describe(new.values())
 
-    def keys(self) -> list[str]:
-        """Return the keys recorded since the last flush."""
-        return list(self._entries)
+    def describe(self, metrics: Iterable[Metric | Derived],
+                 under: Callable[[str], str] | None = None) -> None:
+        """Note what ``metrics`` mean (once per name; ``under(name)``: the key recorded)."""
+        for metric in metrics:
+            name = metric.name if under is None else under(metric.name)
+            if name not in self._described:
+                self._described.add(name)
+                if (metric.help or metric.unit) and not is_internal(name):  # never shown
+                    self._about[name] = [metric.help, metric.unit]
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    def reads(self, key: str) -> bool:
+        """Return True if a held derived metric reads ``key``."""
+        return any(d.reads(key) for d in self.held.values())
 
-    # -- flushing ------------------------------------------------------------------------
-    def take_batch(self, *, step: int, rank: int, world_size: int, seq: int,
-                   final: bool) -> Batch:
-        """Return everything recorded as one wire batch (one host copy) and start afresh."""
-        with self.lock:
-            held = own_entries(self._entries, self._blocks)
-            entries = [e for _, e in held]
-            keys, data, sketches, extremes, copies = _entry_columns(
-                held, entries, self.sketch_spec)
-            self.host_copies += copies
-            kinds, expected = columns(entries, self._blocks, keys, data)
-            batch = Batch.build(
-                step=step, rank=rank, world_size=world_size, seq=seq, final=final,
-                keys=keys, kinds=kinds, expected=expected,
-                data=data[0] if len(data) == 1 else np.concatenate(
-                    data or [np.zeros((0, NFIELDS))]),  # one block's rows: no copy here
-                sketches=sketches, sketch_alpha=self.sketch_spec.alpha,
-                derived=self.declarations.take_wire(), extremes=extremes,
-            )
-            self._reset()
+    def take_wire(self) -> bytes:
+        """The declarations for the next batch: the derived metrics, with what names mean
+        that was not sent yet (then forgotten here: sent once)."""
+        if not self._about:
+            return self._wire
+        blob, self._about = encode_derived(self.held.values(), self._about), {}
+        return blob
+
+
+class StepCursor:
+    """A rank's open step, the last step it closed, and the rules for moving between steps
+    (over the rank's ``RecordBuffer``)."""
+
+    def __init__(self, rank: int, world_size: int, start_step: int,
+                 buffer: RecordBuffer) -> None:
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self.rank, self.world_size, self.buffer = rank, world_size, buffer
+        self.step = int(start_step)
+        self.last_closed: int | None = None
+        self.known = True  # False after a discard or a refused close: the next named is taken
+        self.seq = 0  # the number of this rank's last batch
+        self.flushes = 0  # steps answered
+        buffer.opened(f"step {start_step}")
+
+    def close(self, step: int | None, caller: str) -> Batch:
+        """Close the open step (after moving to ``step``, if named): its records as one
+        final batch; the next step opens."""
+        with self.buffer.lock:
+            if step is not None:
+                self.name(step, caller)
+            self.seq += 1
+            batch = self.buffer.take_batch(step=self.step, rank=self.rank,
+                                           world_size=self.world_size, seq=self.seq, final=True)
+            self.last_closed, self.known = batch.step, True
+            self.open(batch.step + 1)
             return batch
 
-    def discard(self) -> int:
-        """Drop everything recorded since the last flush; return how many keys were dropped."""
-        with self.lock:
-            dropped = len(self._entries)
-            self._reset()
-            return dropped
+    def name(self, step: int, caller: str) -> None:
+        """Move to the step the caller names, if nothing recorded is pending for the open
+        one (and never backwards). Otherwise the close is refused, as the service refuses a
+        batch: what was recorded for it is dropped (it cannot be told apart from the records
+        of another step), nothing is sent, and the next step the caller names is taken
+        (``StepMismatch``, or ``TypeError`` for a step that is no step)."""
+        if not is_int(step) or step < 0:
+            self.refuse(TypeError, f"{caller}(step={step!r}): step must be an int >= 0")
+        if step == self.step:
+            return
+        if self.last_closed is not None and step <= self.last_closed:
+            self.refuse(StepMismatch, f"{caller}(step={step}) refused: this client already "
+                                      f"closed step {self.last_closed} (steps only go "
+                                      f"forward)")
+        if self.known and len(self.buffer):
+            origin = ("its start_step" if self.last_closed is None
+                      else f"the step after {self.last_closed}")
+            self.refuse(StepMismatch, f"{caller}(step={step}) refused: this client holds "
+                                      f"records of step {self.step} ({origin}), which was "
+                                      f"never closed, and a step's records never go to "
+                                      f"another step")
+        self.open(step)
 
-    def _reset(self) -> None:
-        self._masks.clear()  # a mask is prepared once per step; the scratch buffers stay
-        self._entries = {}
-        self._blocks = []
-        self.names.owner = {}
-        for tracker in self._attached:
-            tracker.end_step()
+    def refuse(self, error: type[Exception], what: str) -> None:
+        """Refuse a close: drop what was recorded for it and raise ``error`` saying so."""
+        keys = self.buffer.keys()
+        self.discard()
+        shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more"
+                                                         if len(keys) > 8 else "")
+        dropped = (f"its records were dropped ({len(keys)} keys: {shown})" if keys
+                   else "nothing was recorded for it")
+        raise error(f"rank {self.rank}: {what}; {dropped} and nothing was sent; the open "
+                    f"step is {self.step}, and the next step named is taken")
+
+    def discard(self) -> int:
+        """Drop what was recorded for the open step; return how many keys were dropped. The
+        next step the caller names is taken."""
+        self.known = False
+        return self.buffer.discard()
+
+    def open(self, step: int) -> None:
+        self.step = step
+        self.buffer.opened(f"step {step}")
+
+    def answered(self, ack: dict[str, Any], batch: Batch) -> None:
+        """Say what the service's answer to ``batch`` means for this rank: a late step, a
+        notice, or (a first flush for a step already final) a late join."""
+        self.flushes += 1
+        last_final = ack.get("last_final_step")
+        joined_late = (ack["status"] == "late" and self.flushes == 1 and last_final is not None
+                       and batch.step < last_final)
+        if ack["status"] == "late" and not joined_late:
+            warnings.warn(LateBatch(
+                f"rank {self.rank}: step {batch.step} was published without it (straggler "
+                f"timeout); this batch is journaled as late and not merged"), stacklevel=3)
+        if ack.get("notice"):
+            warnings.warn(ServiceNotice(f"rank {self.rank}: {ack['notice']}"), stacklevel=3)
+        if joined_late:  # the client started at the wrong step: to the open step, loudly
+            open_step = (last_final or batch.step) + 1
+            self.open(max(self.step, open_step))
+            raise StepAlreadyFinal(
+                f"rank {self.rank}: step {batch.step} is already final (the service has "
+                f"published up to step {open_step - 1}); this batch was journaled as late, "
+                f"not merged. The open step is {open_step}: this client now records for it "
+                f"(start clients with start_step=..., or name steps with "
+                f"wait_submit(step=...))")
+

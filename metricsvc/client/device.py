@@ -6,14 +6,12 @@ ops (no ``where``, no ``nonzero``)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
-from metricsvc.client.tensors import _INF, _row_of, _torch
-from metricsvc.protocol import (
+from metricsvc.client.tensors import INF, row_of, torch_module
+from metricsvc.core.records import (
     COUNT,
     M2_ROOT,
     MAX,
@@ -27,28 +25,6 @@ from metricsvc.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-_accelerator_path_on_cpu = 0
-
-
-@contextlib.contextmanager
-def accelerator_path_on_cpu() -> Iterator[None]:
-    """Summarise CPU tensors with the accelerator path (sync-free, whole-tensor ops) inside
-    the block: how a machine without an accelerator tests that path and counts its host
-    reads (there must be none). Outside it, CPU tensors take the host path, which reads
-    values freely: on the CPU that is not a device sync."""
-    global _accelerator_path_on_cpu
-    _accelerator_path_on_cpu += 1
-    try:
-        yield
-    finally:
-        _accelerator_path_on_cpu -= 1
-
-
-def _on_host(x: Any, compile: bool | None) -> bool:
-    # compile=True asks for the fused kernel, wherever the tensor is.
-    return x.device.type == "cpu" and not _accelerator_path_on_cpu and compile is not True
 
 
 def compile_default() -> bool:
@@ -66,7 +42,7 @@ class _MaskPack:
     """
 
     def __init__(self, mask: Any, like: Any) -> None:
-        torch = _torch()
+        torch = torch_module()
         self.scratch = torch.empty_like(like)
         self.scratch64 = torch.empty(like.shape, dtype=torch.float64, device=like.device)
         if mask is None:
@@ -77,7 +53,7 @@ class _MaskPack:
                                     dtype=torch.float64, device=like.device)
         else:
             self.weight = mask.to(like.dtype)  # 1.0 valid, 0.0 masked out
-            self.to_pos = torch.zeros_like(like).masked_fill_(~mask, _INF)
+            self.to_pos = torch.zeros_like(like).masked_fill_(~mask, INF)
             self.to_neg = -self.to_pos
             self.count = mask.sum(-1, dtype=torch.float64)
 
@@ -96,7 +72,7 @@ def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
     flat positions of the min and the max (``[2]``, or ``[K, 2]``; ``argmin`` / ``argmax``
     in place of ``amin`` / ``amax``; still no sync).
     """
-    torch = _torch()
+    torch = torch_module()
     s = p.scratch
     torch.sub(x, x, out=s)
     torch.nan_to_num_(s, nan=1.0)  # 1 where x is NaN/inf, else 0
@@ -119,14 +95,14 @@ def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
     d1 = z.sum(-1)
     q = _norm(z, in_place=True)
     torch.add(x, p.to_pos, out=s) if p.to_pos is not None else s.copy_(x)
-    torch.nan_to_num_(s, nan=_INF, posinf=_INF, neginf=_INF)
+    torch.nan_to_num_(s, nan=INF, posinf=INF, neginf=INF)
     low, at_low = _extreme(s, torch.argmin if locate else None, torch.amin)
     torch.add(x, p.to_neg, out=s) if p.to_neg is not None else s.copy_(x)
-    torch.nan_to_num_(s, nan=-_INF, posinf=-_INF, neginf=-_INF)
+    torch.nan_to_num_(s, nan=-INF, posinf=-INF, neginf=-INF)
     high, at_high = _extreme(s, torch.argmax if locate else None, torch.amax)
     total, low_part, root = from_pivot(count, pivot, d1, q, torch, plain,
                                        centred_exactly(low, high, pivot))
-    row = _row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
+    row = row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
                   nonfinite=nonfinite, sum_lo=low_part)
     return (row, torch.stack([at_low, at_high], -1)) if locate else row
 
@@ -134,7 +110,7 @@ def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
 def _extreme(s: Any, arg: Any, plain: Any) -> tuple[Any, Any]:
     """The extreme of ``s`` along its last dimension as float64 on the device, and (with
     ``arg``) its first flat position there: a gather, nothing read back."""
-    torch = _torch()
+    torch = torch_module()
     if arg is None:
         return plain(s, -1).to(torch.float64), None
     at = arg(s, -1)
@@ -145,7 +121,7 @@ def _norm(dev: Any, in_place: bool = False) -> Any:
     """``sqrt(sum(dev**2))`` along the last dimension of a float64 tensor, squared at a
     power-of-2 scale of its largest element (exact): no overflow past 1e154, no underflow
     below 1e-154, no sync. ``in_place`` scales ``dev`` itself (a scratch buffer)."""
-    torch = _torch()
+    torch = torch_module()
     top = dev.abs().amax(-1)
     # 2**-exponent of the largest, in two halves: 2**1074 (a subnormal's) is past float64.
     half = torch.where(top > 0, -torch.frexp(top)[1], 0).to(torch.float64) / 2
@@ -172,11 +148,11 @@ def _kernel(x: Any, m: Any) -> Any:
     """Fused summaries of ``K`` values ``x`` ``[K, N]`` (float32 or float64) under the mask
     ``m`` (``[1, N]`` for all, or ``[K, N]``): their rows ``[K, NFIELDS]``, selections in
     ``x``'s dtype, sums in float64."""
-    torch = _torch()
+    torch = torch_module()
     finite = torch.isfinite(x)
     use = m & finite
-    low = torch.where(use, x, _INF).amin(-1).to(torch.float64)
-    high = torch.where(use, x, -_INF).amax(-1).to(torch.float64)
+    low = torch.where(use, x, INF).amin(-1).to(torch.float64)
+    high = torch.where(use, x, -INF).amax(-1).to(torch.float64)
     return _fused_rows(x, m, finite, use, low, high)
 
 
@@ -184,10 +160,10 @@ def _kernel_located(x: Any, m: Any) -> tuple[Any, Any]:
     """``_kernel``'s rows, and the flat positions of each min and max ``[K, 2]``, found in
     the pass that finds them (``argmin`` / ``argmax``, then a gather). A kernel of its own:
     an argmin over a long row parallelises less well than a min."""
-    torch = _torch()
+    torch = torch_module()
     finite = torch.isfinite(x)
     use = m & finite
-    lows, highs = torch.where(use, x, _INF), torch.where(use, x, -_INF)
+    lows, highs = torch.where(use, x, INF), torch.where(use, x, -INF)
     at = torch.stack([lows.argmin(-1), highs.argmax(-1)], -1)
     low = lows.gather(-1, at[:, :1]).squeeze(-1).to(torch.float64)
     high = highs.gather(-1, at[:, 1:]).squeeze(-1).to(torch.float64)
@@ -196,7 +172,7 @@ def _kernel_located(x: Any, m: Any) -> tuple[Any, Any]:
 
 def _fused_rows(x: Any, m: Any, finite: Any, use: Any, low: Any, high: Any) -> Any:
     """The rows of the fused kernels, from each value's valid positions and extremes."""
-    torch = _torch()
+    torch = torch_module()
     z = torch.where(use, x, 0).to(torch.float64)  # exact: selection, then widening
     count = use.sum(-1, dtype=torch.float64)
     plain = z.sum(-1)
@@ -229,7 +205,7 @@ def _run_compiled(x: Any, m: Any, locate: bool) -> Any:
     try:
         fn = _compiled.get(locate)
         if fn is None:
-            fn = _compiled[locate] = _torch().compile(
+            fn = _compiled[locate] = torch_module().compile(
                 _kernel_located if locate else _kernel, dynamic=True, fullgraph=True)
         return fn(x, m)
     except Exception as err:  # no compiler, unsupported backend: eager is always right
@@ -243,7 +219,7 @@ def flat_value(v: Any) -> tuple[tuple, Any]:
     what it is summarised with: the values of one dtype, device and length (``device_rows``)."""
     x = v.reshape(-1)
     if not x.is_floating_point():
-        x = x.to(_torch().float64)
+        x = x.to(torch_module().float64)
     return (x.dtype, x.device, x.numel()), x
 
 
@@ -257,7 +233,7 @@ def device_rows(values: list[tuple[str, Any]], mask: Any, compile: bool | None, 
     ``locate``, where each min and max lies into ``at``): stacked ``[K, N]``, so a call's
     values take the kernels of one (a kernel launch costs a device more than its work on a
     batch's tensors), at most ``STACK_MAX`` values at a time."""
-    torch = _torch()
+    torch = torch_module()
     n = values[0][1].numel()
     per_mask = mask is not None and mask.dim() == 2
     fused = _use_compiled(values[0][1], compile)
@@ -284,7 +260,7 @@ def number_rows(x: Any, m: Any, locate: bool) -> Any:
     ``[K, 1]``), in a few whole-tensor ops: what the summary of one number is (its sum, a
     count of 1, its min and max, no spread), or the empty record where it is masked out or
     not finite (counted as such). With ``locate``, its position: the only one there is."""
-    torch = _torch()
+    torch = torch_module()
     v = x.reshape(-1).to(torch.float64)
     finite = torch.isfinite(v)
     valid = finite if m is None else finite & m.reshape(-1)
@@ -293,7 +269,7 @@ def number_rows(x: Any, m: Any, locate: bool) -> Any:
     cols = [zero] * NFIELDS
     cols[SUM] = torch.where(valid, v, 0.0)
     cols[COUNT] = valid.to(torch.float64)
-    cols[MIN], cols[MAX] = torch.where(valid, v, _INF), torch.where(valid, v, -_INF)
+    cols[MIN], cols[MAX] = torch.where(valid, v, INF), torch.where(valid, v, -INF)
     cols[NONFINITE] = bad.to(torch.float64)
     rows = torch.stack(cols, -1)
     return (rows, torch.zeros((len(v), 2), dtype=torch.int64, device=v.device)) if locate \
@@ -304,7 +280,7 @@ def _fused(x: Any, m: Any, locate: bool) -> Any:
     """``_run_compiled`` on ``x`` ``[K, N]`` in its one form (see there), both inputs tensors
     of their own: dynamo guards a view on the tensor it views, so a view would compile
     graphs of its own (one copy of a value costs a device less than a compile)."""
-    torch = _torch()
+    torch = torch_module()
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
     elif x._is_view():

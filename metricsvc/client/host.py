@@ -15,13 +15,12 @@ import numpy as np
 
 from metricsvc.client.tensors import (
     Difference,
-    MaskCache,
-    _identity_row,
-    _memory,
-    _numpy_dtypes,
-    _torch,
+    identity_row,
+    memory_of,
+    numpy_dtypes,
+    torch_module,
 )
-from metricsvc.protocol import (
+from metricsvc.core.records import (
     COUNT,
     EXACT_SUM_MAX,
     M2_ROOT,
@@ -41,6 +40,72 @@ from metricsvc.protocol import (
 
 log = logging.getLogger(__name__)
 
+_ARANGE_MAX = 1 << 20  # masks up to this size pick their positions from a kept arange
+
+
+class MaskCache:
+    """The masks a client used this step (flat, with their count of valid positions; their
+    positions made on first ask), found once per mask, and the scratch buffers of the CPU
+    summaries, kept across steps (fresh multi-MB buffers every step cost more in page
+    faults than the arithmetic).
+
+    A mask entry holds its mask (so its memory cannot be reused by another mask meanwhile)
+    and the mask's version counter (so an in-place change is noticed). ``clear`` it when
+    the step is closed; the buffers stay.
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._entries: list[tuple[Any, int, Any]] = []
+        self._buffers: dict[tuple[Any, str], Any] = {}
+        self._arange = np.arange(0)  # positions to pick a mask's valid ones from
+
+    def valid(self, mask: Any) -> tuple[np.ndarray, int]:
+        """Return ``(flat, n)``: ``mask`` (a CPU bool tensor) as a flat numpy bool array and
+        its count of True, found once per mask and step."""
+        return self._entry(mask)[:2]
+
+    def index(self, mask: Any) -> Any:
+        """Return the flat indices (an int64 CPU tensor) where ``mask`` (a CPU bool tensor)
+        is True (made on first ask: a gather picks by the bool mask itself)."""
+        entry = self._entry(mask)
+        if entry[2] is None:
+            flat = entry[0]
+            # picking from a kept ``arange`` is faster than ``flatnonzero`` counting them
+            if flat.size <= _ARANGE_MAX:
+                if self._arange.size < flat.size:
+                    self._arange = np.arange(flat.size)
+                entry[2] = torch_module().from_numpy(self._arange[: flat.size][flat])
+            else:
+                entry[2] = torch_module().from_numpy(np.flatnonzero(flat))
+        return entry[2]
+
+    def _entry(self, mask: Any) -> list:
+        for held, version, entry in self._entries:
+            if (held.data_ptr() == mask.data_ptr() and held.shape == mask.shape
+                    and held.stride() == mask.stride() and mask._version == version):
+                return entry
+        flat = mask.numpy().reshape(-1)
+        entry = [flat, int(np.count_nonzero(flat)), None]
+        self._entries = [(mask, mask._version, entry), *self._entries][: self.size]
+        return entry
+
+    def buffer(self, dtype: Any, role: str, n: int) -> Any:
+        """Return a 1-D CPU scratch tensor of ``n`` elements of ``dtype`` for ``role``."""
+        buf = self._buffers.get((dtype, role))
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[(dtype, role)] = torch_module().empty(n, dtype=dtype)
+        return buf[:n]
+
+    def __len__(self) -> int:
+        """The masks held (prepared in this step)."""
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries = []
+
+
+
 
 _SAFE_SQUARES = (1e-280, 1e280)  # sums of squares that neither underflowed nor overflowed
 _CHUNK = 1 << 16  # float64 accumulation in pieces of 512 KiB: no whole-tensor float64 copy
@@ -53,11 +118,11 @@ def _min_max(v: Any, locate: bool) -> tuple[float, float, tuple[int, int] | None
     torch's ``aminmax``, one pass for both (numpy's ``min`` and ``max`` are two, each as
     fast); located, numpy's SIMD ``argmin`` / ``argmax`` where it can view the dtype
     (several times faster than torch's on the CPU), else torch's."""
-    torch = _torch()
+    torch = torch_module()
     if not locate:  # one pass for both (numpy's min and max are two)
         low, high = torch.aminmax(v)
         return low.item(), high.item(), None
-    if v.dtype in _numpy_dtypes(torch):
+    if v.dtype in numpy_dtypes(torch):
         x = v.numpy()
         at = (int(x.argmin()), int(x.argmax()))
         return float(x[at[0]]), float(x[at[1]]), at
@@ -71,7 +136,7 @@ def _host_row(total: float, n: float, low: float, high: float, root: float,
     row = np.empty(NFIELDS)
     row[SUM], row[COUNT], row[MIN], row[MAX] = total, n, low, high
     row[M2_ROOT], row[NONFINITE], row[SUM_LO] = root, 0.0, total_lo
-    return _torch().from_numpy(row)
+    return torch_module().from_numpy(row)
 
 
 def stacked_rows(stacked: np.ndarray, valid: np.ndarray | None = None, locate: bool = False
@@ -120,7 +185,7 @@ def stacked_rows(stacked: np.ndarray, valid: np.ndarray | None = None, locate: b
     return rows, ok, at
 
 
-class _HostPass:
+class HostPass:
     """CPU summaries of the values of one call under one mask.
 
     The mask is read once per step (``MaskCache``: flat, with its count of valid
@@ -153,7 +218,7 @@ class _HostPass:
         ``locate``, ``at`` then holds where each key's min and max lie)."""
         # What a Difference reads stays gathered for the call; every other large value
         # is gathered into one shared buffer and summarised before the next is gathered.
-        keep = {_memory(t) for v in values.values() if isinstance(v, Difference)
+        keep = {memory_of(t) for v in values.values() if isinstance(v, Difference)
                 for t in (v.a, v.b)}
         out: dict[str, Any] = {}
         small: dict[int, dict[str, Any]] = {}  # length -> {key: numpy array}
@@ -170,9 +235,9 @@ class _HostPass:
                 elif g.numel():
                     out[key], found[key] = self._row(g)
                 else:
-                    out[key] = _identity_row()
+                    out[key] = identity_row()
                 continue
-            where = _memory(v)
+            where = memory_of(v)
             if where in done:
                 same[key] = done[where]
                 continue
@@ -180,10 +245,10 @@ class _HostPass:
             g = self._gather(v, where, where in keep)
             n = g.numel()
             if n == 0:
-                out[key] = _identity_row()
+                out[key] = identity_row()
             elif n <= _TINY:
                 out[key], found[key] = self._tiny_row(g)
-            elif n < _SMALL and g.dtype in _numpy_dtypes(_torch()):
+            elif n < _SMALL and g.dtype in numpy_dtypes(torch_module()):
                 small.setdefault(n, {})[key] = g.numpy()
             else:
                 out[key], found[key] = self._row(g)
@@ -212,10 +277,10 @@ class _HostPass:
         held = self._kept.get(where)
         if held is not None:
             return held[1]
-        torch = _torch()
+        torch = torch_module()
         flat = x.reshape(-1)
         if self.valid is not None and self.n != flat.numel():
-            if flat.dtype in _numpy_dtypes(torch):  # numpy picks by the bool mask itself
+            if flat.dtype in numpy_dtypes(torch):  # numpy picks by the bool mask itself
                 flat = torch.from_numpy(flat.numpy()[self.valid])
             else:
                 index = self.cache.index(self.mask)
@@ -230,9 +295,9 @@ class _HostPass:
     def _difference(self, d: Difference) -> Any:
         """``a - b`` over the valid positions only, in float64: exact for float32 and
         smaller inputs, and no larger than the two inputs together."""
-        ga = self._gather(d.a, _memory(d.a), True)
-        gb = self._gather(d.b, _memory(d.b), True)
-        res = self.cache.buffer(_torch().float64, "difference", ga.numel())
+        ga = self._gather(d.a, memory_of(d.a), True)
+        gb = self._gather(d.b, memory_of(d.b), True)
+        res = self.cache.buffer(torch_module().float64, "difference", ga.numel())
         return res.copy_(ga).sub_(gb)
 
     def _tiny_row(self, v: Any) -> tuple[Any, tuple[int, int] | None]:
@@ -256,7 +321,7 @@ class _HostPass:
     def _small_rows(self, group: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
         """Rows of same-length numpy values, stacked: one pass per statistic for all
         (``stacked_rows``); one with a value not finite or past 1e150 on its own."""
-        torch = _torch()
+        torch = torch_module()
         arrays = list(group.values())
         stacked = (np.stack(arrays) if len(arrays) > 1 else arrays[0][None]).astype(
             np.float64, copy=False)  # exact widening of small values
@@ -277,7 +342,7 @@ class _HostPass:
         double-double and M2 loses nothing to cancellation. When locating, the min and
         max come from ``argmin`` / ``argmax`` (their first positions, returned too).
         """
-        torch = _torch()
+        torch = torch_module()
         n = v.numel()
         if not v.is_floating_point():
             v = v.to(torch.float64)  # ints and bools: exact in float64
@@ -308,7 +373,7 @@ class _HostPass:
     def _sums(self, v: Any, pivot: float) -> tuple[float, float]:
         """``(sum(v - pivot), sum((v - pivot)**2))`` in float64, widened and centred a
         cache-sized chunk at a time (never a whole float64 copy)."""
-        torch = _torch()
+        torch = torch_module()
         if v.dtype == torch.float64 and not pivot:  # already wide: no copy to make
             return v.sum().item(), torch.dot(v, v).item()
         n = v.numel()
@@ -326,12 +391,12 @@ class _HostPass:
 
     def _row_nonfinite(self, v: Any) -> tuple[Any, tuple[int, int] | None]:
         """The row of ``v`` when something in it is not finite (or its sum overflows)."""
-        torch = _torch()
+        torch = torch_module()
         if not v.is_floating_point():
             v = v.to(torch.float64)
         finite = torch.isfinite(v)
         good = v[finite]  # the rare path: a copy of the finite values is fine
-        row, at = self._row(good, clean=True) if good.numel() else (_identity_row(), None)
+        row, at = self._row(good, clean=True) if good.numel() else (identity_row(), None)
         row[NONFINITE] = float(v.numel() - good.numel())
         if at is not None:  # positions among the finite values -> in v
             kept = torch.nonzero(finite).reshape(-1)

@@ -280,11 +280,6 @@ def encode_derived(declarations: Iterable[Derived],
     return json.dumps(items, separators=(",", ":")).encode("utf-8") if items else b""
 
 
-def decode_derived(blob: bytes) -> tuple[Derived, ...]:
-    """Return the derived-metric declarations a batch carries (see ``decode_declarations``)."""
-    return decode_declarations(blob)[0]
-
-
 @functools.lru_cache(maxsize=256)  # ranks send the same declarations every step
 def decode_declarations(blob: bytes) -> tuple[tuple[Derived, ...], dict[str, tuple[str, str]]]:
     """Return the declarations a batch carries, each checked as the client checked it, and

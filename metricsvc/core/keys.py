@@ -1,8 +1,6 @@
-"""Key and name rules shared by every side: ranks, the service, sinks and the CLI.
-
-A leaf module: it imports nothing else from ``metricsvc``, so both the client and the
-service can import it without pulling in the other.
-"""
+"""The rules every side checks names, ranks and steps by: ranks, the service, sinks and
+the CLI. It imports only ``metricsvc.core.limits``, so both the client and the service
+import it without pulling in the other."""
 
 from __future__ import annotations
 
@@ -37,6 +35,12 @@ def check_key(key: object, max_length: int = MAX_KEY_LENGTH) -> str:
     if not key.isprintable():
         raise ValueError(f"metric key {key!r} contains non-printable characters")
     return key
+
+
+def is_int(value: object) -> bool:
+    """The rule for a count, a step or a rank: an ``int``, never a ``bool`` (which Python
+    counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_rank(rank: object, world_size: object) -> tuple[int, int]:

@@ -1,12 +1,10 @@
-"""The defaults and rules that more than one part reads, each written once.
-
-The config (``metricsvc.config``), the merge, the ranks' clients, the combiners and the
-sinks read these; none writes its own copy. A leaf module: it imports nothing.
-"""
+"""The limits and defaults more than one part reads, each written once, and the one cache
+type of what ranks send again every step. A leaf module: it imports nothing."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # -- the merge's admission -----------------------------------------------------------------
 MAX_PENDING_STEPS = 64  # steps open at once; one more is refused
@@ -39,15 +37,17 @@ class Limits:
 LIMITS = Limits()  # the defaults
 
 
-def remember(cache: dict, key: object, value: object, capacity: int) -> None:
-    """``cache[key] = value``, first forgetting the oldest entry once ``capacity`` are held:
-    the rule of the caches of what ranks send again every step (their keys)."""
-    if key not in cache and len(cache) >= capacity:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
+class Recent(dict):
+    """A dict of at most ``capacity`` entries that forgets the oldest first: every cache of
+    what ranks send again each step (key tuples, their checks, plans) is one of these."""
 
+    __slots__ = ("capacity",)
 
-def is_int(value: object) -> bool:
-    """The rule for a count, a step or a rank: an ``int``, never a ``bool`` (which Python
-    counts as one)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self and len(self) >= self.capacity:
+            del self[next(iter(self))]
+        super().__setitem__(key, value)

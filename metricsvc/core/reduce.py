@@ -20,6 +20,7 @@ from typing import Literal
 
 import numpy as np
 
+from metricsvc.core.limits import Recent
 from metricsvc.core.records import (
     COUNT,
     M2_ROOT,
@@ -148,7 +149,7 @@ class KindResolver:
 
     def __init__(self, rules: Mapping[str, ReduceType | str] | None = None) -> None:
         self._rules = [(p, ReduceType.parse(k)) for p, k in (rules or {}).items()]
-        self._cache: dict[str, ReduceType] = {}
+        self._cache: Recent = Recent(100_000)
 
     def resolve(self, key: str, code: int) -> ReduceType:
         """Return the kind for ``key`` sent with wire ``code``."""
@@ -166,21 +167,14 @@ class Renamer:
     def __init__(self, renames: Mapping[str, str] | None = None) -> None:
         # Longest prefix first so that nested prefixes rename predictably.
         self._pairs = sorted((renames or {}).items(), key=lambda kv: -len(kv[0]))
-        self._names: tuple[OutputRules | None, dict] = (None, {})
-
-    def names(self, rules: OutputRules) -> dict[tuple[str, ReduceType], tuple[str, ...]]:
-        """``{(key, kind): renamed output names}`` under ``rules`` worked out so far, kept
-        while the rules are the same (keys recur every step; ``exported`` adds one)."""
-        if self._names[0] is not rules:
-            self._names = (rules, {})
-        return self._names[1]
+        self._names: Recent = Recent(100_000)  # (key, kind, rules) -> renamed output names
 
     def exported(self, key: str, kind: ReduceType, rules: OutputRules) -> tuple[str, ...]:
         """The names a key recorded with ``kind`` is exported as, renamed."""
-        names = self.names(rules)
-        got = names.get((key, kind))
+        got = self._names.get((key, kind, rules))
         if got is None:
-            got = names[(key, kind)] = tuple(self(n) for n in output_names(key, kind, rules))
+            got = self._names[(key, kind, rules)] = tuple(
+                self(n) for n in output_names(key, kind, rules))
         return got
 
     def __call__(self, key: str) -> str:
@@ -315,21 +309,38 @@ VALUE_COLUMNS: dict[ReduceType, tuple[str | int, ...]] = {
 }
 
 
-def finalize_columns(data: np.ndarray, names: Sequence[str],
-                     cells: Sequence[tuple[str | int, int]],
-                     rules: OutputRules = OutputRules()) -> dict[str, float] | None:
-    """``finalize`` for keys whose kinds are all in ``VALUE_COLUMNS`` and whose exported
-    names are distinct (``names[j]`` is read from ``cells[j]``: a column and a row of
-    ``data``): a column at a time, no per-key work. The same numbers, in the same order.
-    None where it does not apply: an empty record (which exports nothing, or SUM's 0), or
-    a non-finite value under ``nonfinite: propagate``; ``finalize`` then does it."""
-    if not (data[:, COUNT] > 0).all():
-        return None
-    if rules.nonfinite == "propagate" and data[:, NONFINITE].any():
-        return None
-    cols = {"mean": means(data), MIN: data[:, MIN].tolist(), MAX: data[:, MAX].tolist(),
-            SUM: data[:, SUM].tolist()}
-    return dict(zip(names, [cols[c][r] for c, r in cells]))
+@dataclass(frozen=True)
+class Exports:
+    """What a set of keys exports, worked out once per key set and kinds (they recur every
+    step): each exported name, in key order, with the row its value comes from and where in
+    that row's values (``finalize_row``) it stands; ``columns``, where every kind reads its
+    values from columns (``VALUE_COLUMNS``) and no name is exported twice, the column of
+    each name, so a step's values are read a column at a time."""
+
+    names: tuple[str, ...]
+    rows: tuple[int, ...]
+    positions: tuple[int, ...]
+    kinds: tuple[ReduceType, ...]  # of every row
+    columns: tuple[str | int, ...] | None
+
+    @classmethod
+    def of(cls, keys: Sequence[str], kinds: Sequence[ReduceType], rules: OutputRules,
+           rename: Renamer | None = None, skip: Sequence[int] = ()) -> Exports:
+        """The exports of ``keys`` recorded with ``kinds``, renamed, without rows ``skip``."""
+        rename = rename or Renamer()
+        left_out = set(skip)
+        names, rows, positions, columns = [], [], [], []
+        for i, (key, kind) in enumerate(zip(keys, kinds)):
+            if i in left_out:
+                continue
+            exported = rename.exported(key, kind, rules)
+            names.extend(exported)
+            rows.extend([i] * len(exported))
+            positions.extend(range(len(exported)))
+            columns.extend(VALUE_COLUMNS.get(kind) or [None] * len(exported))
+        plain = None not in columns and len(set(names)) == len(names)
+        return cls(tuple(names), tuple(rows), tuple(positions), tuple(kinds),
+                   tuple(columns) if plain else None)
 
 
 def finalize(
@@ -341,32 +352,42 @@ def finalize(
     rules: OutputRules = OutputRules(),
     rename: Renamer | None = None,
     collisions: dict[str, list[str]] | None = None,
+    exports: Exports | None = None,
 ) -> dict[str, float]:
     """Return ``{output name: value}`` for merged records; empty populations are omitted.
 
     Two keys exporting one name never overwrite each other: the key first in
     alphabetical order keeps it, whatever order the keys arrived in, and ``collisions``
-    (if given) receives ``{name: [keys exporting it, the one kept first]}``.
+    (if given) receives ``{name: [keys exporting it, the one kept first]}``. ``exports``:
+    ``Exports.of`` these keys (a caller that finalises the same keys every step keeps it).
     """
-    rename = rename or Renamer()
+    exports = exports or Exports.of(keys, kinds, rules, rename)
+    populated = data[:, COUNT] > 0
+    plain = exports.columns is not None and bool(populated.all()) and not (
+        rules.nonfinite == "propagate" and data[:, NONFINITE].any())
+    if plain:  # every value read a column at a time: no per-key work
+        cols = {"mean": means(data), MIN: data[:, MIN].tolist(), MAX: data[:, MAX].tolist(),
+                SUM: data[:, SUM].tolist()}
+        return dict(zip(exports.names, [cols[c][r] for c, r in zip(exports.columns,
+                                                                    exports.rows)]))
     sketches = sketches or {}
+    every = means(data)
+    values: dict[int, tuple[float, ...] | None] = {}
     out: dict[str, float] = {}
     source: dict[str, str] = {}
-    names = rename.names(rules)
-    # Python floats, read once: a numpy scalar per field and key cost more than the values
-    for i, (key, kind, row, m) in enumerate(zip(keys, kinds, data.tolist(), means(data))):
-        values = finalize_row(row, kind, sketches.get(i), rules, m)
-        if values is None:
+    for name, row, position in zip(exports.names, exports.rows, exports.positions):
+        if row not in values:
+            values[row] = finalize_row(data[row].tolist(), exports.kinds[row],
+                                       sketches.get(row), rules, every[row])
+        found = values[row]
+        if found is None:
             continue
-        exported = names.get((key, kind)) or rename.exported(key, kind, rules)
-        for name, value in zip(exported, values):
-            held = source.get(name)
-            if held is not None:
-                if collisions is not None:
-                    collisions[name] = sorted({*collisions.get(name, [held]), key})
-                if key < held:
-                    out[name], source[name] = value, key
-                continue
-            out[name] = value
-            source[name] = key
+        key, held = keys[row], source.get(name)
+        if held is not None:
+            if collisions is not None:
+                collisions[name] = sorted({*collisions.get(name, [held]), key})
+            if key < held:
+                out[name], source[name] = found[position], key
+            continue
+        out[name], source[name] = found[position], key
     return out

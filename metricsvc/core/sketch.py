@@ -82,7 +82,7 @@ def _bounds(alpha: float) -> np.ndarray:
         table = np.power(spec.gamma, np.arange(spec.low, last + 1, dtype=np.float64))
     table = np.maximum.accumulate(np.concatenate([[0.0], table[1:]]))
     table = table[: int(np.argmax(np.isinf(table))) + 1]  # ends at its first inf
-    table.flags.writeable = False
+    table.setflags(write=False)
     return table
 
 

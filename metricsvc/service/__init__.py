@@ -1,10 +1,11 @@
-"""The service: the MetricWorker actor and the parts of a step's life.
+"""The service: the step's life as a pure engine under a thin actor shell.
 
-Aggregation (``aggregator``: batches in, finished steps out), the run's world size and
-lagging ranks (``ranks``), admission, step output and derivation, results for readers,
-streams, rewinds, the straggler timer, the per-node combiner, and starting and stopping
-it all from a driver (``start``). It may import ``metricsvc.core``, ``metricsvc.storage``,
-``metricsvc.sinks``, ``metricsvc.config`` and ``metricsvc.protocol``; never torch nor
-``metricsvc.client``. The merge (``aggregator`` and what it holds) loads neither Ray nor
-pydantic.
+The engine (``engine``, with what it holds: ``steps``, ``output``, ``derive``,
+``streams``) takes decoded batches and a clock and gives finished steps and answers: no
+Ray, no threads, no I/O. The shell (``worker``: the MetricWorker actor) holds the locks,
+the readers, the timer, the sinks' hand-off and the run folder; ``observe`` reports its
+health to Ray's metrics; ``combiner`` gathers a node's ranks; ``start`` starts, finds and
+stops it from a driver. It may import ``metricsvc.core``, ``metricsvc.storage``,
+``metricsvc.sinks``, ``metricsvc.config``, ``metricsvc.calls`` and ``metricsvc.errors``;
+never torch nor ``metricsvc.client``.
 """

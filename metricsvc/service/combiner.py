@@ -19,14 +19,12 @@ from typing import Any
 
 import ray
 
+from metricsvc.calls import ACTOR_ERRORS, Outbox, backoff, is_stale, next_pause
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
-from metricsvc.core.batch import Batch
 from metricsvc.core.keys import combiner_name
 from metricsvc.core.limits import RETRY_S
-from metricsvc.core.resend import Outbox, deliver, is_stale
-from metricsvc.core.validation import check_batch
-from metricsvc.core.wire import as_batch, encode
-from metricsvc.protocol import ACTOR_ERRORS, ServiceUnavailable, backoff, next_pause
+from metricsvc.core.wire import Batch, encode, receive
+from metricsvc.errors import ServiceUnavailable
 from metricsvc.service.observe import CombinerMetrics
 
 log = logging.getLogger(__name__)
@@ -84,8 +82,7 @@ class CombinerImpl:
 
     async def _submit(self, item: Batch | bytes) -> dict[str, Any]:
         self.calls["submit"] += 1
-        limits = self.config.limits.to_limits()
-        batch = check_batch(as_batch(item, limits), limits)
+        batch = receive(item, self.config.limits.to_limits())
         blob = item if isinstance(item, bytes) else encode(batch)
         self._ensure_ticker()
         self.local_ranks.add(batch.rank)
@@ -133,7 +130,7 @@ class CombinerImpl:
                 return await upstream.submit_many.remote(batches, self._outbox.epoch,
                                                          self._report())
             except ACTOR_ERRORS as err:  # the one retry rule (dead for good: at once)
-                await asyncio.sleep(next_pause(upstream, "submit_many", err, pauses, RETRY_S,
+                await asyncio.sleep(next_pause(err, "submit_many", pauses, RETRY_S,
                                                f"MetricWorker {self.config.name!r}"))
 
     async def _forward_gathered(self, step: int) -> None:
@@ -162,7 +159,7 @@ class CombinerImpl:
             self._lock = asyncio.Lock()
         async with self._lock:  # one forward at a time keeps steps in order upstream
             self._outbox.sent(step, batches)
-            exchange = deliver(self._outbox, batches)
+            exchange = self._outbox.exchange(batches)
             payload = next(exchange)
             while True:
                 ack = await self._call_upstream(payload)

@@ -17,11 +17,12 @@ import fnmatch
 import importlib.util
 import logging
 import threading
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
+
+from metricsvc.core.limits import Recent
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +124,9 @@ class LiveMetrics:
         self.patterns = tuple(export)
         self.reports = 0
         self.errors = 0
-        self._chosen: dict[tuple[str, ...], list[str]] = {}  # step keys -> exported ones
+        self._chosen: Recent = Recent(64)  # step keys -> the exported ones
         self._series: dict[str, Any] = {}
         self._step: tuple[int, dict[str, float]] | None = None  # the newest, as exported
-        # Finished steps noted since the last report: (step, age_s, chosen metrics)
-        self._finished: deque[tuple[int, float | None, dict[str, float]]] = deque(maxlen=10_000)
         if self.off is None:
             try:
                 self._create()
@@ -162,41 +161,42 @@ class LiveMetrics:
                 "reports": self.reports, "errors": self.errors,
                 "step_metrics": list(self.patterns)}
 
-    def report(self, health: Mapping[str, Any]) -> None:
-        """Set every series from ``health`` (a ``health()`` dict)."""
+    def report(self, health: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+               finished: Sequence[Any] = ()) -> None:
+        """Set every series from ``health`` (a ``health()`` dict, or what reads it) and the
+        steps ``finished`` since the last report (each a ``StepResult``: its wait, and the
+        metrics ``metrics.export`` names). A report never takes the service down: what
+        fails is counted (``errors``) and logged."""
         if not self.on:
             return
+        try:
+            self._report(health() if callable(health) else health, finished)
+        except Exception:
+            self.errors += 1
+            log.exception("reporting the service's health to Ray's metrics failed")
+
+    def _report(self, health: Mapping[str, Any], finished: Sequence[Any]) -> None:
         tags = {"service": self.service}
         self._health.report(health, tags)
         for sink, state in (health.get("sinks") or {}).items():
             self._sinks.report(state, {"service": self.service, "sink": sink})
-        while self._finished:
-            step, age, chosen = self._finished.popleft()
-            if age is not None:
+        for result in finished:
+            age = result.meta.get("age_s")
+            if isinstance(age, (int, float)):
                 self._series[WAIT].observe(max(age, 0.0), tags=tags)
-            if self.patterns:
-                self._step = (step, chosen)
+        if self.patterns and finished:
+            self._step = (finished[-1].step, self._chosen_of(finished[-1].metrics))
         self._show_step(tags)
         self.reports += 1
 
-    def step(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        """A finished step: its wait, and the metrics ``metrics.export`` names. Only noted
-        here (plain Python, on the merge path); the next report gives them to Ray."""
-        if not self.on:
-            return
-        age = meta.get("age_s")
-        chosen: dict[str, float] = {}
-        if self.patterns:
-            keys = tuple(metrics)
-            names = self._chosen.get(keys)
-            if names is None:
-                names = [k for k in keys if any(fnmatch.fnmatchcase(k, p)
-                                                for p in self.patterns)]
-                if len(self._chosen) > 64:
-                    self._chosen.clear()
-                self._chosen[keys] = names
-            chosen = {k: float(metrics[k]) for k in names if isinstance(metrics[k], (int, float))}
-        self._finished.append((step, age if isinstance(age, (int, float)) else None, chosen))
+    def _chosen_of(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The metrics of a step that ``metrics.export`` names."""
+        keys = tuple(metrics)
+        names = self._chosen.get(keys)
+        if names is None:
+            names = self._chosen[keys] = [k for k in keys if any(
+                fnmatch.fnmatchcase(k, p) for p in self.patterns)]
+        return {k: float(metrics[k]) for k in names if isinstance(metrics[k], (int, float))}
 
     def _show_step(self, tags: dict[str, str]) -> None:
         """Set the step gauges to the newest finished step's (again at every report: a
@@ -215,8 +215,11 @@ class Reporter:
     path waits for it)."""
 
     def __init__(self, live: LiveMetrics, health: Callable[[], Mapping[str, Any]],
-                 interval_s: float) -> None:
-        self.live, self.health, self.interval_s = live, health, interval_s
+                 results: Any, interval_s: float) -> None:
+        """``results``: the worker's (``since(count)``: the steps published after the first
+        ``count``; ``published``: how many; ``changed``: its condition, on the actor's lock)."""
+        self.live, self.health, self.results, self.interval_s = live, health, results, interval_s
+        self._seen = 0
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -233,11 +236,9 @@ class Reporter:
             self.report()
 
     def report(self) -> None:
-        try:
-            self.live.report(self.health())
-        except Exception:  # a report never takes the service down
-            self.live.errors += 1
-            log.exception("reporting the service's health to Ray's metrics failed")
+        with self.results.changed:  # the actor's lock: no step is put meanwhile
+            finished, self._seen = self.results.since(self._seen), self.results.published
+        self.live.report(self.health, finished)
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):

@@ -2,42 +2,47 @@
 
 Kinds resolved (declared, else the frameworks' meaning of the key, the config's rules, the
 key's last segment), records finalised and renamed, derived metrics evaluated over the
-merged records, histograms of the sketched keys, and the meta that flags what a user should
-not trust blindly (non-finite values, overflow, missing contributors, approximations, name
-collisions).
+merged records, histograms of the sketched keys, where each min and max came from, what
+the exported names mean (their declarations' help and unit, given to the sinks with the
+first step that exports each), and the meta that flags what a user should not trust
+blindly (non-finite values, overflow, missing contributors, approximations, collisions).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from metricsvc.core.declare import is_internal
-from metricsvc.core.extremes import SIDE
-from metricsvc.core.extremes import describe as describe_source
-from metricsvc.core.keys import safe_tag, tag_order
-from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM
+from metricsvc.core.declare import key_pattern
+from metricsvc.core.keys import is_internal, safe_tag, tag_order
+from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SIDE, SUM, describe_source
 from metricsvc.core.reduce import (
     AUTO,
     KINDS,
-    VALUE_COLUMNS,
+    Exports,
     KindResolver,
     OutputRules,
     ReduceType,
     Renamer,
     finalize,
-    finalize_columns,
     is_approximate_plain_key,
 )
 from metricsvc.core.sketch import histogram
-from metricsvc.core.step_result import StepResult
-from metricsvc.service.derive import Deriver
-from metricsvc.service.descriptions import Descriptions
-from metricsvc.service.run_declarations import RunDeclarations
-from metricsvc.service.step import PendingStep
+from metricsvc.service.derive import Deriver, RunDeclarations
+from metricsvc.service.steps import PendingStep
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A finished step, as readers, sinks and the journal see it: exported metrics and
+    what is known about how they were made."""
+
+    step: int
+    metrics: dict[str, float]
+    meta: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -46,17 +51,15 @@ class KeyPlan:
     the same codes (they recur every step): each key's kind, the rows of internal keys,
     the exported names whose min or max ``meta["extremes"]`` places (public keys, by key:
     ``(row, ((side, name), ...))``), the rows a kind's own check flags (``Kind.flag``), the
-    plain keys whose per-rank values cannot merge exactly, and, where every public key's
-    kind reads its values from columns (``VALUE_COLUMNS``) and no two export one name, the
-    exported names and the cell each is read from (``finalize_columns``; else None)."""
+    plain keys whose per-rank values cannot merge exactly, and what the public keys export
+    (``Exports``)."""
 
     kinds: list[ReduceType]
     internal: list[int]
     extremes: list[tuple[int, tuple[tuple[str, str], ...]]]
     flags: list[tuple[int, str, Callable[[np.ndarray], bool]]]
     approximate: list[str]
-    names: list[str] | None = None
-    cells: list[tuple[str | int, int]] | None = None
+    exports: Exports
 
 
 class StepOutput:
@@ -101,80 +104,40 @@ class StepOutput:
                  if (flag := KINDS[kind].flag) is not None]
         approximate = [k for k, c in zip(keys, codes.tolist())
                        if c == AUTO and is_approximate_plain_key(k)]
-        names: list[str] | None = []
-        cells: list[tuple[str | int, int]] = []
-        for i, (key, kind) in enumerate(zip(keys, kinds)):
-            if i in left_out:
-                continue
-            columns = VALUE_COLUMNS.get(kind)
-            exported = self.rename.exported(key, kind, self.output) if columns else ()
-            if columns is None or len(columns) != len(exported):
-                names = None  # a sketch, a std: worked out row by row
-                break
-            names.extend(exported)
-            cells.extend((column, i) for column in columns)
-        if names is not None and len(set(names)) != len(names):
-            names = None  # two keys export one name: ``finalize`` keeps the first key's
-        return KeyPlan(kinds, internal, extremes, flags, approximate, names,
-                       cells if names is not None else None)
+        return KeyPlan(kinds, internal, extremes, flags, approximate,
+                       Exports.of(keys, kinds, self.output, self.rename, internal))
 
     def preview(self, window: Any) -> dict[str, float]:
         """Return what a stream window holds, as metrics (no derivation): what
         ``export_stream`` answers its caller."""
         keys = list(window.keys)
-        return self.metrics(window.merged(), keys, self.kinds(keys, window.codes),
-                            internal_rows(keys), {}, derive=False)
+        data, _, sketches = window.merged()
+        kinds = self.kinds(keys, window.codes)
+        return finalize(keys, kinds, data, sketches=sketches, rules=self.output,
+                        exports=Exports.of(keys, kinds, self.output, self.rename,
+                                           internal_rows(keys)))
 
-    def metrics(self, merged: tuple, keys: list[str], kinds: list[ReduceType],
-                 internal: list[int], declared: Mapping[str, Any], derive: bool = True,
-                 collisions: dict[str, list[str]] | None = None,
-                 plan: KeyPlan | None = None) -> dict[str, float]:
+    def metrics(self, merged: tuple, keys: list[str], plan: KeyPlan,
+                declared: Mapping[str, Any], collisions: dict[str, list[str]]) -> dict[str, float]:
         """Finalise the public keys; evaluate the ``declared`` derived metrics over every
-        record (the ``internal`` ones are their inputs only).
+        record (the internal ones are their inputs only).
 
         A name exported twice (two keys, a rename, a derived metric, or two names one sink
         tag) keeps its first source and is listed in ``collisions``.
         """
         data, _, sketches = merged
-        collisions = {} if collisions is None else collisions
-        metrics = None
-        if plan is not None and plan.names is not None:  # values a column at a time
-            metrics = finalize_columns(data, plan.names, plan.cells, self.output)
-        if metrics is None:
-            metrics = self._finalized(keys, kinds, data, sketches, internal, collisions)
-        if derive:
-            derived = self.deriver.derive(declared, keys, kinds, data, self.output)
-            for key, value in derived.items():
-                name = self.rename(key)
-                if name in metrics:
-                    collisions.setdefault(name, [name]).append(f"derived {key}")
-                else:
-                    metrics[name] = value
+        metrics = finalize(keys, plan.kinds, data, sketches=sketches, rules=self.output,
+                           collisions=collisions, exports=plan.exports)
+        derived = self.deriver.derive(declared, keys, plan.kinds, data, self.output)
+        for key, value in derived.items():
+            name = self.rename(key)
+            if name in metrics:
+                collisions.setdefault(name, [name]).append(f"derived {key}")
+            else:
+                metrics[name] = value
         for tag, names in self._tag_collisions(tuple(metrics)).items():
             collisions[tag] = list(names)
         return metrics
-
-    def _finalized(self, keys: list[str], kinds: list[ReduceType], data: np.ndarray,
-                   sketches: Mapping[int, Any], internal: list[int],
-                   collisions: dict[str, list[str]]) -> dict[str, float]:
-        """The public keys finalised row by row (``finalize``)."""
-        # the public keys: all but the internal ones
-        public_keys, public_kinds, public_data, public_sketches = keys, kinds, data, sketches
-        if internal:
-            left_out = set(internal)
-            public = [i for i in range(len(keys)) if i not in left_out]
-            public_keys, public_kinds = [keys[i] for i in public], [kinds[i] for i in public]
-            public_data = data[public]
-            public_sketches = {j: sketches[i] for j, i in enumerate(public) if i in sketches}
-        return finalize(
-            public_keys,
-            public_kinds,
-            public_data,
-            sketches=public_sketches,
-            rules=self.output,
-            rename=self.rename,
-            collisions=collisions,
-        )
 
     def _tag_collisions(self, names: tuple[str, ...]) -> dict[str, list[str]]:
         """``{sink tag: the names sinks that sanitise names would merge under it}``, the
@@ -193,8 +156,7 @@ class StepOutput:
         merged = p.merged()
         collisions: dict[str, list[str]] = {}
         declared = self.declarations.of(p.declared)
-        metrics = self.metrics(merged, p.keys, kinds, internal, declared,
-                                collisions=collisions, plan=plan)
+        metrics = self.metrics(merged, p.keys, plan, declared, collisions)
         partial = not p.complete
         meta: dict[str, Any] = {
             "partial": partial,
@@ -350,3 +312,75 @@ def _anomalies(p: PendingStep, plan: KeyPlan, merged: tuple) -> dict[str, Any]:
     if plan.approximate:
         out["approximate"] = list(plan.approximate)
     return out
+
+
+class Descriptions:
+    """The run's descriptions, by declared name or key pattern (``timing_s/<stage>``)."""
+
+    def __init__(self) -> None:
+        self.about: dict[str, tuple[str, str]] = {}
+        self._patterns: list[str] = []  # the names with ``<...>`` segments
+        # Exported names given to the sinks (never again) and descriptions journaled, each
+        # with the step whose meta holds it: a rewind before that step gives it again
+        self._shown: dict[str, int] = {}
+        self._journaled: dict[str, int] = {}
+        self._unjournaled: set[str] = set()
+        self._unknown: set[str] = set()  # exported names no description covered (yet)
+
+    def learn(self, about: Mapping[str, Any], step: int) -> dict[str, list[str]]:
+        """Keep what ``about`` says; return the entries to journal with ``step``: the new
+        ones, and those a rewind took out of the latest segment."""
+        new = {name: [str(text[0]), str(text[1])] for name, text in about.items()
+               if tuple(text) != self.about.get(name)}
+        if new:
+            for name, (help_, unit) in new.items():
+                self.about[name] = (help_, unit)
+            self._patterns = [n for n in self.about if "<" in n]
+            self._unknown.clear()  # names without a description may have one now
+        for name in self._unjournaled:
+            new.setdefault(name, list(self.about[name]))
+        self._unjournaled.clear()
+        self._journaled.update(dict.fromkeys(new, step))
+        return new
+
+    def restore(self, meta: Mapping[str, Any], step: int) -> None:
+        """Continue from journaled ``step``'s ``meta`` (after a restart)."""
+        about = meta.get("about")
+        if isinstance(about, dict):
+            self.learn({k: v for k, v in about.items()
+                        if isinstance(v, list) and len(v) == 2}, step)
+        shown = meta.get("descriptions")
+        if isinstance(shown, dict):
+            self._shown.update(dict.fromkeys(shown, step))
+
+    def forget_after(self, step: int) -> None:
+        """A rewind to ``step``: what later steps journaled or showed is given again."""
+        self._unjournaled.update(n for n, at in self._journaled.items() if at > step)
+        self._journaled = {n: at for n, at in self._journaled.items() if at <= step}
+        self._shown = {n: at for n, at in self._shown.items() if at <= step}
+
+    def of(self, names: Iterable[str], step: int) -> dict[str, dict[str, str]]:
+        """Return ``{name: {"help", "unit"}}`` for each of ``names`` not given to the sinks
+        before that a description covers: the name itself, or the key it exports
+        (``key/mean``)."""
+        out = {}
+        for name in names:
+            if name in self._shown or name in self._unknown:
+                continue
+            text = self._find(name)
+            if text is None and "/" in name:
+                text = self._find(name.rsplit("/", 1)[0])  # key/mean, key/p90, ...
+            if text is None:
+                self._unknown.add(name)
+            else:
+                self._shown[name] = step
+                out[name] = {"help": text[0], "unit": text[1]}
+        return out
+
+    def _find(self, key: str) -> tuple[str, str] | None:
+        text = self.about.get(key)
+        if text is None:
+            for pattern in self._patterns:
+                if key_pattern(pattern).match(key) is not None:
+                    return self.about[pattern]
+        return text

@@ -18,14 +18,13 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from metricsvc.config import DEFAULT_NAME, ConfigSource, ServiceConfig, load_config, new_trial
-from metricsvc.core.errors import ServiceNotice, ServiceUnavailable
-from metricsvc.core.keys import default_namespace
+from metricsvc.calls import ray_get
+from metricsvc.config import ConfigSource, ServiceConfig, load_config, new_trial
+from metricsvc.core.keys import DEFAULT_NAME, default_namespace
 from metricsvc.core.redaction import Redactor
-from metricsvc.protocol import ray_get
+from metricsvc.errors import ServiceNotice, ServiceUnavailable
 from metricsvc.service.worker import actor_class
 from metricsvc.sinks.base import check_libraries
-from metricsvc.storage.journal import journal_file
 from metricsvc.storage.run_folder import check_run_dir, probe_run_dir
 
 log = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ def start_metric_worker(
     if cfg.run.trial is not None:  # none runs: a new run, whose folder must be its own
         if not cfg.run.resume:
             run_dir = cfg.run.run_dir().resolve()
-            check_run_dir(run_dir, journal_file(run_dir, cfg.sinks))
+            check_run_dir(run_dir, cfg.journal(run_dir))
         _probe(cfg)
     if cfg.run.trial is None:
         # Fixed here, not in the actor: a restarted actor must find the same run folder.

@@ -10,15 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
-from metricsvc.core.batch import Batch
-from metricsvc.core.errors import BatchRejected
-from metricsvc.core.wire import as_batch
-from metricsvc.service.admission import Admission
-from metricsvc.service.published import Status
-from metricsvc.service.run_declarations import RunDeclarations
-from metricsvc.service.step import Part, PendingStep, Window
+from metricsvc.core.wire import Batch
+from metricsvc.errors import BatchRejected
+from metricsvc.service.steps import PendingStep, Window
 
 STREAM_RANK = 1 << 30  # streams declare after every rank: a rank's declaration goes first
 
@@ -66,56 +60,24 @@ class StreamLedger:
 class Streams:
     """The open window of each stream, and the ledger of what the journal holds."""
 
-    def __init__(self, admission: Admission, counts: dict[str, int]) -> None:
-        self.admission = admission  # the run's: a stream batch keeps the ranks' rules
-        self.counts = counts  # the aggregator's counts, which health() reports
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max_keys  # a window holds at most this many keys (max_keys_per_batch)
         self.windows: dict[str, Window] = {}
         self.ledger = StreamLedger()
         self._exports = 0
 
-    def decode(self, item: Batch | bytes) -> Batch:
-        """Return the Batch that ``item`` is or encodes; malformed bytes count as rejected."""
-        try:
-            return as_batch(item, self.admission.limits)
-        except BatchRejected:
-            self.counts["rejected"] += 1
-            raise
-
-    def submit(self, name: str, client: str, batch: Batch) -> Status:
-        """Add a stream client's batch to the window of stream ``name`` (idempotent).
+    def add(self, name: str, client: str, batch: Batch) -> bool:
+        """Add a stream client's checked batch to the window of stream ``name``; False (and
+        nothing kept) if the window holds it already.
 
         Raises:
-            BatchRejected: the batch breaks a rule, or the window would pass
-                ``limits.max_keys_per_batch``; nothing of it was kept.
+            BatchRejected: the window would pass ``limits.max_keys_per_batch``.
         """
-        try:
-            batch = self.admission.check(batch)
-            window = self.windows.setdefault(name, Window())
-            limit = self.admission.limits.max_keys_per_batch
-            if len(window.keys) + len(batch.keys) > limit:
-                raise BatchRejected(f"stream {name!r}: the window would exceed {limit} keys "
-                                    f"(limit max_keys_per_batch)")
-            if not window.add_batch(client, batch):
-                self.counts["duplicate"] += 1
-                return "duplicate"
-        except BatchRejected:
-            self.counts["rejected"] += 1
-            raise
-        self.counts["stream_batches"] += 1
-        return "merged"
-
-    def fold_into(self, name: str, step: int, target: PendingStep,
-                  declarations: RunDeclarations) -> tuple[Window, Callable[[PendingStep], None]]:
-        """Fold the open window of ``name`` into ``step`` (``target``), under the run's
-        ``declarations``; a new window begins. Returns the exported window and its fold
-        (to apply again when the step is rebuilt). Raises ``BatchRejected`` with the
-        window kept if it cannot merge into the step."""
-        declared = self.window(name).declared.values()
-        declarations.check(declared, step, STREAM_RANK)
-        fold = self.folder(name)
-        fold(target)
-        declarations.adopt(declared, step, STREAM_RANK)
-        return self.exported(name, step), fold
+        window = self.windows.setdefault(name, Window())
+        if len(window.keys) + len(batch.keys) > self.max_keys:
+            raise BatchRejected(f"stream {name!r}: the window would exceed {self.max_keys} "
+                                f"keys (limit max_keys_per_batch)")
+        return window.add_batch(client, batch)
 
     def window(self, name: str) -> Window:
         """Return the open window of ``name`` (an empty one if it has none)."""
@@ -127,19 +89,8 @@ class Streams:
         if the window's keys cannot merge into the step."""
         window = self.window(name)
         self._exports += 1
-        part, keys, codes, sketches = window.as_part((1, name, self._exports))
-
-        def fold(into: PendingStep) -> None:
-            located = Part(part.order, None, into.locate(keys, codes, f"stream {name!r}"),
-                           part.rows)
-            into.add(located, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
-            into.declare(window.declared.values(), window.about)
-            into.streams.append(name)
-            seqs = into.stream_seqs.setdefault(name, {})
-            for client, seq in window.last_seq.items():
-                seqs[client] = max(seq, seqs.get(client, seq))
-
-        return fold
+        order = (1, name, self._exports)  # stream windows merge after every rank
+        return lambda into: into.take_window(name, window, order)
 
     def exported(self, name: str, step: int) -> Window:
         """The window of ``name`` went into ``step``: a new window begins. Returns the

@@ -1,22 +1,58 @@
-"""The sink protocol and a registry of sink factories: built-ins, entry points, dotted paths."""
+"""Sinks: the protocol, the registry of sink factories (built-ins, entry points, dotted
+paths), the config section each built-in's registration drives, and what a sink may show
+(no internal keys, one value per tag). The base of every config model (``Strict``) lives
+here too: the service's config (``metricsvc.config``) builds on the sinks' sections."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 import importlib.util
+import math
 import pkgutil
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from metricsvc.config_base import Strict, plain
-from metricsvc.sinks.spec import Builtin
+from metricsvc.core.keys import is_internal, is_plain_part, safe_tag, tag_order
+from metricsvc.core.limits import MAX_TAG_LENGTH
 
 ENTRY_POINT_GROUP = "metricsvc.sinks"
+
+
+class Strict(BaseModel):
+    """The base of every config model: strict (an unknown key is an error naming it) and
+    frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def plain(value: str, what: str) -> str:
+    """Return ``value`` if it is one plain path part: nothing can escape the run folder."""
+    if not is_plain_part(value):
+        raise ValueError(f"{what} must be a plain file name (letters, digits, ._-), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """How a built-in sink registers (``BUILTIN`` in its own module, which drives the
+    sink's config section ``sinks.<name>``): its config name and place in the order sinks
+    are served, its model and default (None: off unless configured), its class as
+    ``module:Class`` (imported when used), and the library it writes with and the extra
+    that installs it (None: nothing to install). Adding a sink is adding its module."""
+
+    name: str
+    order: int
+    config: type[Strict]
+    default: Any
+    factory: str
+    library: str | None = None
+    extra: str | None = None
 
 
 @runtime_checkable
@@ -144,21 +180,28 @@ def default_registry(with_entry_points: bool = True) -> SinkRegistry:
 
 
 def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None, *,
-                check: bool = False, built: Mapping[str, Sink] | None = None) -> list[Sink]:
-    """Return one sink per enabled entry of a ``SinksConfig``: built-ins, then custom ones.
+                check: bool = False, built: Mapping[str, Sink] | None = None) -> dict[str, Sink]:
+    """Return one sink per enabled entry of a ``SinksConfig``, by the name it is served
+    under (its health, dead letters and run-folder state): built-ins, then custom ones.
     ``check``: first refuse, in one line, a sink whose library is not installed.
-    ``built``: sinks made by their owner, used as they are (the worker's journal writer)."""
+    ``built``: sinks made by their owner, used as they are (the worker's journal writer).
+
+    Raises:
+        ValueError: two sinks of one name (give a custom sink a ``name``).
+    """
     if check:
         check_libraries(sinks_config)
     registry = registry or default_registry()
     built = built or {}
-    out = [built[name] if name in built else registry.create(name, cfg)
-           for name, cfg in sinks_config.enabled()]
+    out = {name: built[name] if name in built else registry.create(name, cfg)
+           for name, cfg in sinks_config.enabled()}
     for custom in sinks_config.custom:
         sink = registry.create(custom.target, dict(custom.options))
-        if custom.name:
-            sink.name = custom.name
-        out.append(sink)
+        name = custom.name or sink.name
+        if name in out:
+            raise ValueError(f"two sinks are named {name!r}: give the custom sink "
+                             f"{custom.target!r} a name of its own (sinks.custom[].name)")
+        out[name] = sink
     return out
 
 
@@ -167,10 +210,8 @@ def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None, *,
 def builtins() -> dict[str, Builtin]:
     """Every built-in sink, by name, in its order: each module of ``metricsvc.sinks`` that
     is a sink declares ``BUILTIN`` (adding a sink is adding its module)."""
-    import metricsvc.sinks as package
-
     found = []
-    for info in pkgutil.iter_modules(package.__path__):  # a sink is a module with BUILTIN
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):  # a sink: BUILTIN in it
         spec = getattr(importlib.import_module(f"metricsvc.sinks.{info.name}"), "BUILTIN", None)
         if spec is not None:
             found.append(spec)
@@ -224,3 +265,38 @@ def sinks_model() -> type[Strict]:
     fields["delivery"] = (DeliveryConfig, DeliveryConfig())
     return create_model("SinksConfig", __base__=_Sinks, __module__="metricsvc.config",
                         **fields)
+
+
+# -- what a sink may show ------------------------------------------------------------
+def public_metrics(metrics: Mapping[str, float], allow_nan: bool) -> dict[str, float]:
+    """Return what a sink may see: no internal keys; non-finite values only if allowed."""
+    return {
+        k: v
+        for k, v in metrics.items()
+        if not is_internal(k) and (allow_nan or math.isfinite(v))
+    }
+
+
+def tagged(metrics: Mapping[str, float], max_length: int = MAX_TAG_LENGTH) -> dict[str, float]:
+    """Return ``{safe_tag: value}``; of names sharing a tag the first in ``tag_order``
+    keeps it (the service lists such names in the step's ``meta["collisions"]``), never
+    a silent overwrite."""
+    out: dict[str, float] = {}
+    owner: dict[str, str] = {}
+    for key, value in metrics.items():
+        tag = safe_tag(key, max_length)
+        held = owner.get(tag)
+        if held is None or tag_order(key, tag) < tag_order(held, tag):
+            owner[tag], out[tag] = key, value
+    return out
+
+
+def descriptions(meta: Mapping[str, Any], max_length: int = MAX_TAG_LENGTH) -> dict[str, str]:
+    """Return ``{safe_tag: "help [unit]"}`` for the names this step is the first to export
+    with a description (``meta["descriptions"]``, from the declarations' help and unit)."""
+    out = {}
+    for name, text in (meta.get("descriptions") or {}).items():
+        words = " ".join(part for part in (text.get("help", ""), text.get("unit") and
+                                           f"[{text['unit']}]") if part)
+        out.setdefault(safe_tag(name, max_length), words)
+    return out

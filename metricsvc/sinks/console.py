@@ -11,8 +11,7 @@ from typing import Any, TextIO
 
 from pydantic import Field
 
-from metricsvc.config_base import Strict
-from metricsvc.sinks.spec import Builtin
+from metricsvc.sinks.base import Builtin, Strict
 
 
 class ConsoleSinkConfig(Strict):

@@ -22,10 +22,8 @@ from typing import Any
 
 from pydantic import Field
 
-from metricsvc.config_base import Strict
-from metricsvc.sinks.names import descriptions, tagged
-from metricsvc.sinks.spec import Builtin
-from metricsvc.storage.sink_state import SinkState
+from metricsvc.sinks.base import Builtin, Strict, descriptions, tagged
+from metricsvc.storage.history import SinkState
 
 log = logging.getLogger(__name__)
 

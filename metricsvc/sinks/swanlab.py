@@ -20,12 +20,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from metricsvc.config_base import Strict
 from metricsvc.core.keys import safe_tag
+from metricsvc.sinks.base import Builtin, Strict, tagged
 from metricsvc.sinks.logfiles import LevelDBLogTail
-from metricsvc.sinks.names import tagged
-from metricsvc.sinks.spec import Builtin
-from metricsvc.storage.sink_state import SinkState
+from metricsvc.storage.history import SinkState
 
 
 class SwanlabSinkConfig(Strict):

@@ -23,11 +23,9 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from metricsvc.config_base import Strict, plain
 from metricsvc.core.keys import safe_tag
+from metricsvc.sinks.base import Builtin, Strict, descriptions, plain, tagged
 from metricsvc.sinks.logfiles import tfrecords
-from metricsvc.sinks.names import descriptions, tagged
-from metricsvc.sinks.spec import Builtin
 
 
 class TensorboardSinkConfig(Strict):

@@ -23,11 +23,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from metricsvc.config_base import Strict
+from metricsvc.sinks.base import Builtin, Strict, descriptions
 from metricsvc.sinks.logfiles import LevelDBLogTail
-from metricsvc.sinks.names import descriptions
-from metricsvc.sinks.spec import Builtin
-from metricsvc.storage.sink_state import SinkState
+from metricsvc.storage.history import SinkState
 
 
 class WandbSinkConfig(Strict):

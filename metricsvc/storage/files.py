@@ -1,11 +1,16 @@
-"""Writing files whole or not at all: the atomic replace and the append-only line file
-the service, the journal and the sinks use."""
+"""Writing files whole or not at all: the atomic replace, the append-only line file the
+service, the journal and the sinks use, and the dead letters of the steps a sink could not
+take."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -57,3 +62,23 @@ class LineFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class DeadLetter:
+    """Append-only JSONL of steps a sink could not take; shared by every sink thread.
+
+    A line is written whole or not at all (``LineFile``): a disk error leaves no torn line.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._file: LineFile | None = None
+
+    def write(self, sink: str, step: int | None, payload: dict[str, Any], error: str) -> None:
+        line = {"sink": sink, "step": step, **payload, "error": error, "time": time.time()}
+        text = json.dumps(line, default=str) + "\n"
+        with self._lock:
+            if self._file is None:
+                self._file = LineFile(self.path)
+            self._file.append(text.encode("utf-8"))

@@ -1,12 +1,10 @@
-"""The journal: the service's durability log, written and read back.
+"""The journal, read back: where a run's journal is, its finished steps (one per step,
+of the latest segment of the run's history), an index of where each step's record begins,
+and the journal a restarted service reloads.
 
-Every line is written whole or not at all (``LineFile``): a write that fails part-way is
-cut back to where it started, so a retried write never leaves a torn or doubled line.
-The worker owns one ``Journal`` per run: where the file is (``journal_file``, the one
-place that path is built), the writer the dispatcher serves (a ``JsonlSink``), how far it
-is durable, and its reading for a restart. The reader keeps one record per step, restores
-non-finite values as floats, and skips (with one warning naming file and line) anything it
-cannot use.
+Its writer is the ``jsonl`` sink (``metricsvc.sinks.jsonl``), which every line goes through
+whole or not at all. The reader keeps one record per step, restores non-finite values as
+floats, and skips (with one warning naming file and line) anything it cannot use.
 """
 
 from __future__ import annotations
@@ -17,127 +15,23 @@ import logging
 import math
 import os
 import re
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
-
-from metricsvc.config_base import Strict, plain
-from metricsvc.core.limits import is_int
-from metricsvc.core.step_result import StepResult
-from metricsvc.storage.files import LineFile
+from metricsvc.core.keys import is_int
 from metricsvc.storage.history import journal_rewinds, rewind_of
 
 log = logging.getLogger(__name__)
 
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+DEFAULT_JOURNAL = "metrics.jsonl"  # the journal's file name unless configured
 
 
-def _json_number(value: float) -> float | str:
-    # JSON has no NaN/inf: such a value is written as "inf", "-inf" or "nan" and read back
-    # as the float it was.
-    return value if math.isfinite(value) else str(value)
-
-
-def _json_values(value: Any) -> Any:
-    """``value`` with every non-finite float written as ``_json_number`` writes it (a meta
-    entry holding an overflowed figure must not cost the step its line)."""
-    if isinstance(value, float):
-        return _json_number(value)
-    if isinstance(value, Mapping):
-        return {k: _json_values(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_values(v) for v in value]
-    return value
-
-
-
-def _line(record: Mapping[str, Any]) -> str:
-    """One journal line: ``record`` as JSON (a non-finite number raises ValueError)."""
-    return json.dumps(record, allow_nan=False, sort_keys=False) + "\n"
-
-
-class JsonlSinkConfig(Strict):
-    """The journal: one JSON line per finished step under the run folder."""
-
-    enabled: bool = True
-    filename: str = "metrics.jsonl"
-    fsync: bool = Field(False, description="fsync after every line (slower, crash-proof)")
-
-    _filename = field_validator("filename")(classmethod(lambda cls, v: plain(v, "filename")))
-
-class JsonlSink:
-    """Append ``{"step", "metrics", "meta", "time"}`` per step to ``<run_dir>/<filename>``."""
-
-    name = "jsonl"
-    supports_nan = True  # written as the string "nan"
-
-    def __init__(self, config: JsonlSinkConfig | None = None) -> None:
-        self.config = config or JsonlSinkConfig()
-        self.path: Path | None = None
-        self._file: LineFile | None = None
-        self._through: int | None = None  # after a restart: its newest step
-
-    def open(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / self.config.filename
-        self._file = LineFile(self.path)
-
-    def resume(self, after: int | None) -> None:
-        """Read back the newest step the journal's latest segment holds (``held_through``):
-        the run's history (``metricsvc.storage.history``) decides from it what is written again."""
-        assert self.path is not None
-        self._through = max((r["step"] for r in iter_journal(self.path)), default=None)
-
-    def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        now = time.time()
-        try:  # the common step: every number finite, written as it is (nothing copied)
-            line = _line({"step": step, "metrics": metrics, "meta": meta, "time": now})
-        except (ValueError, TypeError):  # a non-finite number, or a mapping JSON cannot take
-            line = _line({"step": step,
-                          "metrics": {k: _json_number(v) for k, v in metrics.items()},
-                          "meta": _json_values(meta), "time": now})
-        self._write(line)
-
-    def held_through(self) -> int | None:
-        """The newest step the journal's latest segment holds (read back from the file)."""
-        return self._through
-
-    def write_event(self, event: Mapping[str, Any]) -> None:
-        """Journal something that is not a finished step (e.g. a late batch). A ``rewind``
-        begins a segment of the run's history: it is synced before this returns."""
-        self._append({"event": dict(event), "time": time.time()}, sync="rewind" in event)
-
-    def _append(self, record: Mapping[str, Any], sync: bool = False) -> None:
-        self._write(_line(record), sync)
-
-    def _write(self, line: str, sync: bool = False) -> None:
-        if self._file is None:
-            raise RuntimeError("JsonlSink.write called before open or after close")
-        self._file.append(line.encode("utf-8"), fsync=sync or self.config.fsync)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-DEFAULT_JOURNAL = JsonlSinkConfig().filename  # "metrics.jsonl"
-
-
-def journal_file(run_dir: str | os.PathLike[str], sinks: Any = None) -> Path | None:
-    """Return the journal of the run in ``run_dir`` under ``sinks`` (None: the default
-    config), or None where the journal is turned off."""
-    return _journal_at(run_dir, JsonlSinkConfig() if sinks is None else sinks.jsonl)
-
-
-def _journal_at(run_dir: str | os.PathLike[str], jsonl: JsonlSinkConfig | None) -> Path | None:
-    """The one place a journal's path is built (None: the journal is turned off)."""
-    if jsonl is None or not jsonl.enabled:
-        return None
-    return Path(run_dir) / jsonl.filename
+def journal_file(run_dir: str | os.PathLike[str], filename: str | None) -> Path | None:
+    """The one place a journal's path is built: ``filename`` in ``run_dir`` (None: the
+    journal is turned off)."""
+    return None if filename is None else Path(run_dir) / filename
 
 
 def run_journal(run_dir: Path) -> Path | None:
@@ -145,65 +39,51 @@ def run_journal(run_dir: Path) -> Path | None:
     (the default name where the folder has none)."""
     import yaml
 
-    jsonl: JsonlSinkConfig | None = JsonlSinkConfig()
+    filename: str | None = DEFAULT_JOURNAL
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
         section = ((saved or {}).get("sinks") or {}).get("jsonl", {})
-        jsonl = None if section is None else JsonlSinkConfig.model_validate(section)
+        if section is None or not section.get("enabled", True):
+            filename = None
+        else:
+            filename = str(section.get("filename", DEFAULT_JOURNAL))
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         pass  # no saved config (or an unreadable one): the default name
-    return _journal_at(run_dir, jsonl)
+    return journal_file(run_dir, filename)
+
+
+def journals_under(folder: Path) -> list[Path]:
+    """Return the journals of the runs under ``folder``: each run folder's (its
+    ``config.yaml`` names the file), and files with the default name in folders without a
+    saved config."""
+    runs = {p.parent for p in folder.rglob("config.yaml")} | {folder}
+    found = {run_journal(run) for run in runs}
+    found |= {p for p in folder.rglob(DEFAULT_JOURNAL) if not (p.parent / "config.yaml").exists()}
+    return sorted(p for p in found if p is not None and p.is_file())
 
 
 class Journal:
-    """A run's journal, owned by the worker: its file, its writer and its reading."""
+    """A run's journal, read by its service: its file, what reading it skipped, and the
+    meta of old steps."""
 
-    def __init__(self, run_dir: Path, sinks: Any) -> None:
-        self.path = journal_file(run_dir, sinks)
-        # The writer the dispatcher serves with the other sinks (retries, dead letters);
-        # the worker asks it, not a sink looked up by name, how far the log is durable.
-        self.writer = None if self.path is None else JsonlSink(sinks.jsonl)
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
         self.stats: dict[str, Any] = {"skipped": 0, "duplicates": 0}
-        self.index = None if self.path is None else JournalIndex(self.path)
+        self.index = None if path is None else JournalIndex(path)
 
     def holds_steps(self) -> bool:
         """Return True if the file exists and holds anything."""
         return self.path is not None and self.path.exists() and self.path.stat().st_size > 0
 
-    def stream(self) -> Iterator[dict[str, Any]]:
+    def steps(self) -> Iterator[dict[str, Any]]:
         """Yield the latest segment's step records (counting what is skipped in ``stats``)."""
-        return iter_journal(self.path, self.stats) if self.path is not None else iter(())
+        if self.path is None or not self.path.exists():
+            return iter(())
+        return iter_journal(self.path, self.stats)
 
     def meta(self, step: int) -> dict[str, Any] | None:
         """Return the journaled meta of ``step`` (None: not journaled, or no journal)."""
         return None if self.index is None else self.index.meta(step)
-
-    def restore(self, restore: Callable[[Iterator[dict[str, Any]]], None],
-                results: Any) -> tuple[int, Callable[[], Iterator[dict[str, Any]]] | None]:
-        """After a restart, hand ``restore`` (the merge's) the journal's latest segment
-        (finished steps, running totals, the recent steps' digests), one record at a time,
-        and give ``results`` the last steps it keeps. Return how many steps were read and
-        how the sinks read the journal again for their replay (None: no journal)."""
-        if self.path is None or not self.path.exists():
-            return 0, None
-        recent: deque[dict[str, Any]] = deque(maxlen=results.keep)
-        count = 0
-
-        def kept(records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-            nonlocal count
-            for record in records:
-                recent.append(record)
-                count += 1
-                yield record
-
-        restore(kept(self.stream()))
-        for record in recent:
-            results.put(StepResult(int(record["step"]), record["metrics"], record["meta"]))
-        if count:
-            log.warning("restarted: %d finished steps reloaded from %s (last step %s)",
-                        count, self.path, recent[-1]["step"] if recent else None)
-        path = self.path
-        return count, lambda: iter_journal(path)
 
     def totals_at(self, step: int) -> dict[str, Any] | None:
         """The running totals journaled with the last step at or before ``step`` in the
@@ -211,7 +91,7 @@ class Journal:
         if step < 0 or not self.holds_steps():
             return None
         totals = None
-        for record in iter_journal(self.path):
+        for record in iter_journal(self.path):  # type: ignore[arg-type]
             if record["step"] <= step:
                 totals = record["meta"].get("derived_totals")
         return totals

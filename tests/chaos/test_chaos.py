@@ -161,4 +161,6 @@ def test_a_client_whose_actor_is_gone_for_good_raises_at_once_and_keeps_its_batc
         c.wait_submit()
     assert time.monotonic() - start < 10
     assert c.pending_keys() == []  # the batch is kept for a retry, not lost
-    assert c.cursor.unacked is not None and c.cursor.unacked.keys == ("x",)
+    from metricsvc.core.wire import decode
+
+    assert len(c.sender.outbox) == 2 and decode(c.sender.outbox.newest()).keys == ("x",)

@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from metricsvc.client.device import _on_host
-from metricsvc.client.tensors import is_tensor
+from metricsvc.client.tensors import is_tensor, on_host
 
 
 @dataclass(frozen=True)
@@ -121,4 +120,4 @@ def plain_if_host(t: Any) -> Any:
     """A 0-d CPU tensor as a plain number (reading the CPU is no device sync); a device
     tensor as it is (reading it would wait for the device), and a CPU one on the
     accelerator's path (``accelerator_path_on_cpu``: how a CPU tests that path)."""
-    return t.item() if _on_host(t, None) else t
+    return t.item() if on_host(t, None) else t

@@ -13,7 +13,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from metricsvc.protocol import Derived, Metric, ReduceType
+from metricsvc.core.declare import Derived, Metric
+from metricsvc.core.reduce import ReduceType
 
 
 class Catalogue:
@@ -53,18 +54,19 @@ class Catalogue:
         kind each has is worked out, and what each means described, once per client."""
         plan, kinds = self._plan(m, values)
         if len(plan) == 1:
-            m._stat_as(plan[0][0], mask, values)
-            return
-        if mask is None:  # plain numbers of several kinds: one record (a block) for all
-            m._stat_kinds_as(kinds, values)
-            return
-        for kind, keys in plan:
-            m._stat_as(kind, mask, {key: values[key] for key in keys})
+            m.record_as(plan[0][0], values, mask)
+        elif mask is None:  # plain numbers of several kinds: one record for all
+            m.record_as(dict(zip(values, kinds)), values)
+        else:
+            for kind, keys in plan:
+                m.record_as(kind, {key: values[key] for key in keys}, mask)
 
     def stat_each(self, m: Any, **values: tuple[Any, Any]) -> None:
         """Record ``{key: (value, mask)}`` on ``m``, each key under its own mask and with its
         declared kind (``Tracker.stat_each``: per-sequence values in one pass)."""
-        m._stat_each_as(self._plan(m, values)[1], values)
+        m.record_as(dict(zip(values, self._plan(m, values)[1])),
+                    {key: v for key, (v, _) in values.items()},
+                    masks={key: mask for key, (_, mask) in values.items()})
 
     def _plan(self, m: Any, values: dict[str, Any]) -> tuple[list, tuple[ReduceType, ...]]:
         """``values``' keys grouped by declared kind, and each key's kind in order; worked

@@ -7,11 +7,11 @@ import resource
 from collections.abc import Mapping
 from typing import Any
 
-from metricsvc.client.device import _on_host
 from metricsvc.client.metrics.batch import get, response_info
 from metricsvc.client.metrics.catalogue import Catalogue
-from metricsvc.client.tensors import Difference
-from metricsvc.protocol import Derived, Metric, ReduceType
+from metricsvc.client.tensors import Difference, on_host
+from metricsvc.core.declare import Derived, Metric
+from metricsvc.core.reduce import ReduceType
 
 EXPLAINED_VARIANCE = Derived(
     "critic/vf_explained_var",
@@ -73,7 +73,7 @@ def record_data_metrics(m: Any, batch: Mapping[str, Any]) -> None:
     length, prompt_length = info.response_length, info.prompt_length
     # A value per sequence is a few dozen numbers: on the host, numpy's comparisons cost a
     # fraction of torch's per-call overhead (views, no copy); on a device they stay there.
-    if all(_on_host(t, None) for t in (rewards, scores, length, prompt_length)):
+    if all(on_host(t, None) for t in (rewards, scores, length, prompt_length)):
         rewards, scores, length, prompt_length = (
             t.numpy() for t in (rewards, scores, length, prompt_length))
     per_sequence = {"critic/score": scores, "critic/rewards": rewards,

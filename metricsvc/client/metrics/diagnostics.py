@@ -6,7 +6,8 @@ import math
 from typing import Any
 
 from metricsvc.client.metrics.catalogue import Catalogue
-from metricsvc.protocol import Metric, ReduceType
+from metricsvc.core.declare import Metric
+from metricsvc.core.reduce import ReduceType
 
 THRESHOLDS = (1.5, 2.0, 3.0, 5.0, 10.0)
 _AVG = ReduceType.AVG

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from metricsvc.client.metrics.catalogue import Catalogue
-from metricsvc.protocol import Derived, Metric, ReduceType
+from metricsvc.core.declare import Derived, Metric
+from metricsvc.core.reduce import ReduceType
 
 
 @functools.cache

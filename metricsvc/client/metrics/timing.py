@@ -6,7 +6,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from metricsvc.client.device import _on_host
 from metricsvc.client.metrics.batch import (
     get,
     held_response_info,
@@ -14,7 +13,10 @@ from metricsvc.client.metrics.batch import (
     response_info,
 )
 from metricsvc.client.metrics.catalogue import Catalogue
-from metricsvc.protocol import Derived, Metric, ReduceType, is_int
+from metricsvc.client.tensors import on_host
+from metricsvc.core.declare import Derived, Metric
+from metricsvc.core.keys import is_int
+from metricsvc.core.reduce import ReduceType
 
 THROUGHPUT = Derived(
     "perf/throughput", "value(tokens) / (value(seconds) * value(gpus))",
@@ -130,7 +132,7 @@ def _tokens(info: Any) -> dict[str, Any]:
     """The response's and the whole batch's tokens: plain on the host (numpy's sums of a
     few dozen lengths), on their device elsewhere (no sync)."""
     lengths = info.response_length, info.prompt_length
-    if all(_on_host(t, None) for t in lengths):
+    if all(on_host(t, None) for t in lengths):
         response, prompt = (float(t.numpy().sum()) for t in lengths)
         return {"response": response, "overall": response + prompt}
     response = info.response_length.sum()

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.metrics.catalogue import Catalogue
-from metricsvc.protocol import Metric, ReduceType
+from metricsvc.core.declare import Metric
+from metricsvc.core.reduce import ReduceType
 
 N_BOOTSTRAP = 1000
 

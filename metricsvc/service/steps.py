@@ -1,9 +1,9 @@
-"""What the service holds for one pending step or one stream window (pure numpy, no Ray).
+"""What the engine holds for the steps not final yet and for stream windows (pure numpy).
 
-Contributions are kept as they arrive ("parts") and merged only when the step
-finishes, in a fixed order (ranks by number, then stream windows), so the
-float sums — and hence the published values — are identical whatever order
-the batches arrived in, across retries and actor restarts.
+Contributions are kept as they arrive ("parts") and merged only when the step finishes,
+in a fixed order (ranks by number, then stream windows), so the float sums, and hence the
+published values, are identical whatever order the batches arrived in, across retries and
+actor restarts.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.core import extremes, records
-from metricsvc.core.batch import Batch
-from metricsvc.core.declare import Derived, decode_declarations
-from metricsvc.core.errors import BatchRejected
+from metricsvc.core import records
+from metricsvc.core.declare import Derived
+from metricsvc.core.limits import Recent
 from metricsvc.core.reduce import kind_name
 from metricsvc.core.sketch import Sketch, merge_sparse
+from metricsvc.core.wire import Batch
+from metricsvc.errors import BatchRejected
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Collection:
         self._from_stream = np.zeros(16, dtype=bool)
         self.parts: list[Part] = []
         # key tuple -> its rows and the kinds they hold (``kinds.tobytes()``)
-        self._layouts: dict[tuple[str, ...], tuple[np.ndarray, bytes]] = {}
+        self._layouts: Recent = Recent(64)
         self.declared: dict[str, Derived] = {}  # derived metrics declared for these records
         self.about: dict[str, tuple[str, str]] = {}  # what declared names mean (help, unit)
         self._ordered: tuple | None = None  # (parts held, parts in order, rows, key indices)
@@ -107,10 +108,11 @@ class Collection:
         self._expected[idx] = np.maximum(self._expected[idx], expected)
         if from_stream:
             self._from_stream[idx] = True
-        if isinstance(keys, tuple) and keys not in self._layouts and len(self._layouts) < 64:
+        if isinstance(keys, tuple) and keys not in self._layouts:
             self._layouts[keys] = (idx.copy(), self._codes[idx].tobytes())
-        part.sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
-        self.parts.append(part)
+        self.parts.append(Part(part.order, part.rank, idx, part.rows,
+                               [(int(idx[row]), codes, counts) for row, codes, counts in sketches],
+                               part.sources))
 
     def declare(self, declarations: Iterable[Derived],
                 about: dict[str, tuple[str, str]] | None = None) -> None:
@@ -172,16 +174,16 @@ class Collection:
         owner = np.repeat(np.arange(len(parts)), [len(p.idx) for p in parts])
         carried = any(p.sources is not None for p in parts)
         known = np.concatenate([p.sources if p.sources is not None
-                                else extremes.unknown(len(p.idx)) for p in parts]) \
+                                else records.unknown_sources(len(p.idx)) for p in parts]) \
             if carried else None
         out = []
-        for won in extremes.winners(rows, idx, data):
+        for won in records.winners(rows, idx, data):
             hit = won >= 0
             part_of = np.full(len(won), -1, dtype=np.int64)
             part_of[hit] = owner[won[hit]]
             src = None
             if known is not None:
-                src = extremes.unknown(len(won))
+                src = records.unknown_sources(len(won))
                 src[hit] = known[won[hit]]
             out.append((part_of, parts, src))
         return out
@@ -195,7 +197,8 @@ def batch_sketches(batch: Batch) -> list[tuple[int, np.ndarray, np.ndarray]]:
 class PendingStep(Collection):
     """A step that is not final yet: its parts, and which ranks have closed it."""
 
-    def __init__(self, step: int, world_size: int | None, now: float) -> None:
+    def __init__(self, step: int, world_size: int | None, now: float,
+                 stream_only: bool = False) -> None:
         super().__init__()
         self.step = step
         self.world_size = world_size  # None until a rank's batch arrives (stream-only so far)
@@ -207,7 +210,7 @@ class PendingStep(Collection):
         # Per stream exported into this step: each client's newest batch (seq) it holds
         self.stream_seqs: dict[str, dict[str, int]] = {}
         self.timed_out = False
-        self.stream_only = False
+        self.stream_only = stream_only  # final with its stream windows alone (no rank)
         # Until the run's world size is agreed: how to rebuild this step without the
         # contributions of ranks that claimed another size (claim, rank, apply).
         self.sources: list[tuple[int | None, int | None, Callable[[PendingStep], None]]] | None \
@@ -220,22 +223,54 @@ class PendingStep(Collection):
             self.sources = []
         self.sources.append((claim, rank, apply))
 
+    def time_out(self, now: float, timeout_s: float, recount: bool = False) -> bool:
+        """Mark the step timed out if open for ``timeout_s`` or longer (``recount``: only
+        then, once the world size changed); return whether it is."""
+        late = now - self.opened_at >= timeout_s
+        self.timed_out = late if recount else (self.timed_out or late)
+        return self.timed_out
+
+    def close_with_streams(self) -> None:
+        """No rank submits this step: it is final with its stream windows alone."""
+        self.stream_only = True
+
+    def agreed(self, world_size: int) -> list[tuple[int | None, int | None, Callable]] | None:
+        """The run's world size is agreed: return the contributions kept apart until then
+        (None: none), and wait for that size."""
+        sources, self.sources = self.sources, None
+        if self.ranks:
+            self.world_size = world_size
+        return sources
+
     def check(self, batch: Batch) -> np.ndarray:
         """Return the row of each batch key (-1 if new); raise if a key changes its kind."""
         return self.locate(batch.keys, batch.kinds, f"rank {batch.rank} in step {self.step}")
 
     def add_batch(self, batch: Batch, idx: np.ndarray, digest: bytes) -> None:
         """Keep a checked batch as a part; a final batch closes the step for its rank."""
-        part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data)
+        sources = None
         if batch.extreme_rows.size:
-            part.sources = extremes.unknown(len(idx))
-            part.sources[batch.extreme_rows] = batch.extremes
+            sources = records.unknown_sources(len(idx))
+            sources[batch.extreme_rows] = batch.extremes
+        part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data, [], sources)
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch))
-        self.declare(*decode_declarations(batch.derived))
+        self.declare(batch.declared, batch.about)
         self.digests[(batch.rank, batch.seq)] = digest
         self.batches += 1
         if batch.final:
             self.closed.add(batch.rank)
+
+    def take_window(self, name: str, window: Window, order: tuple) -> None:
+        """Fold the window of stream ``name`` in, merged as one part (``order``: where it
+        merges). Raises ``BatchRejected`` if its keys cannot merge into the step."""
+        part, keys, codes, sketches = window.as_part(order)
+        located = Part(order, None, self.locate(keys, codes, f"stream {name!r}"), part.rows)
+        self.add(located, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
+        self.declare(window.declared.values(), window.about)
+        self.streams.append(name)
+        seqs = self.stream_seqs.setdefault(name, {})
+        for client, seq in window.last_seq.items():
+            seqs[client] = max(seq, seqs.get(client, seq))
 
     @property
     def ranks(self) -> list[int]:
@@ -283,7 +318,7 @@ class Window(Collection):
         idx = self.locate(batch.keys, batch.kinds, f"stream client {client}")
         part = Part((client, batch.seq), None, idx, batch.data)
         self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch), True)
-        self.declare(*decode_declarations(batch.derived))
+        self.declare(batch.declared, batch.about)
         self.seqs.add((client, batch.seq))
         self.last_seq[client] = max(batch.seq, self.last_seq.get(client, batch.seq))
         return True
@@ -296,3 +331,59 @@ class Window(Collection):
         return part, list(self.keys), self.codes.copy(), [
             (row, codes, counts) for row, (codes, counts) in sketches.items()
         ]
+
+
+class PendingSteps(dict[int, PendingStep]):
+    """Step -> its ``PendingStep``, for the steps not published yet."""
+
+    def anchor(self, last_emitted: int | None) -> int | None:
+        """Return the oldest step still open (None before the first batch of a run)."""
+        open_steps = list(self)
+        if last_emitted is not None:
+            open_steps.append(last_emitted + 1)
+        return min(open_steps, default=None)
+
+    def newest_closed(self, last_emitted: int | None) -> int | None:
+        """Return the newest step a rank closed, pending or published."""
+        closed = [s for s, p in self.items() if p.closed]
+        if last_emitted is not None:
+            closed.append(last_emitted)
+        return max(closed, default=None)
+
+    def summary(self) -> dict[int, dict[str, Any]]:
+        """Per pending step: which ranks have closed it and how many keys it holds."""
+        return {s: p.summary() for s, p in sorted(self.items())}
+
+    def missing(self, step: int) -> list[int] | None:
+        """Return the ranks that have not closed ``step``, or None if it is not pending."""
+        p = self.get(step)
+        return None if p is None else p.missing()
+
+    def time_out(self, now: float, timeout_s: float, recount: bool = False) -> bool:
+        """Mark the steps open for ``timeout_s`` or longer as timed out (``recount``: and
+        only those, once the world size changed); return True if any is."""
+        return any([p.time_out(now, timeout_s, recount) for p in self.values()])
+
+    def forget_after(self, step: int) -> None:
+        """A rewind: every step past ``step`` is recorded afresh."""
+        for later in [s for s in self if s > step]:
+            del self[later]
+
+    def regroup(self, world_size: int, drop: Callable[[int, int, int | None], None]) -> None:
+        """The run's world size is now ``world_size``: rebuild each step from the batches
+        it kept apart, leaving out (``drop(step, rank, claim)``) those of ranks that
+        claimed another size; a step left empty goes."""
+        for step, p in list(self.items()):
+            sources = p.agreed(world_size)
+            if sources is None or all(w in (None, world_size) for w, _, _ in sources):
+                continue
+            fresh = PendingStep(step, world_size, p.opened_at, p.stream_only)
+            for claim, rank, apply in sources:
+                if claim in (None, world_size):
+                    apply(fresh)
+                else:
+                    drop(step, rank, claim)
+            if fresh.parts:
+                self[step] = fresh
+            else:
+                del self[step]

@@ -1,0 +1,7 @@
+"""``python -m metricsvc``: the ``metricsvc`` command."""
+
+import sys
+
+from metricsvc.cli.main import main
+
+sys.exit(main())

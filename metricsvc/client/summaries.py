@@ -1,0 +1,421 @@
+"""Masked tensors, arrays and numbers -> summary records, on the value's own device,
+without syncing: one entry (``summarize_call``), the host and device paths behind it.
+
+A call's values are checked first (a bad one raises naming its key, before any work), then
+summarised where they live: plain numbers in one vectorised pass; numpy arrays with numpy;
+CPU tensors on the host path (``host``: a mask's valid positions found once per step, each
+distinct tensor gathered once, small values stacked, large ones in cache-sized float64
+chunks); tensors on an accelerator on the device path (``device``: stacked by dtype and
+length, one fused kernel or whole-tensor ops, nothing read back). Each row is a float64
+record (``records.FIELDS``); with ``ids`` it also carries where its min and max came from
+(``records`` sources), found in the same pass. The rows of a step go to the host in one
+copy per device at the flush (``to_host``).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metricsvc.client.device import device_rows, flat_value, number_rows
+from metricsvc.client.host import HostPass, MaskCache, stacked_rows
+from metricsvc.client.tensors import (
+    Difference,
+    check_mask,
+    identity_row,
+    is_tensor,
+    numpy_dtypes,
+    on_host,
+    real_dtypes,
+    to_device,
+    torch_module,
+)
+from metricsvc.core.records import (
+    COUNT,
+    MAX_ID,
+    MIN_ID,
+    NFIELDS,
+    NSOURCE,
+    scalar_row,
+    scalar_rows,
+    summarize_array,
+    unknown_sources,
+)
+from metricsvc.core.sketch import SketchSpec, merge_sparse, sparse_counts
+
+_PLAIN = frozenset({float, int, bool})  # numbers that need no checks
+_NUMBERS = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64, np.int32,
+                      np.int16, np.int8, np.uint8, np.bool_})
+_VECTOR = 4096  # a host vector at most this long, under its own mask, is stacked with others
+
+
+@dataclass(slots=True)
+class Rows:
+    """Records of some keys of one call, where they live: ``rows [k, NFIELDS]`` (numpy on
+    the host, a tensor on its device) and, where located, ``sources [k, NSOURCE]``."""
+
+    keys: tuple[str, ...]
+    rows: Any
+    sources: Any = None
+
+
+def plain_rows(values: Sequence[Any]) -> np.ndarray | None:
+    """The records of plain numbers (count 1 each), in one vectorised pass; None for
+    anything else (or an int past float64, which the per-key path names)."""
+    if not _NUMBERS.issuperset(map(type, values)):
+        return None
+    try:
+        return scalar_rows(np.array(values, dtype=np.float64))
+    except OverflowError:
+        return None
+
+
+def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
+                   masks: Mapping[str, Any] | None = None, ids: Any = None,
+                   compile: bool | None = None, cache: MaskCache | None = None) -> list[Rows]:
+    """Return the records of a call's ``{key: value}``, grouped by where they live: every
+    value under ``mask``, or each under its own (``masks``: ``{key: mask or None}``). A value
+    may be a ``Difference`` of two tensors. With ``ids`` (one per row of every value), where
+    each min and max lies too.
+
+    Raises:
+        TypeError: a non-numeric value, a mask that is not bool, bad ``ids``.
+        ValueError: a mask or ``ids`` of another shape than the value's (the key is named).
+    """
+    keys = tuple(values)
+    if mask is None and masks is None and ids is None:
+        block = plain_rows(list(values.values()))
+        if block is not None:  # plain numbers only (timings, counters): the common call
+            return [Rows(keys, block)]
+    masked = {key: mask if masks is None else masks.get(key) for key in keys}
+    prepared = {key: _prepare(v, masked[key], key) for key, v in values.items()}
+    if ids is not None:
+        ids = _checked_ids(ids, prepared)
+    locate = ids is not None
+    host: dict[str, Any] = {}  # key -> numpy row
+    at: dict[str, Any] = {}  # key -> its min and max flat positions (located)
+    passes: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(mask) -> (mask, CPU values)
+    vectors: dict[int, dict[str, tuple[np.ndarray, Any]]] = {}  # length -> short vectors
+    device: dict[tuple, list[tuple[str, Any, Any]]] = {}  # (kind, id(mask)) -> values
+    for key, (v, m) in prepared.items():
+        if isinstance(v, numbers.Number):
+            host[key] = _number_row(key, v)
+        elif isinstance(v, np.ndarray):
+            host[key] = summarize_array(v, m)
+            if locate and host[key][COUNT] > 0:
+                at[key] = _array_extremes(v, m)
+        elif on_host(v.a if isinstance(v, Difference) else v, compile):
+            pair = None if (locate or masks is None) else _host_vector(v, m)
+            if pair is not None:
+                vectors.setdefault(pair[0].size, {})[key] = pair
+            else:  # grouped by the mask the caller gave: one pass gathers it once
+                passes.setdefault(id(masked[key]), (m, {}))[1][key] = v
+        else:
+            v = v.tensor() if isinstance(v, Difference) else v
+            if v.numel() == 0:
+                host[key] = identity_row().numpy()
+                continue
+            kind, x = flat_value(v)
+            device.setdefault((kind, 0 if masks else id(masked[key])), []).append((key, x, m))
+    for group in vectors.values():
+        host.update(_vector_rows(group, cache))
+    for m, group in passes.values():
+        hosted = HostPass(m, MaskCache() if cache is None else cache, locate)
+        host.update({k: row.numpy() for k, row in hosted.rows(group).items()})
+        at.update(hosted.at)
+    out = []
+    if host:
+        order = [k for k in keys if k in host]
+        rows = np.stack([host[k] for k in order]).reshape(len(order), NFIELDS)
+        sources = None
+        if locate:
+            sources = unknown_sources(len(order))
+            for i, k in enumerate(order):
+                if k in at:
+                    sources[i] = _host_sources(at[k], _inner(values[k]), ids)
+        out.append(Rows(tuple(order), rows, sources))
+    for group in device.values():
+        out.append(_device_group(group, values, ids, compile, masks is not None))
+    return out
+
+
+def summarize(values: Any, mask: Any = None, *, key: str = "value",
+              compile: bool | None = None) -> Any:
+    """Return the summary row of ``values`` over the positions where ``mask`` is True (a
+    numpy row for host data, a tensor on the value's device for a device tensor).
+
+    NaN/+-inf in valid positions are counted in ``nonfinite`` and excluded from the other
+    fields; masked-out positions never matter, whatever they hold.
+    """
+    found = summarize_call({key: values}, mask, compile=compile)[0]
+    return found.rows[0]
+
+
+def _prepare(values: Any, mask: Any, key: str) -> tuple[Any, Any]:
+    """``(values, mask)`` checked and on one side: tensors on one device, or numpy; a
+    ``Difference`` of two tensors on one device."""
+    if isinstance(values, Difference):
+        a, m = _prepare(values.a, mask, key)
+        b, _ = _prepare(values.b, mask, key)
+        if b.device != a.device:
+            raise ValueError(f"value for key {key!r}: Difference of tensors on "
+                             f"{a.device} and {b.device}")
+        return Difference(a, b), m
+    if is_tensor(values):
+        torch = torch_module()
+        if values.dtype not in real_dtypes(torch):
+            raise TypeError(f"value for key {key!r} must be a real tensor, got dtype "
+                            f"{values.dtype}")
+        if mask is not None:
+            mask = to_device(mask, values.device)  # from the host: no sync
+            check_mask(key, mask.shape, mask.dtype == torch.bool, values.shape, mask.dtype)
+            mask = mask.detach()
+        return values.detach(), mask
+    if mask is None and isinstance(values, numbers.Number):
+        if not isinstance(values, numbers.Real):
+            raise TypeError(f"value for key {key!r} must be a real number, got {values!r}")
+        return values, None
+    if isinstance(values, (str, bytes, dict)):
+        raise TypeError(f"value for key {key!r} must be a number, tensor or array, "
+                        f"got {type(values).__name__}")
+    try:
+        arr = np.asarray(values)
+    except Exception as err:  # ragged lists and the like
+        raise TypeError(f"value for key {key!r} is not an array of numbers: {err}") from None
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"value for key {key!r} must be numeric, got dtype {arr.dtype}")
+    if mask is not None:
+        mask = mask.numpy(force=True) if is_tensor(mask) else np.asarray(mask)
+        check_mask(key, mask.shape, mask.dtype == np.bool_, arr.shape, mask.dtype)
+    return arr, mask
+
+
+def _number_row(key: str, value: Any) -> np.ndarray:
+    try:
+        return scalar_row(float(value))
+    except OverflowError:
+        raise ValueError(f"value for key {key!r} does not fit in a float64: {value}") from None
+
+
+def _array_extremes(v: np.ndarray, mask: Any) -> tuple[int, int]:
+    """The flat positions of the min and max of a numpy array's valid, finite values."""
+    x = np.asarray(v, dtype=np.float64).ravel()
+    use = np.isfinite(x) if mask is None else np.isfinite(x) & np.asarray(mask).ravel()
+    return int(np.where(use, x, np.inf).argmin()), int(np.where(use, x, -np.inf).argmax())
+
+
+def _host_vector(v: Any, m: Any) -> tuple[np.ndarray, Any] | None:
+    """``(v, m)`` as 1-D numpy views if ``v`` is a short CPU vector of numbers under its
+    own mask (None, or bool of its shape); else None (the host pass takes it)."""
+    torch = torch_module()
+    if (isinstance(v, Difference) or v.ndim != 1 or v.dtype not in numpy_dtypes(torch)
+            or v.requires_grad or not 0 < v.numel() <= _VECTOR):
+        return None
+    if m is not None and not (m.dtype == torch.bool and m.device.type == "cpu"):
+        return None
+    return v.numpy(), None if m is None else m.numpy()
+
+
+def _vector_rows(group: Mapping[str, tuple[np.ndarray, Any]],
+                 cache: MaskCache | None) -> dict[str, np.ndarray]:
+    """Rows of same-length vectors, each under its mask: stacked in float64 (exact) and
+    summarised together (``stacked_rows``); one whose valid values are not all finite, or
+    reach 1e150, takes the host pass (which counts and excludes them)."""
+    stacked = np.stack([x for x, _ in group.values()]).astype(np.float64, copy=False)
+    valid = np.ones(stacked.shape, bool)
+    for i, (_, m) in enumerate(group.values()):
+        if m is not None:
+            valid[i] = m
+    rows, ok, _ = stacked_rows(stacked, valid)
+    torch = torch_module()
+    cache = MaskCache() if cache is None else cache
+    out = {}
+    for i, (key, (x, m)) in enumerate(group.items()):
+        if ok[i]:
+            out[key] = rows[i]
+        else:  # counted and excluded, or summed scaled, on their own
+            mask = None if m is None else torch.from_numpy(m)
+            out[key] = HostPass(mask, cache).rows({key: torch.from_numpy(x)})[key].numpy()
+    return out
+
+
+def _device_group(group: list[tuple[str, Any, Any]], values: Mapping[str, Any], ids: Any,
+                  compile: bool | None, each: bool) -> Rows:
+    """Rows of flat device values of one dtype, device and length under one mask (or each
+    under its own: ``each``), stacked: the kernels of one value for all of them."""
+    torch = torch_module()
+    masks = [m for _, _, m in group]
+    if not each:
+        mask = None if masks[0] is None else masks[0].reshape(-1)
+    elif all(m is None for m in masks):
+        mask = None
+    else:
+        x = group[0][1]
+        mask = torch.stack([torch.ones(x.shape, dtype=torch.bool, device=x.device)
+                            if m is None else m.reshape(-1) for m in masks])
+    out: dict[str, Any] = {}
+    at: dict[str, Any] = {}
+    device_rows([(key, x) for key, x, _ in group], mask, compile, ids is not None, out, at)
+    keys = tuple(key for key, _, _ in group)
+    rows = torch.stack([out[k] for k in keys])
+    sources = None
+    if ids is not None:
+        inner = {_inner(values[k]) for k in keys}
+        where = torch.stack([at[k] for k in keys])
+        sources = torch.cat([_device_sources(where[i:i + 1], _inner(values[k]), ids)
+                             for i, k in enumerate(keys)]) if len(inner) > 1 else \
+            _device_sources(where, inner.pop(), ids)
+    return Rows(keys, rows, sources)
+
+
+# -- where each min and max lies (``stat(ids=)``) ------------------------------------------
+def _checked_ids(ids: Any, prepared: Mapping[str, tuple[Any, Any]]) -> Any:
+    """``ids`` as a 1-D tensor or numpy array of numbers, one per row of every value."""
+    first = next(iter(prepared), "?")
+    torch = torch_module()
+    if is_tensor(ids):
+        ok = ids.dtype in real_dtypes(torch) and ids.dtype != torch.bool
+    else:
+        try:
+            ids = np.asarray(ids)
+        except Exception:  # ragged lists and the like
+            ok = False
+        else:
+            ok = ids.dtype.kind in "iuf"
+    if not ok:
+        got = getattr(ids, "dtype", type(ids).__name__)
+        raise TypeError(f"ids for key {first!r} must be numbers (a sample's index or uid as "
+                        f"an integer), one per row; got {got}")
+    if ids.ndim != 1:
+        raise ValueError(f"ids for key {first!r} must be 1-D (one per row), got shape "
+                         f"{tuple(ids.shape)}")
+    for key, (v, _) in prepared.items():
+        v = v.a if isinstance(v, Difference) else v
+        shape = tuple(getattr(v, "shape", ()))
+        if not shape or shape[0] != len(ids):
+            raise ValueError(f"ids for key {key!r}: {len(ids)} ids, one per row, but the value "
+                             f"has shape {shape}")
+    return ids
+
+
+def _inner(value: Any) -> int:
+    """The length of one row of ``value``: flat positions within a row."""
+    shape = tuple((value.a if isinstance(value, Difference) else value).shape)
+    return int(np.prod(shape[1:])) if len(shape) > 1 else 1
+
+
+def _host_sources(where: tuple[int, int], inner: int, ids: Any) -> np.ndarray:
+    src = unknown_sources(1)[0]
+    for first, flat in ((MIN_ID, where[0]), (MAX_ID, where[1])):
+        row, col = divmod(int(flat), inner)
+        src[first + 1: first + 4] = (0.0, row, col)
+        if ids is not None:
+            src[first] = float(ids[row])
+    return src
+
+
+def _device_sources(where: Any, inner: int, ids: Any) -> Any:
+    """The sources rows ``[K, NSOURCE]`` on the device of ``where`` (each value's flat min
+    and max positions, ``[K, 2]``): a gather of the ids, nothing read back."""
+    torch = torch_module()
+    rows, cols = torch.div(where, inner, rounding_mode="floor"), where % inner
+    ident = to_device(ids, where.device)[rows].to(torch.float64)  # host -> device: no sync
+    zero = torch.zeros(where.shape, dtype=torch.float64, device=where.device)
+    fields = torch.stack([ident, zero, rows.to(torch.float64), cols.to(torch.float64)], -1)
+    return fields.flatten(-2).reshape(-1, NSOURCE)
+
+
+# -- elements, sketches and the one host copy ---------------------------------------------
+def element_rows(values: Any, *, key: str = "value") -> Any:
+    """One record per element of a 1-D tensor/array (``[K, NFIELDS]``, on its device)."""
+    values, _ = _prepare(values, None, key)
+    if not is_tensor(values):
+        return scalar_rows(np.asarray(values, dtype=np.float64).ravel())
+    with torch_module().no_grad():
+        return number_rows(values.reshape(-1, 1), None, False)
+
+
+def sketch(values: Any, mask: Any, spec: SketchSpec, *, key: str = "value") -> Any:
+    """Return the bucket counts of the valid, finite values: sparse ``(codes, counts)`` for
+    host data, a dense tensor of ``spec.size`` counts on the value's device otherwise."""
+    values, mask = _prepare(values, mask, key)
+    torch = torch_module()
+    if not is_tensor(values) or on_host(values):
+        if is_tensor(values):
+            values = values.detach().to("cpu", torch.float64).numpy()
+            mask = None if mask is None else mask.numpy()
+        v = np.atleast_1d(np.asarray(values, dtype=np.float64)).ravel()
+        use = np.isfinite(v) if mask is None else np.asarray(mask).ravel() & np.isfinite(v)
+        return sparse_counts(v[use], spec)
+    with torch.no_grad():
+        x = values.reshape(-1).to(torch.float64)
+        use = torch.isfinite(x)
+        if mask is not None:
+            use = use & mask.reshape(-1)
+        x = torch.where(use, x, 0.0)  # excluded positions land in the zero slot with weight 0
+        mag = x.abs()
+        bounds = _device_bounds(spec, x.device)
+        # bounds[b-1] <= v < bounds[b] for a positive v, bounds[b-1] < v <= bounds[b] for -v
+        up = torch.searchsorted(bounds, mag, right=True)
+        down = torch.searchsorted(bounds, mag, right=False)
+        code = torch.where(x > 0, up, torch.where(x < 0, -down, torch.zeros_like(up)))
+        dense = torch.zeros(spec.size, dtype=torch.float64, device=x.device)
+        return dense.index_add_(0, code + spec.top, use.to(torch.float64))
+
+
+_BOUNDS: dict[tuple[float, Any], Any] = {}
+
+
+def _device_bounds(spec: SketchSpec, device: Any) -> Any:
+    """The bucket boundaries on ``device``, copied there once per accuracy."""
+    held = _BOUNDS.get((spec.alpha, device))
+    if held is None:
+        held = _BOUNDS[(spec.alpha, device)] = to_device(np.array(spec.bounds), device)
+    return held
+
+
+def add_sketches(a: Any, b: Any) -> Any:
+    """Add two sketches: sparse ``(codes, counts)`` pairs (host data) merge on the host, dense
+    device tensors add on the device, and a sparse one meeting a dense one is scattered
+    into it on that device (a host -> device copy; nothing waits for the device)."""
+    if not is_tensor(a) and not is_tensor(b):
+        return merge_sparse([a, b])
+    if not is_tensor(a):
+        a, b = b, a
+    if not is_tensor(b):
+        codes, counts = b
+        slots = to_device(np.asarray(codes, dtype=np.int64) + (a.numel() - 1) // 2, a.device)
+        return a.index_add(0, slots, to_device(counts, a.device))
+    return a + (b if b.device == a.device else b.to(a.device))
+
+
+def to_host(parts: Sequence[Any]) -> tuple[list[np.ndarray], int]:
+    """Return every part as a float64 numpy array, and the number of device copies made.
+
+    Tensor parts are flattened and concatenated per device, then copied with one transfer
+    per device, whatever their number; a CPU part is viewed as it is, unless the CPU
+    stands in for an accelerator (``accelerator_path_on_cpu``).
+    """
+    torch = torch_module()
+    tensor = () if torch is None else torch.Tensor  # isinstance(x, ()) is False
+    out: list[Any] = [None] * len(parts)
+    by_device: dict[Any, list[int]] = {}
+    for i, part in enumerate(parts):
+        if not isinstance(part, tensor):
+            out[i] = np.asarray(part, dtype=np.float64)
+        elif on_host(part) and part.dtype == torch.float64:
+            out[i] = part.numpy()  # a view: reading the CPU is no copy and no sync
+        else:
+            by_device.setdefault(part.device, []).append(i)
+    for idx in by_device.values():
+        host = torch.cat([parts[i].reshape(-1).to(torch.float64) for i in idx]).numpy(force=True)
+        start = 0
+        for i in idx:
+            n = parts[i].numel()
+            out[i] = host[start: start + n].reshape(tuple(parts[i].shape))
+            start += n
+    return out, len(by_device)
