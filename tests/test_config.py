@@ -76,7 +76,7 @@ def test_each_default_more_than_one_part_reads_comes_from_one_place():
     ``OutputRules``); the config, the merge, the clients and the sinks read them."""
     import inspect
 
-    from metricsvc.client import MetricClient, StreamRecorder
+    from metricsvc.client import MetricClient
     from metricsvc.config import ServiceConfig
     from metricsvc.core import limits
     from metricsvc.core.keys import safe_tag
@@ -101,7 +101,6 @@ def test_each_default_more_than_one_part_reads_comes_from_one_place():
     assert cfg.output.rules() == OutputRules()
     assert cfg.output.sketch_alpha == SketchSpec().alpha == Batch.sketch_alpha \
         == limits.SKETCH_ALPHA
-    assert default(MetricClient, "retry_s") == default(StreamRecorder, "retry_s") \
-        == limits.RETRY_S
+    assert default(MetricClient, "retry_s") == limits.RETRY_S  # a stream's handle is its
     assert default(safe_tag, "max_length") == default(tagged, "max_length") \
         == default(descriptions, "max_length") == limits.MAX_TAG_LENGTH

@@ -243,7 +243,7 @@ def test_a_flush_wakes_no_thread_when_the_answer_before_it_is_in(make_worker):
     for step in range(3, 13):  # each answer in before the next flush: read by that flush
         c.submit_metric({"x": float(step)})
         c.flush()
-        ray.wait([c.sender._pending[2].ref], timeout=30)
+        ray.wait([c.sender._pending[2]], timeout=30)
     c.wait_acks(timeout_s=30)
     assert c.sender.wakes == woken  # no thread woke
     assert callers == [threading.current_thread()] * 10

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # errors and how actors are called. Never the service, sinks, storage or config (nor
 # pydantic): a training rank imports the client, not the service.
 CLIENT_TIERS = ("metricsvc.client", "metricsvc.core")
-CLIENT_MODULES = ("metricsvc", "metricsvc.calls", "metricsvc.errors")
+CLIENT_MODULES = ("metricsvc", "metricsvc.transport", "metricsvc.errors")
 
 
 def _loaded_by(statement: str) -> dict[str, list[str]]:
@@ -35,7 +35,7 @@ def _loaded_by(statement: str) -> dict[str, list[str]]:
 def test_importing_the_client_loads_no_service_module_and_no_pydantic():
     loaded = _loaded_by("import metricsvc.client")
     ours = {m for m in loaded if m.startswith("metricsvc")}
-    assert {"metricsvc.client.client", "metricsvc.core.records", "metricsvc.calls"} <= ours
+    assert {"metricsvc.client.client", "metricsvc.core.records", "metricsvc.transport"} <= ours
     assert {m for m in ours if not (m in CLIENT_MODULES or m.startswith(CLIENT_TIERS))} == set()
     assert not any(m.startswith(("pydantic", "torch")) for m in loaded)
 
@@ -134,15 +134,15 @@ def test_every_module_imports_on_its_own():
     assert out.returncode == 0 and out.stdout == "", out.stdout + out.stderr[-2000:]
 
 
-def test_the_client_depends_on_the_core_and_the_calling_rules_only():
+def test_the_client_depends_on_the_core_and_the_transport_only():
     """The client package imports the core, the errors and how actors are called
-    (``metricsvc.calls``, shared with the combiner): never the service, its config, the
+    (``metricsvc.transport``, shared with the combiner): never the service, its config, the
     sinks or the storage."""
     graph = import_graph()
     client = {n for n in graph if n.startswith("metricsvc.client")}
     used = set().union(*(graph[n] for n in client)) - client - {"metricsvc"}
     assert {u for u in used if not u.startswith("metricsvc.core.")} == {
-        "metricsvc.calls", "metricsvc.errors"}, used
+        "metricsvc.transport", "metricsvc.errors"}, used
 
 
 def test_the_recording_layer_uses_no_private_method_of_the_buffer():
@@ -247,7 +247,7 @@ def test_example_driver_runs_and_writes_the_journal(tmp_path):
 LAYERS = [
     {"metricsvc.errors"},                                 # the errors: a leaf every tier uses
     {"metricsvc.core*"},                                  # pure: numbers and rules
-    {"metricsvc.calls"},                                  # calling actors over Ray
+    {"metricsvc.transport"},                              # calling actors over Ray
     {"metricsvc.client*", "metricsvc.storage*"},
     {"metricsvc.sinks*"},
     {"metricsvc.config"},
@@ -255,7 +255,8 @@ LAYERS = [
     {"metricsvc.cli*", "metricsvc.__main__"},
 ]
 TIERS = ["core", "storage", "sinks", "service", "client", "cli"]
-CLIENT_MAY_IMPORT = ("metricsvc.client", "metricsvc.core", "metricsvc.calls", "metricsvc.errors")
+CLIENT_MAY_IMPORT = ("metricsvc.client", "metricsvc.core", "metricsvc.transport",
+                     "metricsvc.errors")
 
 
 def _layer(module: str) -> int:
@@ -322,7 +323,7 @@ def test_the_package_is_in_tiers_with_a_handful_of_modules_at_its_top():
         doc = ast.get_docstring(ast.parse((package / tier / "__init__.py").read_text()))
         assert doc and "import" in doc, tier
     top = sorted(p.name for p in package.glob("*.py"))
-    assert top == ["__init__.py", "__main__.py", "calls.py", "config.py", "errors.py"], top
+    assert top == ["__init__.py", "__main__.py", "config.py", "errors.py", "transport.py"], top
     for module in import_graph():
         if module != "metricsvc":
             _layer(module)

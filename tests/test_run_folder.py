@@ -450,7 +450,7 @@ def test_a_sinks_state_is_appended_per_step_and_reads_back_whole_after_a_torn_wr
     cost the service ~0.3 ms of CPU per sink here), folded on reading, a torn last line
     left out; a sink's own fields (wandb's run id) and the watermark's, written by two
     readers of the one file, both stay; a long file is compacted into one line."""
-    from metricsvc.storage.history import SinkState
+    from metricsvc.storage.files import SinkState
 
     ours, sinks = SinkState(tmp_path, "wandb"), SinkState(tmp_path, "wandb")
     ours.update(durable_through=0, segment=0)

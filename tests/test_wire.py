@@ -52,9 +52,9 @@ def _batch(sketch: bool, located: bool, derived: bytes = b"") -> Batch:
 @pytest.mark.parametrize("sketch, located", [(False, False), (True, False), (False, True),
                                              (True, True)])
 def test_every_layout_decodes_to_the_batch_it_encodes(sketch, located):
-    """A batch of records only (the common one) decodes by a shorter path than one with
-    sketches or located extremes: both give every column back, and a column the batch does
-    not carry is Batch's shared empty default; any byte short or over is refused."""
+    """A batch of records only (the common one) and one with sketches or located extremes
+    give every column back, a column the batch does not carry is the one shared empty
+    array (``wire.EMPTY``); any byte short or over is refused."""
     b = _batch(sketch, located, derived=b'{"x": 1}')
     blob = encode(b)
     out = decode(blob)
@@ -65,9 +65,12 @@ def test_every_layout_decodes_to_the_batch_it_encodes(sketch, located):
         got, want = getattr(out, name), getattr(b, name)
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert np.array_equal(got, want, equal_nan=True), name
+    from metricsvc.core.wire import EMPTY
+
     empty = Batch(step=0, rank=0, world_size=1, seq=0, final=True, keys=(),
                   data=np.zeros((0, NFIELDS)), kinds=np.zeros(0, np.int8),
                   expected=np.zeros(0, np.int32))
+    assert empty.sketch_codes is EMPTY["sketch_codes"]
     if not sketch:
         assert out.sketch_codes is empty.sketch_codes and out.sketch_rows is empty.sketch_rows
     if not located:

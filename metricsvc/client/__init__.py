@@ -1,7 +1,7 @@
 """The rank side: what every training rank imports (``MetricClient``, ``Tracker``,
 ``StreamRecorder``, the built-in metric families). It summarises on the rank's device,
 merges micro-batches and sends one batch per step. It imports ``metricsvc.core``,
-``metricsvc.calls`` and ``metricsvc.errors``, and nothing else of metricsvc (never the
+``metricsvc.transport`` and ``metricsvc.errors``, and nothing else of metricsvc (never the
 service, the sinks, the config or pydantic)."""
 
 from metricsvc.client.client import MetricClient, StreamRecorder, Tracker

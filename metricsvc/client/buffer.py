@@ -50,13 +50,10 @@ MAX_PARTS = 512  # recordings held before they are merged (a bound on a step's m
 @dataclass(slots=True)
 class Part:
     """One recording call's records: ``rows [k, NFIELDS]`` of ``keys`` (numpy on the host, a
-    tensor on its device), each key's kind code (one for all, or one each), the ranks
-    expected to send them (one for all, or one each), and where located, ``sources``."""
+    tensor on its device), and where located, ``sources [k, NSOURCE]``."""
 
     keys: tuple[str, ...]
     rows: Any
-    codes: int | tuple[int, ...]
-    expected: int | np.ndarray
     sources: Any = None
 
 
@@ -73,13 +70,16 @@ class RecordBuffer:
         self.parts: list[Part] = []
         self.kinds: dict[str, int] = {}  # key -> its kind code in this step, in first order
         self.seen: dict[str, int] = {}  # key -> recordings of it so far in this step
+        self.expected: dict[str, int] = {}  # key -> the ranks expected to send it, if not all
+        self._on_device = False  # a part or sketch of this step lives on a device
         self.sketches: dict[str, Any] = {}  # QUANTILES key -> its buckets
         self.masks = MaskCache()  # one mask preparation per mask per step
         self.good_keys: set[str] = set()  # names already checked (they recur every step)
         self.declarations = Declarations()
         self.names = ExportedNames()
         self.trackers: dict[str, Any] = {}  # named trackers, by prefix (Tracker.get)
-        self._attached: list[Any] = []  # what records here and has step-scoped state
+        self.denominators: dict[str, Any] = {}  # this step's masks by full name
+        self._masked = False  # a mask was prepared in this step (the cache holds it)
         self.host_copies = 0
         self.label = label
         self.on_record = on_record
@@ -87,9 +87,11 @@ class RecordBuffer:
     def __len__(self) -> int:
         return len(self.kinds)
 
-    def attach(self, tracker: Any) -> None:
-        """Let ``tracker`` record here; its ``end_step()`` is called as each step ends."""
-        self._attached.append(tracker)
+    def denominate(self, masks: Mapping[str, Any]) -> None:
+        """Register this step's denominators (bool masks by full name) and record their
+        counts (SUM)."""
+        self.record(masks, None, ReduceType.SUM)
+        self.denominators.update(masks)
 
     def opened(self, label: str) -> None:
         """A new window opened (``label``: how errors name it, e.g. ``"step 5"``)."""
@@ -123,18 +125,29 @@ class RecordBuffer:
         each = {k: int(c) for k, c in kinds.items()} if isinstance(kinds, Mapping) else None
         code = None if each is not None else int(kinds)  # type: ignore[arg-type]
         with self.lock:  # the mask cache's scratch buffers serve one summary at a time
+            if mask is not None or masks is not None:
+                self._masked = True
             found = summarize_call(values, mask, masks=masks, ids=ids, compile=self.compile,
                                    cache=self.masks)
-            sketched = {k: v for k, v in values.items()
-                        if (each[k] if each else code) != AUTO
-                        and KINDS[ReduceType(each[k] if each else code)].sketch}
-            sketches = {k: sketch(v, mask if masks is None else masks.get(k),
-                                  self.sketch_spec, key=k) for k, v in sketched.items()}
+            sketches = None
+            if each is not None or (code != AUTO and KINDS[ReduceType(code)].sketch):
+                sketches = self._sketches(values, mask, masks, each, code)
             for rows in found:
                 self.keep(rows, code if each is None else tuple(each[k] for k in rows.keys),
                           expected, sketches)
         if self.on_record is not None:
             self.on_record()
+
+    def _sketches(self, values: Mapping[str, Any], mask: Any, masks: Mapping[str, Any] | None,
+                  each: Mapping[str, int] | None, code: int | None) -> dict[str, Any]:
+        """The quantile buckets of the values whose kind keeps them (QUANTILES)."""
+        out = {}
+        for key, value in values.items():
+            kind = each[key] if each is not None else code
+            if kind != AUTO and KINDS[ReduceType(kind)].sketch:
+                out[key] = sketch(value, mask if masks is None else masks.get(key),
+                                  self.sketch_spec, key=key)
+        return out
 
     def keep(self, found: Rows, codes: int | tuple[int, ...], expected: int = 0,
              sketches: Mapping[str, Any] | None = None) -> None:
@@ -150,11 +163,17 @@ class RecordBuffer:
                 sources = found.sources
             else:
                 sources = self._again(found, codes, each)
-            self.parts.append(Part(keys, found.rows, codes, expected, sources))
+            self.parts.append(Part(keys, found.rows, sources))
+            if found.rows.__class__ is not np.ndarray:
+                self._on_device = True
+            if expected:
+                for key in keys:
+                    self.expected[key] = max(expected, self.expected.get(key, 0))
             for key in keys if sketches else ():
                 buckets, held = sketches.get(key), self.sketches.get(key)  # type: ignore[union-attr]
                 if buckets is not None:
                     self.sketches[key] = buckets if held is None else add_sketches(held, buckets)
+                    self._on_device = self._on_device or is_tensor(buckets)
             if len(self.parts) > MAX_PARTS:
                 self._compact()
 
@@ -193,74 +212,98 @@ class RecordBuffer:
         start afresh."""
         with self.lock:
             keys, data, codes, expected, extremes, sketches = self._merged()
-            batch = Batch.build(step=step, rank=rank, world_size=world_size, seq=seq,
-                                final=final, keys=keys, data=data, kinds=codes,
-                                expected=expected, sketches=sketches,
-                                sketch_alpha=self.sketch_spec.alpha,
-                                derived=self.declarations.take_wire(), extremes=extremes)
+            derived = self.declarations.take_wire()
             self._reset()
-            return batch
+            return Batch.build(step=step, rank=rank, world_size=world_size, seq=seq,
+                               final=final, keys=keys, data=data, kinds=codes,
+                               expected=expected, sketches=sketches,
+                               sketch_alpha=self.sketch_spec.alpha, derived=derived,
+                               extremes=extremes)
 
     def _merged(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, dict, dict]:
         """Every part merged: the keys in the order first recorded, their records, kind
         codes, expected ranks, the sources of the keys some recording located, and the
         QUANTILES keys' buckets (sparse), all copied to the host in one copy per device."""
         parts, keys = self.parts, list(self.kinds)
+        n = len(keys)
+        codes = np.fromiter(self.kinds.values(), dtype=np.int8, count=n)
+        expected = np.zeros(n, np.int32)
+        if self.expected:
+            for i, key in enumerate(keys):
+                expected[i] = self.expected.get(key, 0)
         if not parts:
-            return [], np.zeros((0, NFIELDS)), np.zeros(0, np.int8), np.zeros(0, np.int32), \
-                {}, {}
-        located = [p for p in parts if p.sources is not None]
-        dense = [k for k, s in self.sketches.items() if is_tensor(s)]
-        arrays, copies = to_host([p.rows for p in parts] + [p.sources for p in located]
-                                 + [self.sketches[k] for k in dense])
-        self.host_copies += copies
-        at = {k: i for i, k in enumerate(keys)}
-        sketches = {at[k]: s for k, s in self.sketches.items() if not is_tensor(s)}
-        sketches.update({at[k]: dense_to_sparse(a, self.sketch_spec)
-                         for k, a in zip(dense, arrays[len(parts) + len(located):])})
-        rows = arrays[0] if len(parts) == 1 else np.concatenate(arrays[:len(parts)])
-        order = [k for p in parts for k in p.keys]
-        codes = np.fromiter(self.kinds.values(), dtype=np.int8, count=len(keys))
-        if all(p.expected.__class__ is int and not p.expected for p in parts):
-            wants = np.zeros(len(order), np.int32)
-        else:
-            wants = np.concatenate([np.broadcast_to(np.asarray(p.expected, np.int32),
-                                                    (len(p.keys),)) for p in parts])
-        if len(order) == len(keys):  # every key recorded once: nothing to merge
-            data, idx, expected = rows, None, wants
-        else:
+            return keys, np.zeros((0, NFIELDS)), codes, expected, {}, {}
+        held, located, order = [], [], []
+        for part in parts:
+            held.append(part.rows)
+            order.extend(part.keys)
+            if part.sources is not None:
+                located.append(part)
+        for part in located:
+            held.append(part.sources)
+        dense = []
+        for key, buckets in self.sketches.items():
+            if is_tensor(buckets):
+                dense.append(key)
+                held.append(buckets)
+        if self._on_device:  # one copy per device, of everything the step holds there
+            held, copies = to_host(held)
+            self.host_copies += copies
+        rows = held[0] if len(parts) == 1 else np.concatenate(held[:len(parts)])
+        idx = None
+        data = rows
+        if len(order) != n:  # keys recorded more than once: merged, exactly, once
+            at = {k: i for i, k in enumerate(keys)}
             idx = np.fromiter((at[k] for k in order), dtype=np.int64, count=len(order))
-            data = merge_grouped(rows, idx, len(keys))
-            expected = np.zeros(len(keys), np.int32)
-            np.maximum.at(expected, idx, wants)
-        extremes = {}
-        if located:
-            sources = iter(arrays[len(parts):])
-            src = np.concatenate([next(sources) if p.sources is not None
-                                  else unknown_sources(len(p.keys)) for p in parts])
-            if idx is None:
-                idx = np.arange(len(keys))
-            carried = np.concatenate([np.full(len(p.keys), p.sources is not None)
-                                      for p in parts])
-            won = winners(rows, idx, data)
-            for i in np.unique(idx[carried]).tolist():
-                out = unknown_sources(1)[0]
-                for (_, _, first), side in zip(SIDES, won):
-                    if side[i] >= 0:
-                        out[first:first + 4] = src[side[i], first:first + 4]
-                extremes[i] = out
-        return keys, data, codes, expected, extremes, sketches
+            data = merge_grouped(rows, idx, n)
+        sources = self._sources(parts, located, held, rows, idx, data) if located else {}
+        sketches = self._sparse(keys, dense, held[len(parts) + len(located):]) \
+            if self.sketches else {}
+        return keys, data, codes, expected, sources, sketches
+
+    def _sources(self, parts: list[Part], located: list[Part], held: list, rows: np.ndarray,
+                 idx: np.ndarray | None, data: np.ndarray) -> dict[int, np.ndarray]:
+        """Where the merged min and max of each located key came from: the first recording
+        holding the merged value wins (unknown where that one was not located)."""
+        if not located:
+            return {}
+        copies = iter(held[len(parts):len(parts) + len(located)])
+        src = np.concatenate([next(copies) if p.sources is not None
+                              else unknown_sources(len(p.keys)) for p in parts])
+        if idx is None:
+            idx = np.arange(len(data))
+        carried = np.concatenate([np.full(len(p.keys), p.sources is not None) for p in parts])
+        won = winners(rows, idx, data)
+        out = {}
+        for i in np.unique(idx[carried]).tolist():
+            found = unknown_sources(1)[0]
+            for (_, _, first), side in zip(SIDES, won):
+                if side[i] >= 0:
+                    found[first:first + 4] = src[side[i], first:first + 4]
+            out[i] = found
+        return out
+
+    def _sparse(self, keys: list[str], dense: list[str], copied: list) -> dict[int, tuple]:
+        """Each QUANTILES key's buckets, sparse, by key row (``copied``: the dense ones')."""
+        if not self.sketches:
+            return {}
+        at = {k: i for i, k in enumerate(keys)}
+        out = {at[k]: s for k, s in self.sketches.items() if not is_tensor(s)}
+        out.update({at[k]: dense_to_sparse(np.asarray(a), self.sketch_spec)
+                    for k, a in zip(dense, copied)})
+        return out
 
     def _compact(self) -> None:
         """Merge every part held into one, on the host (a copy per device: counted)."""
-        keys, data, codes, expected, extremes, sketches = self._merged()
+        keys, data, _, _, extremes, sketches = self._merged()
         self.sketches = {keys[i]: found for i, found in sketches.items()}
+        self._on_device = False
         sources = None
         if extremes:
             sources = unknown_sources(len(keys))
             for i, found in extremes.items():
                 sources[i] = found
-        self.parts = [Part(tuple(keys), data, tuple(int(c) for c in codes), expected, sources)]
+        self.parts = [Part(tuple(keys), data, sources)]
 
     def discard(self) -> int:
         """Drop everything recorded since the last flush; return how many keys were dropped."""
@@ -270,11 +313,16 @@ class RecordBuffer:
             return dropped
 
     def _reset(self) -> None:
-        self.masks.clear()  # a mask is prepared once per step; the scratch buffers stay
+        if self._masked:  # a mask is prepared once per step; the scratch buffers stay
+            self.masks.clear()
+            self._masked = False
         self.parts, self.kinds, self.seen, self.sketches = [], {}, {}, {}
+        self._on_device = False
+        if self.expected:
+            self.expected = {}
+        if self.denominators:
+            self.denominators = {}
         self.names.forget()
-        for tracker in self._attached:
-            tracker.end_step()
 
     # -- declarations --------------------------------------------------------------------
     def declare(self, *declarations: Derived) -> None:
@@ -314,6 +362,7 @@ class ExportedNames:
         self._claims: Recent = Recent(64)  # (keys, codes, declarations held) -> claimed
 
     def forget(self) -> None:
+        """A new step: no key exports anything yet."""
         self.owner = {}
 
     def claim(self, keys: tuple[str, ...], codes: int | tuple[int, ...],
@@ -443,14 +492,15 @@ class StepCursor:
         """Close the open step (after moving to ``step``, if named): its records as one
         final batch; the next step opens."""
         with self.buffer.lock:
-            if step is not None:
+            if step is not None and (step.__class__ is not int or step != self.step):
                 self.name(step, caller)
+            step = self.step
             self.seq += 1
-            batch = self.buffer.take_batch(step=self.step, rank=self.rank,
-                                           world_size=self.world_size, seq=self.seq, final=True)
-            self.last_closed, self.known = batch.step, True
-            self.open(batch.step + 1)
-            return batch
+            self.last_closed, self.known = step, True
+            self.step = step + 1
+            self.buffer.opened(f"step {step + 1}")
+            return self.buffer.take_batch(step=step, rank=self.rank,
+                                          world_size=self.world_size, seq=self.seq, final=True)
 
     def name(self, step: int, caller: str) -> None:
         """Move to the step the caller names, if nothing recorded is pending for the open
@@ -458,7 +508,7 @@ class StepCursor:
         batch: what was recorded for it is dropped (it cannot be told apart from the records
         of another step), nothing is sent, and the next step the caller names is taken
         (``StepMismatch``, or ``TypeError`` for a step that is no step)."""
-        if not is_int(step) or step < 0:
+        if (step.__class__ is not int and not is_int(step)) or step < 0:
             self.refuse(TypeError, f"{caller}(step={step!r}): step must be an int >= 0")
         if step == self.step:
             return

@@ -19,19 +19,17 @@ import itertools
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
 import ray
 
-from metricsvc.calls import call
 from metricsvc.client import metrics as families
 from metricsvc.client.buffer import RecordBuffer, StepCursor
 from metricsvc.client.summaries import Rows, element_rows
 from metricsvc.client.tensors import is_tensor
-from metricsvc.client.transport import Issued, Sender, ServiceHandle
 from metricsvc.core.declare import Derived
 from metricsvc.core.keys import DEFAULT_NAME, check_key, check_rank, default_namespace, is_int
 from metricsvc.core.limits import RETRY_S, Recent
@@ -40,6 +38,7 @@ from metricsvc.core.reduce import AUTO, KINDS, ReduceType
 from metricsvc.core.sketch import SketchSpec
 from metricsvc.core.wire import encode
 from metricsvc.errors import ServiceNotice, ServiceUnavailable
+from metricsvc.transport import Sender, ServiceHandle
 
 _ids = itertools.count()
 
@@ -62,9 +61,7 @@ class Tracker:
         self.timing_reduce = timing_reduce
         self._scope: ContextVar[tuple[str, ...]] = ContextVar(f"metricsvc_scope_{next(_ids)}",
                                                               default=())
-        self._denominators: dict[str, Any] = {}
         self._full: Recent = Recent(1024)  # (scopes, keys) -> their checked full keys
-        buffer.attach(self)
 
     # -- keys and scopes ---------------------------------------------------------------
     def full_key(self, key: str) -> str:
@@ -114,16 +111,15 @@ class Tracker:
                 got = dtype if dtype is not None else type(mask).__name__
                 raise TypeError(f"denominator {name!r} must be a bool tensor or array, got {got}")
             named[self._key(name)] = mask
-        self.buffer.record(named, None, ReduceType.SUM)
-        self._denominators.update(named)
+        self.buffer.denominate(named)
 
     def _lookup(self, name: str, for_key: str) -> Any:
         scopes = self._scope.get()
         for depth in range(len(scopes), -1, -1):  # innermost scope first, then outwards
             candidate = self.prefix + "/".join((*scopes[:depth], name))
-            if candidate in self._denominators:
-                return self._denominators[candidate]
-        known = sorted(self._denominators) or "none registered in this step"
+            if candidate in self.buffer.denominators:
+                return self.buffer.denominators[candidate]
+        known = sorted(self.buffer.denominators) or "none registered in this step"
         raise ValueError(f"unknown denominator {name!r} for key {for_key!r}; known: {known}")
 
     def stat(
@@ -164,7 +160,9 @@ class Tracker:
                 "stat(mask=m, loss=t)" + ("; a tensor passed positionally is taken as the "
                                           "mask" if mask is not None else "")
             )
-        kind = ReduceType.parse(reduce_type if reduce_type is not None else reduce)
+        kind = reduce_type if reduce_type is not None else reduce
+        if kind.__class__ is not ReduceType:
+            kind = ReduceType.parse(kind)
         full = self._keys(values)
         if ids is not None and not KINDS[kind].extremes:
             raise ValueError(
@@ -285,10 +283,6 @@ class Tracker:
         """Device-to-host copies made by flushes so far."""
         return self.buffer.host_copies
 
-    def end_step(self) -> None:
-        """Forget what lives for one step (the registered denominators)."""
-        self._denominators.clear()
-
 
 class MetricClient(Tracker):
     """A rank's handle on the MetricWorker: record metrics for the open step, then close it.
@@ -334,9 +328,8 @@ class MetricClient(Tracker):
                                      namespace or default_namespace(), via, self.rank, retry_s)
         super().__init__(RecordBuffer(sketch_spec, compile))  # the client is its own tracker
         self.cursor = StepCursor(self.rank, self.world_size, start_step, self.buffer)
-        self.sender = Sender(lambda blob, epoch: self.service.issue("submit", blob, epoch),
-                             lambda blob, epoch: self.service.call("submit", blob, epoch),
-                             f"rank {self.rank}", max_inflight)
+        self.sender = Sender(self.service, "submit", f"rank {self.rank}",
+                             max_inflight=max_inflight)
         self._timed_out: int | None = None  # a wait_submit's step whose answer is not in
         if via is not None and worker is None:
             self.connect()  # register with the combiner before step 0
@@ -362,9 +355,9 @@ class MetricClient(Tracker):
     def stream(self, name: str, **kwargs: Any) -> StreamRecorder:
         """Return a recorder for stream ``name``: no step barrier; see ``StreamRecorder``.
         It sends to the MetricWorker itself, never through a node's combiner."""
-        return StreamRecorder(self.service.metric_worker, name,
+        return StreamRecorder(self.service.to_metric_worker(), name,
                               sketch_spec=self.buffer.sketch_spec, compile=self.buffer.compile,
-                              retry_s=self.retry_s, **kwargs)
+                              **kwargs)
 
     # -- closing steps -------------------------------------------------------------------
     def log(self, metrics: Mapping[str, Any], step: int | None = None, *,
@@ -398,12 +391,15 @@ class MetricClient(Tracker):
     def _close(self, step: int | None, caller: str) -> None:
         """Close the step, hand its batch to the sender, and read the answers that are in:
         their errors reach the caller now, after this step is handed over."""
-        if not self.sender.wait_until(self.max_unacked, self.retry_s + 60):
+        sender = self.sender
+        if (sender.in_flight >= self.max_unacked
+                and not sender.wait_until(self.max_unacked, self.retry_s + 60)):
             raise ServiceUnavailable(f"rank {self.rank}: {self.in_flight} flushes "
                                      f"unanswered for {self.retry_s + 60} s")
         batch = self.cursor.close(step, caller)
-        self.sender.hand_over(batch, encode(batch))
-        self._read_answers(batch.step)
+        sender.hand_over(batch, encode(batch))
+        if sender.answers:
+            self._read_answers(batch.step)
 
     def wait_submit(self, timeout_s: float | None = None, *,
                     step: int | None = None) -> dict[str, Any]:
@@ -432,7 +428,8 @@ class MetricClient(Tracker):
                 f"rank {self.rank}: step {self.cursor.last_closed} was closed, but the service "
                 f"did not answer within {timeout_s} s; its batch is delivered in the "
                 f"background and its answer read at the next call")
-        acks = self._read_answers(None)
+        acks = self.sender.read_answers(self.cursor.answered)
+        self._timed_out = None  # every close is answered
         return acks[-1]
 
     def wait_acks(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
@@ -497,7 +494,7 @@ class MetricClient(Tracker):
         keys only rank 0 computes); default: all ranks."""
         if not isinstance(metrics, Mapping):
             raise TypeError(f"submit_metric expects a mapping, got {type(metrics).__name__}")
-        expected = self._expected(world_size, metrics)
+        expected = 0 if world_size is None else self._expected(world_size, metrics)
         if not self.buffer.good_keys.issuperset(metrics):  # else every name was checked
             for key in metrics:
                 self.buffer.checked(key)
@@ -600,42 +597,35 @@ class StreamRecorder(Tracker):
 
     def __init__(
         self,
-        worker: Callable[[], Any],
+        service: ServiceHandle,
         name: str,
         *,
         sketch_spec: SketchSpec | None = None,
         compile: bool | None = None,
-        retry_s: float = RETRY_S,
         flush_every: int = 256,
         flush_interval_s: float = 1.0,
         max_inflight: int = 1024,
     ) -> None:
+        """``service``: the MetricWorker itself (``MetricClient.stream`` gives it)."""
         self.name = check_key(name)
         self.client_id = uuid.uuid4().hex
-        self._worker = worker
+        self.service = service
         super().__init__(RecordBuffer(sketch_spec, compile,
                                       label=f"stream {name!r} before its flush",
                                       on_record=self._maybe_flush), prefix=f"{name}/")
-        self.retry_s = retry_s
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self._seq = 0
         self._last_flush = time.monotonic()
         self._closed = False
-        self.rpc_count = 0
         # Batches are numbered (seq) in the order sent: the position acks count in
-        self.sender = Sender(self._issue, self._call, f"stream {name!r}", max_inflight,
-                             position=lambda batch: batch.seq)
+        self.sender = Sender(service, "stream_submit", f"stream {name!r}", self.name,
+                             self.client_id, max_inflight=max_inflight, by_seq=True)
 
-    def _call(self, payload: bytes, epoch: str | None) -> dict:
-        self.rpc_count += 1
-        return call(self._worker, "stream_submit", self.name, self.client_id, payload, epoch,
-                    retry_s=self.retry_s)
-
-    def _issue(self, payload: bytes, epoch: str | None) -> Issued:
-        self.rpc_count += 1
-        return Issued(self._worker().stream_submit.remote(self.name, self.client_id, payload,
-                                                          epoch))
+    @property
+    def rpc_count(self) -> int:
+        """Actor calls this recorder made."""
+        return self.service.calls
 
     def _maybe_flush(self) -> None:
         self._check_open()

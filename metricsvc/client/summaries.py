@@ -91,8 +91,9 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
         block = plain_rows(list(values.values()))
         if block is not None:  # plain numbers only (timings, counters): the common call
             return [Rows(keys, block)]
-    masked = {key: mask if masks is None else masks.get(key) for key in keys}
-    prepared = {key: _prepare(v, masked[key], key) for key, v in values.items()}
+    prepared = {}  # every value checked before any is summarised
+    for key, value in values.items():
+        prepared[key] = _prepare(value, mask if masks is None else masks.get(key), key)
     if ids is not None:
         ids = _checked_ids(ids, prepared)
     locate = ids is not None
@@ -113,24 +114,31 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
             if pair is not None:
                 vectors.setdefault(pair[0].size, {})[key] = pair
             else:  # grouped by the mask the caller gave: one pass gathers it once
-                passes.setdefault(id(masked[key]), (m, {}))[1][key] = v
+                given = mask if masks is None else masks.get(key)
+                passes.setdefault(id(given), (m, {}))[1][key] = v
         else:
             v = v.tensor() if isinstance(v, Difference) else v
             if v.numel() == 0:
                 host[key] = identity_row().numpy()
                 continue
             kind, x = flat_value(v)
-            device.setdefault((kind, 0 if masks else id(masked[key])), []).append((key, x, m))
+            device.setdefault((kind, 0 if masks else id(mask)), []).append((key, x, m))
     for group in vectors.values():
         host.update(_vector_rows(group, cache))
     for m, group in passes.values():
         hosted = HostPass(m, MaskCache() if cache is None else cache, locate)
-        host.update({k: row.numpy() for k, row in hosted.rows(group).items()})
+        for key, row in hosted.rows(group).items():
+            host[key] = row.numpy()
         at.update(hosted.at)
     out = []
     if host:
-        order = [k for k in keys if k in host]
-        rows = np.stack([host[k] for k in order]).reshape(len(order), NFIELDS)
+        order, found = [], []  # the caller's order
+        for key in keys:
+            row = host.get(key)
+            if row is not None:
+                order.append(key)
+                found.append(row)
+        rows = np.stack(found).reshape(len(order), NFIELDS)
         sources = None
         if locate:
             sources = unknown_sources(len(order))
@@ -158,6 +166,8 @@ def summarize(values: Any, mask: Any = None, *, key: str = "value",
 def _prepare(values: Any, mask: Any, key: str) -> tuple[Any, Any]:
     """``(values, mask)`` checked and on one side: tensors on one device, or numpy; a
     ``Difference`` of two tensors on one device."""
+    if values.__class__ is np.ndarray and values.dtype.kind in "biuf" and mask is None:
+        return values, None  # a numpy array of numbers: nothing to check
     if isinstance(values, Difference):
         a, m = _prepare(values.a, mask, key)
         b, _ = _prepare(values.b, mask, key)

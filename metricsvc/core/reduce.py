@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from operator import getitem
 from typing import Literal
 
 import numpy as np
@@ -368,8 +369,9 @@ def finalize(
     if plain:  # every value read a column at a time: no per-key work
         cols = {"mean": means(data), MIN: data[:, MIN].tolist(), MAX: data[:, MAX].tolist(),
                 SUM: data[:, SUM].tolist()}
-        return dict(zip(exports.names, [cols[c][r] for c, r in zip(exports.columns,
-                                                                    exports.rows)]))
+        # each name's column, at its row (``map`` in C: no per-key Python frame)
+        return dict(zip(exports.names, map(getitem, map(cols.__getitem__, exports.columns),
+                                           exports.rows)))
     sketches = sketches or {}
     every = means(data)
     values: dict[int, tuple[float, ...] | None] = {}

@@ -25,7 +25,7 @@ each refusal a ``BatchRejected`` naming the key (or field), what was expected an
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -51,12 +51,18 @@ from metricsvc.core.sketch import MIN_ALPHA, SketchSpec
 from metricsvc.errors import BatchRejected
 
 
-def _empty(dtype: type, shape: tuple = (0,)) -> Callable[[], np.ndarray]:
-    """A column's default: shared by every batch that carries none (most carry no sketch and
-    no located extremes), so read-only."""
+def _empty(dtype: type, shape: tuple = (0,)) -> np.ndarray:
+    """A column a batch does not carry: one array shared by every such batch (most carry no
+    sketch and no located extremes), so read-only."""
     a = np.zeros(shape, dtype=dtype)
     a.setflags(write=False)
-    return lambda: a
+    return a
+
+
+# The optional columns, empty: what a batch that carries none holds
+EMPTY = {"sketch_rows": _empty(np.int32), "sketch_offsets": _empty(np.int64, (1,)),
+         "sketch_codes": _empty(np.int32), "sketch_counts": _empty(np.float64),
+         "extreme_rows": _empty(np.int32), "extremes": _empty(np.float64, (0, NSOURCE))}
 
 
 @dataclass(frozen=True)
@@ -78,10 +84,10 @@ class Batch:
     data: np.ndarray  # [K, NFIELDS] float64
     kinds: np.ndarray  # [K] int8
     expected: np.ndarray  # [K] int32
-    sketch_rows: np.ndarray = field(default_factory=_empty(np.int32))
-    sketch_offsets: np.ndarray = field(default_factory=_empty(np.int64, (1,)))
-    sketch_codes: np.ndarray = field(default_factory=_empty(np.int32))
-    sketch_counts: np.ndarray = field(default_factory=_empty(np.float64))
+    sketch_rows: np.ndarray = field(default_factory=lambda: EMPTY["sketch_rows"])
+    sketch_offsets: np.ndarray = field(default_factory=lambda: EMPTY["sketch_offsets"])
+    sketch_codes: np.ndarray = field(default_factory=lambda: EMPTY["sketch_codes"])
+    sketch_counts: np.ndarray = field(default_factory=lambda: EMPTY["sketch_counts"])
     sketch_alpha: float = SKETCH_ALPHA
     derived: bytes = b""  # the sender's derived-metric declarations (``declare``), encoded
     # ``derived`` decoded and checked at the service's boundary (``receive``): the derived
@@ -89,8 +95,8 @@ class Batch:
     declared: tuple[Derived, ...] = ()
     about: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     # Where some keys' min and max came from (``core.extremes``): key rows, [E, NSOURCE]
-    extreme_rows: np.ndarray = field(default_factory=_empty(np.int32))
-    extremes: np.ndarray = field(default_factory=_empty(np.float64, (0, NSOURCE)))
+    extreme_rows: np.ndarray = field(default_factory=lambda: EMPTY["extreme_rows"])
+    extremes: np.ndarray = field(default_factory=lambda: EMPTY["extremes"])
 
     @classmethod
     def build(
@@ -116,7 +122,7 @@ class Batch:
         ``extremes`` a key's row to where its min and max came from (``core.extremes``).
         """
         k = len(keys)
-        columns: dict[str, np.ndarray] = {}  # the rest: the empty defaults
+        columns = dict(EMPTY)  # the optional columns it carries replace these
         if sketches:
             rows = sorted(sketches)
             parts = [sketches[r] for r in rows]
@@ -166,33 +172,24 @@ class Batch:
 
 
 _HEADER = struct.Struct("<qiiq?dIIIIII")
-_COLUMNS = (  # name, dtype, length as a function of (K, S, N, E)
-    ("data", np.float64, lambda k, s, n, e: k * NFIELDS),
-    ("kinds", np.int8, lambda k, s, n, e: k),
-    ("expected", np.int32, lambda k, s, n, e: k),
-    ("sketch_rows", np.int32, lambda k, s, n, e: s),
-    ("sketch_offsets", np.int64, lambda k, s, n, e: s + 1),
-    ("sketch_codes", np.int32, lambda k, s, n, e: n),
-    ("sketch_counts", np.float64, lambda k, s, n, e: n),
-    ("extreme_rows", np.int32, lambda k, s, n, e: e),
-    ("extremes", np.float64, lambda k, s, n, e: e * NSOURCE),
+# Each column: its name, dtype, and length as counts of (K keys, S sketches, N buckets,
+# E located keys) and a constant: every length is linear in them.
+_COLUMNS = (
+    ("data", np.float64, (NFIELDS, 0, 0, 0, 0)),
+    ("kinds", np.int8, (1, 0, 0, 0, 0)),
+    ("expected", np.int32, (1, 0, 0, 0, 0)),
+    ("sketch_rows", np.int32, (0, 1, 0, 0, 0)),
+    ("sketch_offsets", np.int64, (0, 1, 0, 0, 1)),
+    ("sketch_codes", np.int32, (0, 0, 1, 0, 0)),
+    ("sketch_counts", np.float64, (0, 0, 1, 0, 0)),
+    ("extreme_rows", np.int32, (0, 0, 0, 1, 0)),
+    ("extremes", np.float64, (0, 0, 0, NSOURCE, 0)),
 )
-# The same with each dtype's item size, worked out once (a batch is decoded per rank and step)
-_LAYOUT = tuple((name, np.dtype(dtype), length, np.dtype(dtype).itemsize)
-                for name, dtype, length in _COLUMNS)
-_ALWAYS = ("data", "kinds", "expected")  # every batch has them (K may be 0)
-
-
-def _column_bytes(k: int, s: int, n: int, e: int) -> int:
-    return sum(length(k, s, n, e) * itemsize for _, _, length, itemsize in _LAYOUT)
-
-
-# Every length is linear in (K, S, N, E): the columns' bytes are ``_FIXED + _PER_K * K +
-# _PER_S * S + _PER_N * N + _PER_E * E``, worked out once here
-_FIXED = _column_bytes(0, 0, 0, 0)
-_PER_K, _PER_S, _PER_N, _PER_E = (_column_bytes(*unit) - _FIXED for unit in
-                                  ((1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)))
-_F64, _I8, _I32, _I64 = (np.dtype(t) for t in (np.float64, np.int8, np.int32, np.int64))
+_LAYOUT = tuple((name, np.dtype(dtype), np.dtype(dtype).itemsize, per)
+                for name, dtype, per in _COLUMNS)
+# The columns' bytes: ``_FIXED + _PER_K * K + _PER_S * S + _PER_N * N + _PER_E * E``
+_PER_K, _PER_S, _PER_N, _PER_E, _FIXED = (
+    sum(itemsize * per[i] for _, _, itemsize, per in _LAYOUT) for i in range(5))
 
 
 def encode(batch: Batch) -> bytes:
@@ -233,19 +230,6 @@ _KEY_TUPLES: Recent = Recent(256)
 _KEY_BLOCK_CACHED = 1 << 16  # bytes: a larger key block is decoded every time
 
 
-def _keys(raw: bytes, k: int) -> tuple[str, ...]:
-    """The keys a batch's key block holds (UTF-8, separated by NUL; ``k`` of them by the
-    header, which the caller checks against what they are)."""
-    if not k:
-        return ()
-    keys = _KEY_TUPLES.get(raw)
-    if keys is None:
-        keys = tuple(raw.decode("utf-8").split("\x00"))
-        if len(raw) <= _KEY_BLOCK_CACHED:
-            _KEY_TUPLES[raw] = keys
-    return keys
-
-
 def decode(blob: bytes, limits: Limits | None = None) -> Batch:
     """Return the Batch a ``blob`` encodes; sizes are checked against ``limits`` first.
 
@@ -257,27 +241,23 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
             _HEADER.unpack_from(blob)
         _check_header(blob, k, s, n, key_len, derived_len, e, limits or Limits())
         pos = _HEADER.size
-        keys = _keys(bytes(blob[pos : pos + key_len]), k)
+        # The keys (UTF-8, separated by NUL; ``k`` of them by the header, checked below):
+        # ranks send the same ones every step, decoded once into one shared tuple
+        raw = bytes(blob[pos : pos + key_len])
+        keys = _KEY_TUPLES.get(raw) if k else ()
+        if keys is None:
+            keys = tuple(raw.decode("utf-8").split("\x00"))
+            if len(raw) <= _KEY_BLOCK_CACHED:
+                _KEY_TUPLES[raw] = keys
         pos += key_len
         derived = bytes(blob[pos : pos + derived_len])
         pos += derived_len
-        # A column a batch does not carry keeps Batch's shared empty default
-        if not (s or n or e):  # the common batch: records only (no sketch, no sources)
-            kinds_at = pos + _F64.itemsize * NFIELDS * k  # the columns in _COLUMNS' order
-            expected_at = kinds_at + _I8.itemsize * k
-            columns = {
-                "data": np.frombuffer(blob, _F64, k * NFIELDS, pos),
-                "kinds": np.frombuffer(blob, _I8, k, kinds_at),
-                "expected": np.frombuffer(blob, _I32, k, expected_at),
-                "sketch_offsets": np.frombuffer(blob, _I64, 1, expected_at + _I32.itemsize * k)}
-            pos += _FIXED + _PER_K * k
-        else:
-            columns = {}
-            for name, dtype, length, itemsize in _LAYOUT:
-                count = length(k, s, n, e)
-                if count or name in _ALWAYS:
-                    columns[name] = np.frombuffer(blob, dtype=dtype, count=count, offset=pos)
-                    pos += count * itemsize
+        columns = dict(EMPTY)  # a column the batch does not carry stays the shared empty
+        for name, dtype, itemsize, (pk, ps, pn, pe, fixed) in _LAYOUT:
+            count = pk * k + ps * s + pn * n + pe * e + fixed
+            if count or name not in EMPTY:  # data, kinds and expected even for K = 0
+                columns[name] = np.frombuffer(blob, dtype=dtype, count=count, offset=pos)
+                pos += count * itemsize
     except BatchRejected:
         raise
     except (struct.error, ValueError, UnicodeDecodeError) as err:
@@ -329,10 +309,12 @@ def check(batch: object, limits: Limits = LIMITS, cache: Recent | None = None) -
     (``cache``: a ``key_cache()``, kept across batches)."""
     if not isinstance(batch, Batch):
         raise BatchRejected(f"expected a metricsvc Batch, got {type(batch).__name__}")
-    try:
-        check_rank(batch.rank, batch.world_size)
-    except (TypeError, ValueError) as err:
-        raise BatchRejected(f"step {batch.step}: {err}") from None
+    if not (batch.rank.__class__ is int and batch.world_size.__class__ is int
+            and 0 <= batch.rank < batch.world_size):  # else check_rank says what is wrong
+        try:
+            check_rank(batch.rank, batch.world_size)
+        except (TypeError, ValueError) as err:
+            raise BatchRejected(f"step {batch.step}: {err}") from None
     if batch.world_size > limits.max_world_size:
         raise BatchRejected(
             f"world_size {batch.world_size} exceeds the limit {limits.max_world_size}"
@@ -357,16 +339,26 @@ def check(batch: object, limits: Limits = LIMITS, cache: Recent | None = None) -
             known = cache[batch.keys] = [key_bytes, None]  # [bytes, layout accepted]
     else:
         key_bytes = known[0]
+    _check_columns(batch, k)
     nbytes = key_bytes + batch.nbytes_without_keys
     if nbytes > limits.max_batch_bytes:
         raise BatchRejected(
             f"batch of rank {batch.rank} step {batch.step} is {nbytes} bytes; "
             f"the limit is {limits.max_batch_bytes}"
         )
-    _check_columns(batch, k)
-    _check_values(batch, known)
-    _check_sketches(batch)
-    _check_sources(batch)
+    if known is None:
+        _check_layout(batch)
+    else:  # a key tuple's kinds and expected contributors recur every step: checked once
+        layout = (batch.kinds.tobytes(), batch.expected.tobytes(), batch.world_size)
+        if known[1] != layout:
+            _check_layout(batch)
+            known[1] = layout
+    if not plainly_whole(batch.data):  # every row could merge and finalise without raising
+        check_each_rule(batch)
+    if batch.sketch_rows.size:
+        _check_sketches(batch)
+    if batch.extreme_rows.size:
+        _check_sources(batch)
     return batch
 
 
@@ -383,6 +375,7 @@ def _check_keys(keys: tuple, limits: Limits) -> None:
 
 
 def _check_columns(batch: Batch, k: int) -> None:
+    """Every column its type and shape, the optional ones consistent with each other."""
     shapes = {
         "data": (batch.data, (k, NFIELDS), np.float64),
         "kinds": (batch.kinds, (k,), np.int8),
@@ -396,6 +389,19 @@ def _check_columns(batch: Batch, k: int) -> None:
             raise BatchRejected(
                 f"batch column {name!r}: expected {np.dtype(dtype)}{shape}, got {got}"
             )
+    rows, offsets, codes = batch.sketch_rows, batch.sketch_offsets, batch.sketch_codes
+    if not (isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
+            and isinstance(offsets, np.ndarray) and offsets.shape == (len(rows) + 1,)
+            and isinstance(codes, np.ndarray) and codes.dtype == np.int32
+            and offsets[0] == 0 and offsets[-1] == len(codes)
+            and (rows.size == 0 or bool(np.all(np.diff(offsets) >= 0)))  # one offset: sorted
+            and isinstance(batch.sketch_counts, np.ndarray)
+            and batch.sketch_counts.shape == codes.shape):
+        raise BatchRejected("batch sketch columns are inconsistent (rows/offsets/codes/counts)")
+    rows, src = batch.extreme_rows, batch.extremes
+    if not (isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
+            and isinstance(src, np.ndarray) and src.shape == (len(rows), NSOURCE)):
+        raise BatchRejected("batch extreme columns are inconsistent (rows/sources)")
 
 
 _VALID_CODE = np.zeros(256, dtype=bool)  # indexed by a kind code's byte
@@ -404,18 +410,6 @@ _WEIGHTED_CODE = np.zeros(256, dtype=bool)  # kinds whose counts may be fraction
 _WEIGHTED_CODE[[int(k) for k, spec in KINDS.items() if spec.weighted]] = True
 _SKETCH_CODE = np.zeros(256, dtype=bool)  # kinds that merge quantile sketches
 _SKETCH_CODE[[int(k) for k, spec in KINDS.items() if spec.sketch]] = True
-
-
-def _check_values(batch: Batch, known: list | None = None) -> None:
-    """``known``: the key tuple's ``key_cache`` entry, whose layout was checked before."""
-    if known is None:
-        _check_layout(batch)
-    else:  # a key tuple's kinds and expected contributors recur every step: checked once
-        layout = (batch.kinds.tobytes(), batch.expected.tobytes(), batch.world_size)
-        if known[1] != layout:
-            _check_layout(batch)
-            known[1] = layout
-    _check_records(batch)
 
 
 def _check_layout(batch: Batch) -> None:
@@ -433,8 +427,9 @@ def _check_layout(batch: Batch) -> None:
         )
 
 
-def _check_records(batch: Batch) -> None:
-    """Refuse any row that could not be merged and finalised without raising.
+def check_each_rule(batch: Batch) -> None:
+    """Refuse any row that could not be merged and finalised without raising, rule by rule
+    (what a batch ``plainly_whole`` does not accept goes through).
 
     Sums may overflow (finite values past 1e308 add up to inf, or to NaN through
     inf - inf): that is float64 arithmetic, not corruption, and is flagged at the
@@ -443,13 +438,6 @@ def _check_records(batch: Batch) -> None:
     non-finite count is such an integer too, a populated row has finite ``min <= max``,
     and an empty row is the identity record.
     """
-    if not plainly_whole(batch.data):
-        check_each_rule(batch)
-
-
-def check_each_rule(batch: Batch) -> None:
-    """``_check_records``' rules, each in turn (what a batch ``plainly_whole`` does not
-    accept goes through)."""
     cols = np.ascontiguousarray(batch.data.T)
     total, count, low, high = cols[SUM], cols[COUNT], cols[MIN], cols[MAX]
     root, nonfinite, low_part = cols[M2_ROOT], cols[NONFINITE], cols[SUM_LO]
@@ -481,7 +469,7 @@ def plainly_whole(data: np.ndarray) -> bool:
     """The common batch, checked in a few passes over the whole matrix: every count a whole
     number in [1, 2**53], every non-finite count one in [0, 2**53], finite ``min <= max``,
     ``m2_root`` at least 0 and no low part of a sum. False sends the batch through every
-    rule of ``_check_records`` (a weighted count, an empty row, a low part, a NaN root, a
+    rule of ``check_each_rule`` (a weighted count, an empty row, a low part, a NaN root, a
     fault), to pass or be refused naming its rule: this accepts nothing they refuse."""
     fields = data[:, _CHECKED]  # a view: every field but the sum, which may be anything
     # NaN fails every comparison (silently): such a batch goes through the full rules
@@ -505,11 +493,6 @@ def _check_sources(batch: Batch) -> None:
     """Where a min and max came from: distinct key rows; positions and call numbers whole
     numbers in [0, 2**53] (or NaN: unknown, all three together); ids finite or NaN."""
     rows, src = batch.extreme_rows, batch.extremes
-    if not (isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
-            and isinstance(src, np.ndarray) and src.shape == (len(rows), NSOURCE)):
-        raise BatchRejected("batch extreme columns are inconsistent (rows/sources)")
-    if rows.size == 0:
-        return
     if rows.min() < 0 or rows.max() >= len(batch.keys) or len(np.unique(rows)) != len(rows):
         raise BatchRejected("batch extreme rows must name distinct keys of the batch")
     for first in (MIN_ID, MAX_ID):
@@ -526,19 +509,9 @@ def _check_sources(batch: Batch) -> None:
 
 
 def _check_sketches(batch: Batch) -> None:
+    """The quantile sketches of a batch that carries some: of distinct QUANTILES keys, with
+    codes of the batch's accuracy and whole counts that sum to each key's count."""
     rows, offsets = batch.sketch_rows, batch.sketch_offsets
-    n = len(batch.sketch_codes)
-    ok = (
-        isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
-        and isinstance(offsets, np.ndarray) and offsets.shape == (len(rows) + 1,)
-        and offsets[0] == 0 and offsets[-1] == n
-        and (rows.size == 0 or bool(np.all(np.diff(offsets) >= 0)))  # one offset: sorted
-        and batch.sketch_counts.shape == (n,) and batch.sketch_codes.dtype == np.int32
-    )
-    if not ok:
-        raise BatchRejected("batch sketch columns are inconsistent (rows/offsets/codes/counts)")
-    if rows.size == 0:
-        return
     if rows.min() < 0 or rows.max() >= len(batch.keys) or len(np.unique(rows)) != len(rows):
         raise BatchRejected("batch sketch rows must name distinct keys of the batch")
     not_q = ~_SKETCH_CODE[batch.kinds[rows].view(np.uint8)]

@@ -6,6 +6,6 @@ Ray, no threads, no I/O. The shell (``worker``: the MetricWorker actor) holds th
 the readers, the timer, the sinks' hand-off and the run folder; ``observe`` reports its
 health to Ray's metrics; ``combiner`` gathers a node's ranks; ``start`` starts, finds and
 stops it from a driver. It may import ``metricsvc.core``, ``metricsvc.storage``,
-``metricsvc.sinks``, ``metricsvc.config``, ``metricsvc.calls`` and ``metricsvc.errors``;
+``metricsvc.sinks``, ``metricsvc.config``, ``metricsvc.transport`` and ``metricsvc.errors``;
 never torch nor ``metricsvc.client``.
 """

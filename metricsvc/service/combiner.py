@@ -19,13 +19,13 @@ from typing import Any
 
 import ray
 
-from metricsvc.calls import ACTOR_ERRORS, Outbox, backoff, is_stale, next_pause
 from metricsvc.config import ConfigSource, ServiceConfig, load_config
 from metricsvc.core.keys import combiner_name
 from metricsvc.core.limits import RETRY_S
 from metricsvc.core.wire import Batch, encode, receive
 from metricsvc.errors import ServiceUnavailable
 from metricsvc.service.observe import CombinerMetrics
+from metricsvc.transport import ACTOR_ERRORS, Outbox, backoff, is_stale, next_pause
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
-
+from metricsvc.core.keys import safe_tag, tag_order
 from metricsvc.core.limits import MAX_PENDING_STEPS, MAX_STEPS_AHEAD, Limits, Recent
 from metricsvc.core.reduce import OutputRules, ReduceType
 from metricsvc.core.wire import Batch, encode, key_cache, receive
 from metricsvc.errors import BatchRejected
 from metricsvc.service.derive import Deriver, RunDeclarations
-from metricsvc.service.output import StepOutput, StepResult, TagOwners
-from metricsvc.service.steps import PendingStep, PendingSteps
+from metricsvc.service.output import StepOutput, StepResult
+from metricsvc.service.steps import PendingStep
 from metricsvc.service.streams import STREAM_RANK, Streams
 
 log = logging.getLogger(__name__)
@@ -90,7 +89,7 @@ class Engine:
         self.deriver = Deriver(self.limits.max_derived_outputs, self.limits.max_derived_reads)
         self.declarations = RunDeclarations()  # one definition of a derived metric a run
         self.out = StepOutput(self.output, reduce_rules, renames, self.deriver,
-                              self.declarations, clock)
+                              self.declarations)
         self._tags = TagOwners()  # which key each sink tag shows, for the run
         self._clock = clock
         self._keys = key_cache()  # key tuples checked before (ranks send them every step)
@@ -121,9 +120,10 @@ class Engine:
                 state changed.
         """
         batch = self._receive(item)
-        notice = self.notices.take(batch.rank)
+        notice = self.notices.pop(batch.rank, None)
         try:
-            self.world.check(batch)
+            if batch.world_size != self.world.size:
+                self.world.check(batch)
             # What tells a resend (a duplicate) from other content under the same identity
             # (a conflict): the digest of the bytes received, never compared on the merge path
             wire = item if isinstance(item, (bytes, bytearray, memoryview)) else encode(batch)
@@ -133,7 +133,7 @@ class Engine:
             if notice is not None:
                 raise BatchRejected(f"{err}; earlier: {notice}") from None
             raise
-        fresh = self.notices.take(batch.rank)  # what this batch itself made the rank owe
+        fresh = self.notices.pop(batch.rank, None)  # what this batch itself made the rank owe
         if fresh is not None:
             notice = fresh if notice is None else f"{notice}; {fresh}"
         return Outcome(status, batch.step, batch.rank, batch.seq, finished, notice,
@@ -172,34 +172,34 @@ class Engine:
                 raise self._conflict(batch, AFTER_CLOSE)
             target = pending
         declared = batch.declared
-        ignored = self.declarations.check(declared, step, batch.rank)
+        ignored = None
         if declared:
+            ignored = self.declarations.check(declared, step, batch.rank)
             self._check_cost(batch, pending.keys if pending is not None else ())
-        idx = target.check(batch)
-        if batch.final:
-            self._check_lag(batch.rank, step)
-        fresh = np.flatnonzero(idx < 0)  # keys new to the step: the only ones new to the run
+        fresh = target.take(batch, digest)  # a kind clash raises: nothing was kept
+        if batch.final and (step + 1 in self.pending or batch.rank in self.lag.runs):
+            self._check_lag(batch.rank, step)  # only then can a rank lag
         self.pending[step] = target
-        target.add_batch(batch, idx, digest)
-        if fresh.size:
-            said = self._tags.notice([batch.keys[i] for i in fresh])
+        if fresh and fresh is not self._tags.last:  # keys a step before brought too: known
+            said = self._tags.notice(fresh)
             if said is not None:
                 self.notices.tell(batch.rank, said)
         if ignored is not None:  # its data merged, its declaration not: it hears why
             self.notices.tell(batch.rank, ignored)
-        for rank in self.declarations.adopt(declared, step, batch.rank):
-            self.notices.tell(rank, f"step {step}: rank {batch.rank} declares a derived metric "
-                                    f"you declared otherwise; the lower rank's is the run's, "
-                                    f"yours is ignored and your data merged")
+        if declared:
+            for rank in self.declarations.adopt(declared, step, batch.rank):
+                self.notices.tell(rank, f"step {step}: rank {batch.rank} declares a derived "
+                                        f"metric you declared otherwise; the lower rank's is "
+                                        f"the run's, yours is ignored and your data merged")
         self.counts["batches"] += 1
         self.rank_last_seen[batch.rank] = max(step, self.rank_last_seen.get(batch.rank, step))
         if batch.final and (self.newest_closed is None or step > self.newest_closed):
             self.newest_closed = step
-        if pending is None:
+        if pending is None and self.last_emitted is None:
             self._drop_far_ahead()
-        if self.world_size is None:  # kept apart until the world size is agreed
+        if self.world.size is None:  # kept apart until the world size is agreed
             target.keep_source(batch.world_size, batch.rank,
-                               lambda p, b=batch, d=digest: p.add_batch(b, p.check(b), d))
+                               lambda p, b=batch, d=digest: p.take(b, d))
             source = self.world.claim(batch)
             if source is not None:
                 self._fix_world_size(batch.world_size, source)
@@ -223,7 +223,7 @@ class Engine:
     def _check_lag(self, rank: int, step: int) -> None:
         following = self.pending.get(step + 1)
         said = self.lag.check(rank, step, None if following is None else following.closed,
-                              self.world_size)
+                              self.world.size)
         if said is not None:
             self.notices.tell(rank, said)
 
@@ -231,7 +231,11 @@ class Engine:
     def _open(self, step: int, who: str) -> PendingStep:
         """Return a new step that ``who`` opens, once admitted: not too far past the oldest
         step still open, and room for one more."""
-        anchor = self.pending.anchor(self.last_emitted)
+        # the oldest step still open (None before the first batch of a run)
+        anchor = None if self.last_emitted is None else self.last_emitted + 1
+        if self.pending:
+            oldest = min(self.pending)
+            anchor = oldest if anchor is None else min(anchor, oldest)
         if anchor is not None and step > anchor + self.max_steps_ahead:
             raise BatchRejected(
                 f"step {step} from {who} is {step - anchor} steps ahead of the oldest open "
@@ -242,13 +246,11 @@ class Engine:
                 f"step {step}: {len(self.pending)} steps are already pending "
                 f"(limit max_pending_steps={self.max_pending_steps}); "
                 f"oldest pending is {min(self.pending)}")
-        return PendingStep(step, self.world_size, self._clock())
+        return PendingStep(step, self.world.size, self._clock())
 
     def _drop_far_ahead(self) -> None:
         """Drop steps a runaway opened before the run's first step did (nothing published
         yet), too far past the oldest open step."""
-        if self.last_emitted is not None:
-            return
         oldest = min(self.pending)
         for step in [s for s in self.pending if s > oldest + self.max_steps_ahead]:
             why = (f"it is {step - oldest} steps ahead of the oldest open step {oldest} "
@@ -319,9 +321,9 @@ class Engine:
         while self.pending:
             step = min(self.pending)
             pending = self.pending[step]
-            if not pending.ready:
+            if not pending.ready():
                 break
-            result = self.out.finish(pending, self.lag.lagging)
+            result = self.out.finish(pending, pending.finish(self._clock()), self.lag.lagging)
             self.counts["partial"] += result.meta["partial"]
             self.counts["collisions"] += "collisions" in result.meta
             out.append(result)  # before forgetting it: a raise loses nothing
@@ -372,7 +374,7 @@ class Engine:
         self.declarations.adopt(declared, step, STREAM_RANK)
         self.streams.exported(name, step)
         self.pending[step] = target
-        if self.world_size is None:
+        if self.world.size is None:
             target.keep_source(None, None, fold)
         if close:
             target.close_with_streams()
@@ -462,6 +464,85 @@ class Engine:
             "partial_steps": counts["partial"],
         }
 
+class PendingSteps(dict[int, PendingStep]):
+    """Step -> its ``PendingStep``, for the steps not published yet."""
+
+    def newest_closed(self, last_emitted: int | None) -> int | None:
+        """Return the newest step a rank closed, pending or published."""
+        closed = [s for s, p in self.items() if p.closed]
+        if last_emitted is not None:
+            closed.append(last_emitted)
+        return max(closed, default=None)
+
+    def summary(self) -> dict[int, dict[str, Any]]:
+        """Per pending step: which ranks have closed it and how many keys it holds."""
+        return {s: p.summary() for s, p in sorted(self.items())}
+
+    def missing(self, step: int) -> list[int] | None:
+        """Return the ranks that have not closed ``step``, or None if it is not pending."""
+        p = self.get(step)
+        return None if p is None else p.missing()
+
+    def time_out(self, now: float, timeout_s: float, recount: bool = False) -> bool:
+        """Mark the steps open for ``timeout_s`` or longer as timed out (``recount``: and
+        only those, once the world size changed); return True if any is."""
+        return any([p.time_out(now, timeout_s, recount) for p in self.values()])
+
+    def forget_after(self, step: int) -> None:
+        """A rewind: every step past ``step`` is recorded afresh."""
+        for later in [s for s in self if s > step]:
+            del self[later]
+
+    def regroup(self, world_size: int, drop: Callable[[int, int, int | None], None]) -> None:
+        """The run's world size is now ``world_size``: rebuild each step from the batches
+        it kept apart, leaving out (``drop(step, rank, claim)``) those of ranks that
+        claimed another size; a step left empty goes."""
+        for step, p in list(self.items()):
+            sources = p.agreed(world_size)
+            if sources is None or all(w in (None, world_size) for w, _, _ in sources):
+                continue
+            fresh = PendingStep(step, world_size, p.opened_at, p.stream_only)
+            for claim, rank, apply in sources:
+                if claim in (None, world_size):
+                    apply(fresh)
+                else:
+                    drop(step, rank, claim)
+            if fresh.parts:
+                self[step] = fresh
+            else:
+                del self[step]
+
+
+class TagOwners:
+    """The keys of the run by sink tag, to tell a rank whose new key shares a tag with
+    another key (``"acc rate"`` and ``"acc_rate"``) which of them sinks will show."""
+
+    LIMIT = 100_000  # keys remembered; past it, new keys are not checked
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._owner: dict[str, str] = {}
+        self.last: tuple[str, ...] | None = None  # the last key tuple registered
+
+    def notice(self, keys: Sequence[str]) -> str | None:
+        """Register ``keys``; return what their sender must hear, or None."""
+        if isinstance(keys, tuple):
+            self.last = keys
+        said = []
+        for key in keys:
+            if key in self._seen or len(self._seen) >= self.LIMIT:
+                continue
+            self._seen.add(key)
+            tag = safe_tag(key)
+            held = self._owner.setdefault(tag, key)
+            if held != key:
+                shown = min(held, key, key=lambda n: tag_order(n, tag))
+                self._owner[tag] = shown
+                said.append(f"key {key!r} shares the sink tag {tag!r} with key {held!r}: "
+                            f"sinks show {shown!r} under it (the name written as its tag, "
+                            f"else the first alphabetically); rename one")
+        return "; ".join(said[:8]) or None
+
 
 # -- the run's ranks ---------------------------------------------------------------------
 class WorldSize:
@@ -525,7 +606,8 @@ class LagWatch:
     RUN = 3
 
     def __init__(self) -> None:
-        self._runs: Counter[int] = Counter()
+        self.runs: Counter[int] = Counter()  # rank -> closes in a row behind the others
+        self.lagging: list[int] = []  # the ranks RUN or more in a row behind
 
     def check(self, rank: int, step: int, following: set[int] | None,
               world_size: int | None) -> str | None:
@@ -534,11 +616,13 @@ class LagWatch:
         rank at the third such step in a row, else None."""
         others = (world_size or 0) - 1
         if following is None or others < 1 or len(following - {rank}) < others:
-            self._runs.pop(rank, None)
+            if self.runs.pop(rank, 0) >= self.RUN:
+                self.lagging = sorted(r for r, n in self.runs.items() if n >= self.RUN)
             return None
-        self._runs[rank] += 1
-        if self._runs[rank] != self.RUN:
+        self.runs[rank] += 1
+        if self.runs[rank] != self.RUN:
             return None
+        self.lagging = sorted(r for r, n in self.runs.items() if n >= self.RUN)
         log.warning("rank %d closes each step after every other rank closed the next one",
                     rank)
         return (f"rank {rank} closes each step only after every other rank closed the next "
@@ -547,29 +631,20 @@ class LagWatch:
                 f"wait_submit, without discard()). Pass step= to wait_submit (the trainer's "
                 f"global step) so a step never holds another's records")
 
-    @property
-    def lagging(self) -> list[int]:
-        return sorted(r for r, n in self._runs.items() if n >= self.RUN)
-
     def clear(self) -> None:
-        self._runs.clear()
+        self.runs.clear()
+        self.lagging = []
 
 
-class Notices:
-    """What each rank must hear with its next answer: an accepted batch of it that was
-    dropped, its declaration that lost, a name collision, its lag."""
-
-    def __init__(self) -> None:
-        self._by_rank: dict[int, str] = {}
+class Notices(dict[int, str]):
+    """What each rank must hear with its next answer (``pop(rank, None)`` takes it): an
+    accepted batch of it that was dropped, its declaration that lost, a name collision,
+    its lag."""
 
     def tell(self, rank: int, why: str) -> None:
         """Give ``rank`` ``why`` with its next answer (after what it has not heard yet)."""
-        earlier = self._by_rank.get(rank)
-        self._by_rank[rank] = why if earlier is None else f"{earlier}; {why}"
-
-    def take(self, rank: int) -> str | None:
-        """Return (and forget) what ``rank`` has not heard yet."""
-        return self._by_rank.pop(rank, None)
+        earlier = self.get(rank)
+        self[rank] = why if earlier is None else f"{earlier}; {why}"
 
 
 # -- the steps already published -------------------------------------------------------------

@@ -32,7 +32,7 @@ from metricsvc.core.reduce import (
 )
 from metricsvc.core.sketch import histogram
 from metricsvc.service.derive import Deriver, RunDeclarations
-from metricsvc.service.steps import PendingStep
+from metricsvc.service.steps import Merged, PendingStep
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class StepOutput:
 
     def __init__(self, output: OutputRules, reduce_rules: Mapping[str, Any] | None,
                  renames: Mapping[str, str] | None, deriver: Deriver,
-                 declarations: RunDeclarations, clock: Callable[[], float]) -> None:
+                 declarations: RunDeclarations) -> None:
         self.output = output
         self.resolver = KindResolver(reduce_rules)
         self.rename = Renamer(renames)
@@ -76,7 +76,6 @@ class StepOutput:
         self.deriver = deriver
         self.declarations = declarations
         self.descriptions = Descriptions()
-        self.clock = clock
 
     def kinds(self, keys: Sequence[str], codes: Sequence[int]) -> list[ReduceType]:
         """Return the kind of each key sent with its wire code."""
@@ -111,13 +110,13 @@ class StepOutput:
         """Return what a stream window holds, as metrics (no derivation): what
         ``export_stream`` answers its caller."""
         keys = list(window.keys)
-        data, _, sketches = window.merged()
-        kinds = self.kinds(keys, window.codes)
-        return finalize(keys, kinds, data, sketches=sketches, rules=self.output,
+        merged = window.merged()
+        kinds = self.kinds(keys, merged.codes)
+        return finalize(keys, kinds, merged.data, sketches=merged.sketches, rules=self.output,
                         exports=Exports.of(keys, kinds, self.output, self.rename,
                                            internal_rows(keys)))
 
-    def metrics(self, merged: tuple, keys: list[str], plan: KeyPlan,
+    def metrics(self, merged: Merged, keys: list[str], plan: KeyPlan,
                 declared: Mapping[str, Any], collisions: dict[str, list[str]]) -> dict[str, float]:
         """Finalise the public keys; evaluate the ``declared`` derived metrics over every
         record (the internal ones are their inputs only).
@@ -125,102 +124,89 @@ class StepOutput:
         A name exported twice (two keys, a rename, a derived metric, or two names one sink
         tag) keeps its first source and is listed in ``collisions``.
         """
-        data, _, sketches = merged
-        metrics = finalize(keys, plan.kinds, data, sketches=sketches, rules=self.output,
-                           collisions=collisions, exports=plan.exports)
-        derived = self.deriver.derive(declared, keys, plan.kinds, data, self.output)
-        for key, value in derived.items():
-            name = self.rename(key)
-            if name in metrics:
-                collisions.setdefault(name, [name]).append(f"derived {key}")
-            else:
-                metrics[name] = value
-        for tag, names in self._tag_collisions(tuple(metrics)).items():
-            collisions[tag] = list(names)
-        return metrics
-
-    def _tag_collisions(self, names: tuple[str, ...]) -> dict[str, list[str]]:
-        """``{sink tag: the names sinks that sanitise names would merge under it}``, the
-        first the one they show (``tag_order``); kept while steps export the same names."""
+        metrics = finalize(keys, plan.kinds, merged.data, sketches=merged.sketches,
+                           rules=self.output, collisions=collisions, exports=plan.exports)
+        if declared:  # (what the deriver says of a step is read only then)
+            derived = self.deriver.derive(declared, keys, plan.kinds, merged.data, self.output)
+            for key, value in derived.items():
+                name = self.rename(key)
+                if name in metrics:
+                    collisions.setdefault(name, [name]).append(f"derived {key}")
+                else:
+                    metrics[name] = value
+        # The names that sinks which sanitise names would merge under one tag, the first
+        # the one they show (``tag_order``); worked out again when the names change.
+        names = tuple(metrics)
         if self._tags[0] != names:
             by_tag: dict[str, list[str]] = {}
             for name in names:
                 by_tag.setdefault(safe_tag(name), []).append(name)
             self._tags = (names, {tag: sorted(same, key=lambda n, t=tag: tag_order(n, t))
                                   for tag, same in by_tag.items() if len(same) > 1})
-        return self._tags[1]
+        for tag, same in self._tags[1].items():
+            collisions[tag] = list(same)
+        return metrics
 
-    def finish(self, p: PendingStep, lagging: list[int]) -> StepResult:
-        plan = self.plan(p.keys, p.codes)
-        kinds, internal = plan.kinds, plan.internal
-        merged = p.merged()
+    def finish(self, p: PendingStep, merged: Merged, lagging: list[int]) -> StepResult:
+        """The finished step ``p`` (``merged``: what ``p.finish`` made of it) as readers and
+        sinks see it (``lagging``: the ranks closing each step behind the others)."""
+        plan = self.plan(p.keys, merged.codes)
         collisions: dict[str, list[str]] = {}
-        declared = self.declarations.of(p.declared)
+        declared = self.declarations.of(p.declared) if p.declared else {}
         metrics = self.metrics(merged, p.keys, plan, declared, collisions)
-        partial = not p.complete
-        meta: dict[str, Any] = {
-            "partial": partial,
-            "world_size": p.world_size or 0,
-            "ranks": sorted(p.closed),
-            "missing_ranks": p.missing(),
-            "batches": p.batches,
-            "keys": len(p.keys),
-            "age_s": round(self.clock() - p.opened_at, 6),  # first batch -> final
-        }
-        if p.streams:
-            meta["streams"] = list(p.streams)
-            # Read back after a restart: which stream batches the journal holds
-            meta["stream_seqs"] = {name: dict(seqs) for name, seqs in p.stream_seqs.items()}
-        totals = self.deriver.state()
-        if totals:
-            meta["derived_totals"] = totals
-        meta.update(_anomalies(p, plan, merged))
-        sources = self.extremes(p, plan, merged[0], metrics)
-        if sources:  # the rank (and sample) each exported min and max came from
-            meta["extremes"] = sources
-        histograms = self.histograms(p.keys, kinds, merged)
-        if histograms:
-            meta["histograms"] = histograms
+        meta = merged.meta
+        if self.deriver.totals:  # the running sums: a restart continues them
+            meta["derived_totals"] = self.deriver.state()
+        meta.update(_anomalies(p.keys, plan, merged, p.world_size))
+        if plan.extremes:  # the rank (and sample) each exported min and max came from
+            sources = self.extremes(plan, merged, metrics)
+            if sources:
+                meta["extremes"] = sources
+        if merged.sketches and self.output.histogram_bins:
+            histograms = self.histograms(p.keys, plan.kinds, merged)
+            if histograms:
+                meta["histograms"] = histograms
         if collisions:  # never overwritten: the first source kept, every source named
             meta["collisions"] = collisions
-        # What tells a resend from a rerun after a restart: the batches' digests, journaled.
-        meta["digests"] = {f"{r}:{s}": d[:8].hex() for (r, s), d in sorted(p.digests.items())}
         if lagging:  # steps counted without step=, one behind the others
             meta["lagging_ranks"] = lagging
-        if self.deriver.limited:  # the step's derivation budget ran out: the rest left out
-            meta["derived_limit"] = dict(self.deriver.limited)
-        if self.deriver.undefined:  # inputs present, but no finite real value: omitted
-            meta["derived_undefined"] = dict(self.deriver.undefined)
-        first = self.declarations.fix(declared, p.step)
-        if first:  # journaled once: a restart keeps the run's definitions
-            meta["declarations"] = first
-        about = self.descriptions.learn(p.about, p.step)
-        if about:  # journaled once, too
-            meta["about"] = about
-        shown = self.descriptions.of(metrics, p.step)
-        if shown:  # what the sinks show, with the first step that exports each name
-            meta["descriptions"] = shown
-        ignored = self.deriver.unread(declared, [p.keys[i] for i in internal])
-        if ignored:
-            meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
+        if declared:
+            if self.deriver.limited:  # the step's derivation budget ran out: the rest out
+                meta["derived_limit"] = dict(self.deriver.limited)
+            if self.deriver.undefined:  # inputs present, but no finite real value: omitted
+                meta["derived_undefined"] = dict(self.deriver.undefined)
+            first = self.declarations.fix(declared, p.step)
+            if first:  # journaled once: a restart keeps the run's definitions
+                meta["declarations"] = first
+        if p.about or self.descriptions.unjournaled:
+            about = self.descriptions.learn(p.about, p.step)
+            if about:  # journaled once, too
+                meta["about"] = about
+        if self.descriptions.about:
+            shown = self.descriptions.of(metrics, p.step)
+            if shown:  # what the sinks show, with the first step that exports each name
+                meta["descriptions"] = shown
+        if plan.internal:
+            ignored = self.deriver.unread(declared, [p.keys[i] for i in plan.internal])
+            if ignored:
+                meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
         return StepResult(p.step, metrics, meta)
 
-    def extremes(self, p: PendingStep, plan: KeyPlan, data: np.ndarray,
+    def extremes(self, plan: KeyPlan, merged: Merged,
                  metrics: Mapping[str, float]) -> dict[str, dict[str, Any]]:
         """Return where each exported min and max came from, by exported name: the rank
         (or the stream) whose record holds it, and, where that rank's client was given
         ``ids=``, the sample's id, its position (``row``, ``col``) and the ``call``."""
-        if not plan.extremes:
-            return {}
-        found = {side: (part_of.tolist(), parts, src)
-                 for side, (part_of, parts, src) in zip(SIDE, p.extremes(data))}
+        found = {}
+        for side, (part_of, src) in zip(SIDE, merged.winners):
+            found[side] = (part_of.tolist(), src)
         out: dict[str, dict[str, Any]] = {}
         for i, sides in plan.extremes:
             for side, name in sides:
-                part_of, parts, src = found[side]
+                part_of, src = found[side]
                 if part_of[i] < 0 or name in out or name not in metrics:
                     continue
-                part = parts[part_of[i]]
+                part = merged.parts[part_of[i]]
                 where: dict[str, Any] = ({"rank": part.rank} if part.rank is not None
                                          else {"stream": part.order[1]})
                 if src is not None:  # some client gave ids: the sample, where known
@@ -229,16 +215,13 @@ class StepOutput:
         return out
 
     def histograms(self, keys: list[str], kinds: list[ReduceType],
-                    merged: tuple) -> dict[str, dict[str, Any]]:
+                    merged: Merged) -> dict[str, dict[str, Any]]:
         """Return the merged histogram of every public QUANTILES key of a step, by its
         (renamed) key: bin edges and counts, with the exact count, sum, sum of squares,
         min and max (what TensorBoard's histogram holds)."""
-        data, _, sketches = merged
-        bins = self.output.histogram_bins
+        data, bins = merged.data, self.output.histogram_bins
         out: dict[str, dict[str, Any]] = {}
-        if not bins:
-            return out
-        for i, sk in sketches.items():
+        for i, sk in merged.sketches.items():
             if not KINDS[kinds[i]].sketch or is_internal(keys[i]) or data[i, COUNT] <= 0:
                 continue
             row = data[i]
@@ -250,34 +233,6 @@ class StepOutput:
                     "sum_squares": _sum_squares(row), "min": float(row[MIN]),
                     "max": float(row[MAX])}
         return out
-
-
-class TagOwners:
-    """The keys of the run by sink tag, to tell a rank whose new key shares a tag with
-    another key (``"acc rate"`` and ``"acc_rate"``) which of them sinks will show."""
-
-    LIMIT = 100_000  # keys remembered; past it, new keys are not checked
-
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-        self._owner: dict[str, str] = {}
-
-    def notice(self, keys: Sequence[str]) -> str | None:
-        """Register ``keys``; return what their sender must hear, or None."""
-        said = []
-        for key in keys:
-            if key in self._seen or len(self._seen) >= self.LIMIT:
-                continue
-            self._seen.add(key)
-            tag = safe_tag(key)
-            held = self._owner.setdefault(tag, key)
-            if held != key:
-                shown = min(held, key, key=lambda n: tag_order(n, tag))
-                self._owner[tag] = shown
-                said.append(f"key {key!r} shares the sink tag {tag!r} with key {held!r}: "
-                            f"sinks show {shown!r} under it (the name written as its tag, "
-                            f"else the first alphabetically); rename one")
-        return "; ".join(said[:8]) or None
 
 
 def _sum_squares(row: np.ndarray) -> float:
@@ -292,23 +247,25 @@ def internal_rows(keys: list[str]) -> list[int]:
     return [i for i, key in enumerate(keys) if is_internal(key)]
 
 
-def _anomalies(p: PendingStep, plan: KeyPlan, merged: tuple) -> dict[str, Any]:
+def _anomalies(keys: list[str], plan: KeyPlan, merged: Merged,
+               world_size: int | None) -> dict[str, Any]:
     """Return the meta entries that flag values a user should not trust blindly."""
-    data, contributors, _ = merged
+    data, contributors = merged.data, merged.contributors
+    expected, from_stream = merged.expected, merged.from_stream
     out: dict[str, Any] = {}
     nonfinite = np.flatnonzero(data[:, NONFINITE] > 0)
     if nonfinite.size:
-        out["nonfinite"] = {p.keys[i]: int(data[i, NONFINITE]) for i in nonfinite}
+        out["nonfinite"] = {keys[i]: int(data[i, NONFINITE]) for i in nonfinite}
     overflow = np.flatnonzero((data[:, COUNT] > 0) & ~np.isfinite(data[:, [SUM, M2_ROOT]]).all(1))
     if overflow.size:  # finite values whose sum (or spread) left float64's range
-        out["overflow"] = [p.keys[i] for i in overflow]
-    want = np.where(p.expected > 0, p.expected, p.world_size or 0)
-    off = np.flatnonzero((contributors != want) & ~p.from_stream)
+        out["overflow"] = [keys[i] for i in overflow]
+    want = np.where(expected > 0, expected, world_size or 0)
+    off = np.flatnonzero((contributors != want) & ~from_stream)
     if off.size:
-        out["contributors"] = {p.keys[i]: [int(contributors[i]), int(want[i])] for i in off}
+        out["contributors"] = {keys[i]: [int(contributors[i]), int(want[i])] for i in off}
     for i, name, marks in plan.flags:  # what a kind's own check marks (KINDS[kind].flag)
         if data[i, COUNT] > 0 and marks(data[i]):
-            out.setdefault(name, []).append(p.keys[i])
+            out.setdefault(name, []).append(keys[i])
     if plan.approximate:
         out["approximate"] = list(plan.approximate)
     return out
@@ -324,7 +281,7 @@ class Descriptions:
         # with the step whose meta holds it: a rewind before that step gives it again
         self._shown: dict[str, int] = {}
         self._journaled: dict[str, int] = {}
-        self._unjournaled: set[str] = set()
+        self.unjournaled: set[str] = set()
         self._unknown: set[str] = set()  # exported names no description covered (yet)
 
     def learn(self, about: Mapping[str, Any], step: int) -> dict[str, list[str]]:
@@ -337,9 +294,9 @@ class Descriptions:
                 self.about[name] = (help_, unit)
             self._patterns = [n for n in self.about if "<" in n]
             self._unknown.clear()  # names without a description may have one now
-        for name in self._unjournaled:
+        for name in self.unjournaled:
             new.setdefault(name, list(self.about[name]))
-        self._unjournaled.clear()
+        self.unjournaled.clear()
         self._journaled.update(dict.fromkeys(new, step))
         return new
 
@@ -355,7 +312,7 @@ class Descriptions:
 
     def forget_after(self, step: int) -> None:
         """A rewind to ``step``: what later steps journaled or showed is given again."""
-        self._unjournaled.update(n for n, at in self._journaled.items() if at > step)
+        self.unjournaled.update(n for n, at in self._journaled.items() if at > step)
         self._journaled = {n: at for n, at in self._journaled.items() if at <= step}
         self._shown = {n: at for n, at in self._shown.items() if at <= step}
 

@@ -18,7 +18,6 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from metricsvc.calls import ray_get
 from metricsvc.config import ConfigSource, ServiceConfig, load_config, new_trial
 from metricsvc.core.keys import DEFAULT_NAME, default_namespace
 from metricsvc.core.redaction import Redactor
@@ -26,6 +25,7 @@ from metricsvc.errors import ServiceNotice, ServiceUnavailable
 from metricsvc.service.worker import actor_class
 from metricsvc.sinks.base import check_libraries
 from metricsvc.storage.run_folder import check_run_dir, probe_run_dir
+from metricsvc.transport import ray_get
 
 log = logging.getLogger(__name__)
 

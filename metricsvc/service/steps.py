@@ -1,4 +1,4 @@
-"""What the engine holds for the steps not final yet and for stream windows (pure numpy).
+"""What the engine holds for a step not final yet, and for a stream window (pure numpy).
 
 Contributions are kept as they arrive ("parts") and merged only when the step finishes,
 in a fixed order (ranks by number, then stream windows), so the float sums, and hence the
@@ -8,15 +8,15 @@ actor restarts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from metricsvc.core import records
 from metricsvc.core.declare import Derived
-from metricsvc.core.limits import Recent
 from metricsvc.core.reduce import kind_name
 from metricsvc.core.sketch import Sketch, merge_sparse
 from metricsvc.core.wire import Batch
@@ -35,6 +35,25 @@ class Part:
     sources: np.ndarray | None = None  # where each row's min and max came from, or None
 
 
+@dataclass(frozen=True)
+class Merged:
+    """A collection's records merged in merge order: ``data`` (a record per key), each
+    key's kind code, expected contributors and whether a stream sent it, how many ranks
+    contributed each, the merged sketches by key row, and, where asked for, for the min
+    and for the max the part each key's value came from (-1: none) and that part's sources
+    of it (None where no part carries any); a finished step's ``meta`` (``finish``)."""
+
+    data: np.ndarray
+    codes: np.ndarray
+    expected: np.ndarray
+    from_stream: np.ndarray
+    contributors: np.ndarray
+    sketches: dict[int, Sketch]
+    parts: list[Part]
+    winners: list[tuple[np.ndarray, np.ndarray | None]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
 class Collection:
     """Keys with their reduce codes, and the parts that will merge into them."""
 
@@ -45,26 +64,16 @@ class Collection:
         self._expected = np.zeros(16, dtype=np.int32)
         self._from_stream = np.zeros(16, dtype=bool)
         self.parts: list[Part] = []
-        # key tuple -> its rows and the kinds they hold (``kinds.tobytes()``)
-        self._layouts: Recent = Recent(64)
+        # key tuple -> its rows and the kinds they hold (at most one per batch of the step)
+        self._layouts: dict[tuple[str, ...], tuple[np.ndarray, bytes]] = {}
         self.declared: dict[str, Derived] = {}  # derived metrics declared for these records
         self.about: dict[str, tuple[str, str]] = {}  # what declared names mean (help, unit)
         self._ordered: tuple | None = None  # (parts held, parts in order, rows, key indices)
 
-    @property
-    def codes(self) -> np.ndarray:
-        return self._codes[: len(self.keys)]
-
-    @property
-    def expected(self) -> np.ndarray:
-        return self._expected[: len(self.keys)]
-
-    @property
-    def from_stream(self) -> np.ndarray:
-        return self._from_stream[: len(self.keys)]
-
     def locate(self, keys: Sequence[str], kinds: np.ndarray, who: str) -> np.ndarray:
         """Return each key's row (-1 if new); raise if a key arrives with another kind."""
+        if not self.index:  # the step's first contribution: every key is new
+            return np.full(len(keys), -1, dtype=np.int64)
         known = self._layouts.get(keys) if isinstance(keys, tuple) else None
         if known is not None:  # the same key tuple as an earlier batch: no per-key lookups
             if kinds.tobytes() == known[1]:  # and the same kinds: none can clash
@@ -79,43 +88,42 @@ class Collection:
             j = int(np.flatnonzero(old)[np.flatnonzero(clash)[0]])
             raise BatchRejected(
                 f"key {keys[j]!r}: recorded as {kind_name(int(self._codes[idx[j]]))}, "
-                f"but {who} sent it as {kind_name(int(kinds[j]))}"
-            )
+                f"but {who} sent it as {kind_name(int(kinds[j]))}")
         return idx
 
-    def add(
-        self,
-        part: Part,
-        keys: Sequence[str],
-        kinds: np.ndarray,
-        expected: np.ndarray,
-        sketches: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
-        from_stream: bool = False,
-    ) -> None:
-        """Add a located part (``part.idx`` from ``locate``, completed here for new keys)."""
+    def add(self, part: Part, keys: Sequence[str], kinds: np.ndarray, expected: np.ndarray,
+            sketches: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
+            from_stream: bool = False) -> Sequence[str]:
+        """Add a located part (``part.idx`` from ``locate``, completed here for new keys);
+        return the keys new to the collection (``keys`` itself when all are)."""
         idx = part.idx
         new = idx < 0
         n_new = int(new.sum())
+        fresh: Sequence[str] = ()
         if n_new:
             start = len(self.keys)
-            self._reserve(start + n_new)
+            if start + n_new > len(self._codes):
+                self._grow(start + n_new)
             ids = np.arange(start, start + n_new)
             idx[new] = ids
-            new_keys = [k for k, is_new in zip(keys, new) if is_new]
-            self.keys.extend(new_keys)
-            self.index.update(zip(new_keys, ids.tolist()))
+            fresh = keys if n_new == len(keys) else [k for k, n in zip(keys, new) if n]
+            self.keys.extend(fresh)
+            self.index.update(zip(fresh, ids.tolist()))
             self._codes[ids] = kinds[new]
-        self._expected[idx] = np.maximum(self._expected[idx], expected)
+        if expected.any():
+            self._expected[idx] = np.maximum(self._expected[idx], expected)
         if from_stream:
             self._from_stream[idx] = True
         if isinstance(keys, tuple) and keys not in self._layouts:
             self._layouts[keys] = (idx.copy(), self._codes[idx].tobytes())
-        self.parts.append(Part(part.order, part.rank, idx, part.rows,
-                               [(int(idx[row]), codes, counts) for row, codes, counts in sketches],
+        if sketches:
+            sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
+        self.parts.append(Part(part.order, part.rank, idx, part.rows, list(sketches),
                                part.sources))
+        return fresh
 
     def declare(self, declarations: Iterable[Derived],
-                about: dict[str, tuple[str, str]] | None = None) -> None:
+                about: Mapping[str, tuple[str, str]] | None = None) -> None:
         """Note the derived metrics declared for these records (the run's declarations,
         ``RunDeclarations``, say what each name means) and what declared names mean."""
         for decl in declarations:
@@ -123,74 +131,68 @@ class Collection:
         if about:
             self.about.update(about)
 
-    def _reserve(self, n: int) -> None:
-        cap = len(self._codes)
-        if n <= cap:
-            return
-        grow = max(n, 2 * cap) - cap
+    def _grow(self, n: int) -> None:
+        grow = max(n, 2 * len(self._codes)) - len(self._codes)
         self._codes = np.concatenate([self._codes, np.zeros(grow, dtype=np.int8)])
         self._expected = np.concatenate([self._expected, np.zeros(grow, dtype=np.int32)])
         self._from_stream = np.concatenate([self._from_stream, np.zeros(grow, dtype=bool)])
 
-    def merged(self) -> tuple[np.ndarray, np.ndarray, dict[int, Sketch]]:
-        """Return merged rows, ranks contributing to each row, and merged sketches."""
+    def merged(self, locate: bool = False) -> Merged:
+        """The parts merged in merge order (ranks by number, then stream windows); with
+        ``locate``, where each key's min and max came from: the first part in merge order
+        holding the value wins (ranks by number, then batches)."""
         n = len(self.keys)
+        held = self._ordered
+        if held is None or held[0] != len(self.parts):  # worked out once for the parts held
+            parts = sorted(self.parts, key=attrgetter("order"))
+            if parts:
+                rows = np.concatenate(list(map(attrgetter("rows"), parts)))
+                idx = np.concatenate(list(map(attrgetter("idx"), parts)))
+            else:
+                rows, idx = records.identity(0), np.zeros(0, np.int64)
+            held = self._ordered = (len(self.parts), parts, rows, idx)
+        _, parts, rows, idx = held
+        data = records.merge_grouped(rows, idx, n) if parts else records.identity(n)
         sketch_parts: dict[int, list[Sketch]] = {}
         rank_rows: dict[int, list[np.ndarray]] = {}
-        parts, rows, idx = self._in_order()
-        data = records.merge_grouped(rows, idx, n) if parts else records.identity(n)
+        sourced = False
         for part in parts:
             for row, codes, counts in part.sketches:
                 sketch_parts.setdefault(row, []).append((codes, counts))
             if part.rank is not None:
                 rank_rows.setdefault(part.rank, []).append(part.idx)
+            sourced = sourced or part.sources is not None
         # One part's rows are distinct keys; several parts of a rank may share keys.
-        held = [rows_of[0] if len(rows_of) == 1 else np.unique(np.concatenate(rows_of))
-                for rows_of in rank_rows.values()]
-        contributors = (np.bincount(np.concatenate(held), minlength=n).astype(np.int32)
-                        if held else np.zeros(n, dtype=np.int32))
-        return data, contributors, {r: merge_sparse(p) for r, p in sketch_parts.items()}
-
-    def _in_order(self) -> tuple[list[Part], np.ndarray, np.ndarray]:
-        """The parts in merge order (ranks by number, then stream windows) and their rows
-        and key indices concatenated; worked out once for the parts held."""
-        held = self._ordered
-        if held is None or held[0] != len(self.parts):
-            parts = sorted(self.parts, key=lambda p: p.order)
-            rows = np.concatenate([p.rows for p in parts]) if parts else records.identity(0)
-            idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
-            held = self._ordered = (len(self.parts), parts, rows, idx)
-        return held[1], held[2], held[3]
-
-    def extremes(self, data: np.ndarray) -> list[tuple[np.ndarray, list[Part], Any]]:
-        """Return, for the min and for the max of the merged records ``data``, the part each
-        key's value came from and that part's source rows (``core.extremes``; None where no
-        part carries any): ``(winner per key, -1 for none; the parts in merge order;
-        sources)``. The first part in merge order holding the value wins (ranks by number,
-        then batches)."""
-        parts, rows, idx = self._in_order()
-        if not parts:
-            return []
-        owner = np.repeat(np.arange(len(parts)), [len(p.idx) for p in parts])
-        carried = any(p.sources is not None for p in parts)
-        known = np.concatenate([p.sources if p.sources is not None
-                                else records.unknown_sources(len(p.idx)) for p in parts]) \
-            if carried else None
-        out = []
-        for won in records.winners(rows, idx, data):
-            hit = won >= 0
-            part_of = np.full(len(won), -1, dtype=np.int64)
-            part_of[hit] = owner[won[hit]]
-            src = None
-            if known is not None:
-                src = records.unknown_sources(len(won))
-                src[hit] = known[won[hit]]
-            out.append((part_of, parts, src))
-        return out
+        contributors = np.zeros(n, dtype=np.int32)
+        for of_rank in rank_rows.values():
+            contributors[of_rank[0] if len(of_rank) == 1
+                         else np.unique(np.concatenate(of_rank))] += 1
+        sketches = {}
+        for row, of_row in sketch_parts.items():
+            sketches[row] = merge_sparse(of_row)
+        winners = []  # for the min and for the max: the part it came from, its source
+        if locate and parts:
+            sizes = np.fromiter(map(len, map(attrgetter("idx"), parts)), np.int64, len(parts))
+            owner = np.repeat(np.arange(len(parts)), sizes)
+            known = None
+            if sourced:  # some part carries sources: the others' are unknown
+                known = np.concatenate([p.sources if p.sources is not None
+                                        else records.unknown_sources(len(p.idx)) for p in parts])
+            for won in records.winners(rows, idx, data):
+                hit = won >= 0
+                part_of = np.full(len(won), -1, dtype=np.int64)
+                part_of[hit] = owner[won[hit]]
+                src = None
+                if known is not None:
+                    src = records.unknown_sources(len(won))
+                    src[hit] = known[won[hit]]
+                winners.append((part_of, src))
+        return Merged(data, self._codes[:n], self._expected[:n], self._from_stream[:n],
+                      contributors, sketches, parts, winners)
 
 
-def batch_sketches(batch: Batch) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Return a batch's sketches as ``(row in batch, codes, counts)``."""
+def _sketches_of(batch: Batch) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """A batch's sketches as ``(row in batch, codes, counts)``."""
     return [(int(row), *batch.sketch(j)) for j, row in enumerate(batch.sketch_rows.tolist())]
 
 
@@ -216,49 +218,29 @@ class PendingStep(Collection):
         self.sources: list[tuple[int | None, int | None, Callable[[PendingStep], None]]] | None \
             = None
 
-    def keep_source(self, claim: int | None, rank: int | None,
-                    apply: Callable[[PendingStep], None]) -> None:
-        """Remember a contribution made before the world size was agreed."""
-        if self.sources is None:
-            self.sources = []
-        self.sources.append((claim, rank, apply))
+    def take(self, batch: Batch, digest: bytes) -> Sequence[str]:
+        """Keep a rank's batch as a part (a final batch closes the step for its rank); return
+        the keys new to the step.
 
-    def time_out(self, now: float, timeout_s: float, recount: bool = False) -> bool:
-        """Mark the step timed out if open for ``timeout_s`` or longer (``recount``: only
-        then, once the world size changed); return whether it is."""
-        late = now - self.opened_at >= timeout_s
-        self.timed_out = late if recount else (self.timed_out or late)
-        return self.timed_out
-
-    def close_with_streams(self) -> None:
-        """No rank submits this step: it is final with its stream windows alone."""
-        self.stream_only = True
-
-    def agreed(self, world_size: int) -> list[tuple[int | None, int | None, Callable]] | None:
-        """The run's world size is agreed: return the contributions kept apart until then
-        (None: none), and wait for that size."""
-        sources, self.sources = self.sources, None
-        if self.ranks:
-            self.world_size = world_size
-        return sources
-
-    def check(self, batch: Batch) -> np.ndarray:
-        """Return the row of each batch key (-1 if new); raise if a key changes its kind."""
-        return self.locate(batch.keys, batch.kinds, f"rank {batch.rank} in step {self.step}")
-
-    def add_batch(self, batch: Batch, idx: np.ndarray, digest: bytes) -> None:
-        """Keep a checked batch as a part; a final batch closes the step for its rank."""
+        Raises:
+            BatchRejected: a key arrives with another kind than the step holds; nothing of
+                the batch was kept.
+        """
+        idx = self.locate(batch.keys, batch.kinds, f"rank {batch.rank} in step {self.step}")
         sources = None
         if batch.extreme_rows.size:
             sources = records.unknown_sources(len(idx))
             sources[batch.extreme_rows] = batch.extremes
         part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data, [], sources)
-        self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch))
-        self.declare(batch.declared, batch.about)
+        fresh = self.add(part, batch.keys, batch.kinds, batch.expected,
+                         _sketches_of(batch) if batch.sketch_rows.size else ())
+        if batch.declared or batch.about:
+            self.declare(batch.declared, batch.about)
         self.digests[(batch.rank, batch.seq)] = digest
         self.batches += 1
         if batch.final:
             self.closed.add(batch.rank)
+        return fresh
 
     def take_window(self, name: str, window: Window, order: tuple) -> None:
         """Fold the window of stream ``name`` in, merged as one part (``order``: where it
@@ -272,35 +254,84 @@ class PendingStep(Collection):
         for client, seq in window.last_seq.items():
             seqs[client] = max(seq, seqs.get(client, seq))
 
+    def keep_source(self, claim: int | None, rank: int | None,
+                    apply: Callable[[PendingStep], None]) -> None:
+        """Remember a contribution made before the world size was agreed."""
+        if self.sources is None:
+            self.sources = []
+        self.sources.append((claim, rank, apply))
+
+    def agreed(self, world_size: int) -> list[tuple[int | None, int | None, Callable]] | None:
+        """The run's world size is agreed: return the contributions kept apart until then
+        (None: none), and wait for that size."""
+        sources, self.sources = self.sources, None
+        if self.digests:
+            self.world_size = world_size
+        return sources
+
+    def time_out(self, now: float, timeout_s: float, recount: bool = False) -> bool:
+        """Mark the step timed out if open for ``timeout_s`` or longer (``recount``: only
+        then, once the world size changed); return whether it is."""
+        late = now - self.opened_at >= timeout_s
+        self.timed_out = late if recount else (self.timed_out or late)
+        return self.timed_out
+
+    def close_with_streams(self) -> None:
+        """No rank submits this step: it is final with its stream windows alone."""
+        self.stream_only = True
+
+    def ready(self) -> bool:
+        """Whether the step is final: every rank closed it (a step of streams only: closed
+        with them), or its straggler timeout passed. A step with ranks in it waits for the
+        run's world size even past its timeout."""
+        if not self.digests:
+            return self.stream_only or self.timed_out
+        if self.world_size is None:
+            return False
+        return len(self.closed) >= self.world_size or self.timed_out
+
     @property
     def ranks(self) -> list[int]:
-        """Return every rank that sent a part of this step."""
+        """Every rank that sent a part of this step."""
         return sorted({rank for rank, _ in self.digests})
 
-    @property
-    def complete(self) -> bool:
-        if not self.digests:  # no rank has sent anything: streams only
-            return self.stream_only
-        return self.world_size is not None and len(self.closed) >= self.world_size
-
-    @property
-    def ready(self) -> bool:
-        # A step with ranks in it waits for the run's world size even past its timeout.
-        return self.complete or (self.timed_out and (self.world_size is not None
-                                                     or not self.digests))
-
-    @property
     def size(self) -> int:
-        """Return the world size this step waits for (before agreement: the largest claim)."""
+        """The world size this step waits for (before agreement: the largest claim)."""
         if self.world_size is not None:
             return self.world_size
         return max((claim or 0 for claim, _, _ in self.sources or ()), default=0)
 
     def missing(self) -> list[int]:
-        return sorted(set(range(self.size)) - self.closed)
+        """The ranks that have not closed the step."""
+        return sorted(set(range(self.size())) - self.closed)
+
+    def finish(self, now: float) -> Merged:
+        """The step merged, the min's and max's sources located, with its ``meta``: partial
+        or not, its ranks, the missing ones, its batches and keys, its age (first batch to
+        final), its streams, and its batches' digests (what tells a resend from a rerun
+        after a restart)."""
+        size = self.world_size
+        complete = (self.stream_only if not self.digests
+                    else size is not None and len(self.closed) >= size)
+        digests = {}
+        for (rank, seq), digest in sorted(self.digests.items()):
+            digests[f"{rank}:{seq}"] = digest[:8].hex()
+        meta: dict[str, Any] = {
+            "partial": not complete, "world_size": size or 0,
+            "ranks": sorted(self.closed),
+            "missing_ranks": self.missing() if size is None or len(self.closed) < size else [],
+            "batches": self.batches, "keys": len(self.keys),
+            "age_s": round(now - self.opened_at, 6)}
+        if self.streams:
+            meta["streams"] = list(self.streams)
+            meta["stream_seqs"] = {name: dict(seqs) for name, seqs in self.stream_seqs.items()}
+        meta["digests"] = digests
+        merged = self.merged(locate=True)
+        merged.meta.update(meta)
+        return merged
 
     def summary(self) -> dict[str, Any]:
-        return {"closed": sorted(self.closed), "world_size": self.size, "keys": len(self.keys)}
+        return {"closed": sorted(self.closed), "world_size": self.size(), "keys": len(self.keys)}
 
 
 class Window(Collection):
@@ -317,7 +348,7 @@ class Window(Collection):
             return False
         idx = self.locate(batch.keys, batch.kinds, f"stream client {client}")
         part = Part((client, batch.seq), None, idx, batch.data)
-        self.add(part, batch.keys, batch.kinds, batch.expected, batch_sketches(batch), True)
+        self.add(part, batch.keys, batch.kinds, batch.expected, _sketches_of(batch), True)
         self.declare(batch.declared, batch.about)
         self.seqs.add((client, batch.seq))
         self.last_seq[client] = max(batch.seq, self.last_seq.get(client, batch.seq))
@@ -325,65 +356,7 @@ class Window(Collection):
 
     def as_part(self, order: tuple) -> tuple[Part, list[str], np.ndarray, list]:
         """Return the merged window as one part for a step (and the keys, codes, sketches)."""
-        data, _, sketches = self.merged()
+        merged = self.merged()
         idx = np.full(len(self.keys), -1, dtype=np.int64)
-        part = Part(order, None, idx, data)
-        return part, list(self.keys), self.codes.copy(), [
-            (row, codes, counts) for row, (codes, counts) in sketches.items()
-        ]
-
-
-class PendingSteps(dict[int, PendingStep]):
-    """Step -> its ``PendingStep``, for the steps not published yet."""
-
-    def anchor(self, last_emitted: int | None) -> int | None:
-        """Return the oldest step still open (None before the first batch of a run)."""
-        open_steps = list(self)
-        if last_emitted is not None:
-            open_steps.append(last_emitted + 1)
-        return min(open_steps, default=None)
-
-    def newest_closed(self, last_emitted: int | None) -> int | None:
-        """Return the newest step a rank closed, pending or published."""
-        closed = [s for s, p in self.items() if p.closed]
-        if last_emitted is not None:
-            closed.append(last_emitted)
-        return max(closed, default=None)
-
-    def summary(self) -> dict[int, dict[str, Any]]:
-        """Per pending step: which ranks have closed it and how many keys it holds."""
-        return {s: p.summary() for s, p in sorted(self.items())}
-
-    def missing(self, step: int) -> list[int] | None:
-        """Return the ranks that have not closed ``step``, or None if it is not pending."""
-        p = self.get(step)
-        return None if p is None else p.missing()
-
-    def time_out(self, now: float, timeout_s: float, recount: bool = False) -> bool:
-        """Mark the steps open for ``timeout_s`` or longer as timed out (``recount``: and
-        only those, once the world size changed); return True if any is."""
-        return any([p.time_out(now, timeout_s, recount) for p in self.values()])
-
-    def forget_after(self, step: int) -> None:
-        """A rewind: every step past ``step`` is recorded afresh."""
-        for later in [s for s in self if s > step]:
-            del self[later]
-
-    def regroup(self, world_size: int, drop: Callable[[int, int, int | None], None]) -> None:
-        """The run's world size is now ``world_size``: rebuild each step from the batches
-        it kept apart, leaving out (``drop(step, rank, claim)``) those of ranks that
-        claimed another size; a step left empty goes."""
-        for step, p in list(self.items()):
-            sources = p.agreed(world_size)
-            if sources is None or all(w in (None, world_size) for w, _, _ in sources):
-                continue
-            fresh = PendingStep(step, world_size, p.opened_at, p.stream_only)
-            for claim, rank, apply in sources:
-                if claim in (None, world_size):
-                    apply(fresh)
-                else:
-                    drop(step, rank, claim)
-            if fresh.parts:
-                self[step] = fresh
-            else:
-                del self[step]
+        return Part(order, None, idx, merged.data), list(self.keys), merged.codes.copy(), [
+            (row, codes, counts) for row, (codes, counts) in merged.sketches.items()]

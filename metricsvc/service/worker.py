@@ -136,9 +136,10 @@ class MetricWorkerImpl:
             build_sinks(cfg.sinks, check=True, built={"jsonl": self.writer} if self.writer
                         else {}),
             self.run_dir, cfg.sinks.delivery, self.redactor, replay=replay, history=self.history)
+        self.journal_mark = self.sinks.mark_of(self.writer) if self.writer else None
         self.epoch = uuid.uuid4().hex  # a new one per incarnation: senders resend on a change
         self.calls: Counter[str] = Counter()
-        self._merging = _Merging(self.lock)  # a rank's call: the lock, its CPU counted
+        self.merge_cpu_s = 0.0  # CPU inside the ranks' calls (submit, submit_many)
         self.closed = False
         self.combiners: dict[str, dict[str, Any]] = {}  # label -> its last reported health
         self._timer: threading.Thread | None = None
@@ -240,20 +241,26 @@ class MetricWorkerImpl:
 
         ``epoch``: the incarnation the client last heard from. If this is another one (the
         actor restarted), nothing is merged and the ack says ``epoch_changed``: the client
-        first resends what the journal may have lost, then this batch (``metricsvc.calls``).
+        first resends what the journal may have lost, then this batch (``metricsvc.transport``).
 
         Raises:
             BatchRejected: (a ValueError) the batch was refused; nothing was merged.
         """
-        with self._merging:
-            if self._intake("submit", epoch):
-                return self._ack("epoch_changed")
-            self._start_timer()
-            newest = self.engine.newest_closed
-            answer, finished = self._take(batch)
-            if finished or self.engine.newest_closed != newest:
-                self._publish(finished)  # wait_final_res(step=None) watches newest_closed
-            return self._ack(**answer)
+        with self.lock:
+            start = time.thread_time()  # a rank's call: its CPU counted in merge_cpu_s
+            try:
+                if self._intake("submit", epoch):
+                    return self._ack("epoch_changed")
+                if self._timer is None:
+                    self._start_timer()
+                newest = self.engine.newest_closed
+                answer, finished = self._take(batch)
+                ack = self._ack(**answer)
+                if finished or self.engine.newest_closed != newest:
+                    self._publish(finished)  # wait_final_res(step=None) watches newest_closed
+                return ack
+            finally:
+                self.merge_cpu_s += time.thread_time() - start
 
     def submit_many(self, batches: list[Batch | bytes], epoch: str | None = None,
                     combiner: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -264,24 +271,29 @@ class MetricWorkerImpl:
         stop the others); the combiner relays each to its rank. ``combiner``: the
         combiner's own health, shown in ``health()["combiners"]``.
         """
-        with self._merging:
-            if combiner is not None:
-                self.combiners[str(combiner.get("label"))] = combiner
-            if self._intake("submit_many", epoch):
-                return self._ack("epoch_changed")
-            self._start_timer()
-            answers: list[dict[str, Any] | BatchRejected] = []
-            finished: list[StepResult] = []
-            for batch in batches:
-                try:
-                    answer, done = self._take(batch)
-                except BatchRejected as err:
-                    answers.append(err)
-                    continue
-                answers.append(answer)
-                finished.extend(done)
-            self._publish(finished)
-            return self._ack("batch", answers=answers)
+        with self.lock:
+            start = time.thread_time()
+            try:
+                if combiner is not None:
+                    self.combiners[str(combiner.get("label"))] = combiner
+                if self._intake("submit_many", epoch):
+                    return self._ack("epoch_changed")
+                if self._timer is None:
+                    self._start_timer()
+                answers: list[dict[str, Any] | BatchRejected] = []
+                finished: list[StepResult] = []
+                for batch in batches:
+                    try:
+                        answer, done = self._take(batch)
+                    except BatchRejected as err:
+                        answers.append(err)
+                        continue
+                    answers.append(answer)
+                    finished.extend(done)
+                self._publish(finished)
+                return self._ack("batch", answers=answers)
+            finally:
+                self.merge_cpu_s += time.thread_time() - start
 
     def stream_submit(self, name: str, client: str, batch: Batch | bytes,
                       epoch: str | None = None) -> dict[str, Any]:
@@ -303,7 +315,8 @@ class MetricWorkerImpl:
         the window alone. Raises ``BatchRejected`` (window kept) if the step is final."""
         with self.lock:
             self._intake("export_stream", None)
-            self._start_timer()
+            if self._timer is None:
+                self._start_timer()
             metrics, finished = self.engine.export_stream(name, int(step), close)
             self._publish(finished)
             return metrics
@@ -318,9 +331,9 @@ class MetricWorkerImpl:
 
     def durable_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""
-        if self.writer is None:  # no journal: nothing more durable than memory
+        if self.journal_mark is None:  # no journal: nothing more durable than memory
             return self.engine.last_emitted
-        written = self.sinks.last_step(self.writer)
+        written = self.journal_mark.last_step
         # After a restart the journal already holds the reloaded steps.
         return self.reloaded_through if written is None else written
 
@@ -434,7 +447,7 @@ class MetricWorkerImpl:
                 "run_dir": str(self.run_dir),
                 "uptime_s": time.time() - self.started,
                 "cpu_s": time.process_time(),  # this process's CPU time, all its threads
-                "merge_cpu_s": self._merging.cpu_s,  # of it, inside submit / submit_many
+                "merge_cpu_s": self.merge_cpu_s,  # of it, inside submit / submit_many
                 "closed": self.closed,
                 "combiners": dict(self.combiners),
                 "metrics_export": self.live.status(),
@@ -521,26 +534,6 @@ class MetricWorkerImpl:
         # the actor's child processes (wandb's writer among them) unless
         # RAY_kill_child_processes_on_worker_exit=0; close() before that is the sure way.
         self.sinks.close(timeout_s=10)
-
-
-class _Merging:
-    """A rank's call holds the actor's lock, its CPU counted in ``cpu_s`` (the service's own
-    work): a plain context manager every rank's call enters."""
-
-    __slots__ = ("lock", "start", "cpu_s")
-
-    def __init__(self, lock: threading.RLock) -> None:
-        self.lock, self.cpu_s = lock, 0.0
-
-    def __enter__(self) -> None:
-        self.lock.acquire()
-        self.start = time.thread_time()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.cpu_s += time.thread_time() - self.start
-        finally:
-            self.lock.release()
 
 
 def resume_report(from_step: int, journal_through: int | None) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import math
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from metricsvc.core.keys import is_internal, is_plain_part, safe_tag, tag_order
+from metricsvc.core.keys import is_plain_part, safe_tag, tag_order
 from metricsvc.core.limits import MAX_TAG_LENGTH
 
 ENTRY_POINT_GROUP = "metricsvc.sinks"
@@ -268,15 +267,6 @@ def sinks_model() -> type[Strict]:
 
 
 # -- what a sink may show ------------------------------------------------------------
-def public_metrics(metrics: Mapping[str, float], allow_nan: bool) -> dict[str, float]:
-    """Return what a sink may see: no internal keys; non-finite values only if allowed."""
-    return {
-        k: v
-        for k, v in metrics.items()
-        if not is_internal(k) and (allow_nan or math.isfinite(v))
-    }
-
-
 def tagged(metrics: Mapping[str, float], max_length: int = MAX_TAG_LENGTH) -> dict[str, float]:
     """Return ``{safe_tag: value}``; of names sharing a tag the first in ``tag_order``
     keeps it (the service lists such names in the step's ``meta["collisions"]``), never

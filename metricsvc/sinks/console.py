@@ -93,9 +93,9 @@ class ConsoleSink:
         return text
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
-        pace = self.pace(step)
         if step % self.config.every and not meta.get("partial"):
-            return
+            return  # the pace is measured from the first step shown
+        pace = self.pace(step)
         stream = self._stream or sys.stdout
         if meta.get("partial"):
             stream.write(f"WARNING step {step} is partial: ranks {meta.get('missing_ranks')} "

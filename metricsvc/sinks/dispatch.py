@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import queue
 import threading
 import time
@@ -27,11 +28,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from metricsvc.core.keys import is_int, is_internal
 from metricsvc.core.redaction import Redactor
 from metricsvc.errors import ServiceUnavailable
-from metricsvc.sinks.base import DeliveryConfig, Sink, public_metrics
-from metricsvc.storage.files import DeadLetter
-from metricsvc.storage.history import Rewind, RunHistory, SinkState, Watermark
+from metricsvc.sinks.base import DeliveryConfig, Sink
+from metricsvc.storage.files import DeadLetter, SinkState
+from metricsvc.storage.history import Rewind, RunHistory
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,15 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def public_metrics(metrics: Mapping[str, float], allow_nan: bool) -> dict[str, float]:
+    """Return what a sink may see: no internal keys; non-finite values only if allowed."""
+    out = {}
+    for k, v in metrics.items():
+        if ("__" not in k or not is_internal(k)) and (allow_nan or math.isfinite(v)):
+            out[k] = v
+    return out
+
+
 def thread_cpu_s(thread: threading.Thread) -> float | None:
     """The CPU seconds ``thread`` has spent, from its CPU clock; None once it has ended, or
     where the platform has no per-thread clock."""
@@ -106,6 +117,111 @@ def thread_cpu_s(thread: threading.Thread) -> float | None:
         return time.clock_gettime(time.pthread_getcpuclockid(ident))
     except (AttributeError, OSError):  # no pthread_getcpuclockid (macOS), or it just ended
         return None
+
+
+class Watermark:
+    """A sink's progress in the run's history: the last step written in the current segment
+    (``last_step``), the newest step its backend has made durable (``durable_through``, kept
+    with the segment current then in its ``SinkState``), where this incarnation started
+    from (``floor``: what the sink holds of the current segment), and the steps the saved
+    watermark claims but the content lacks (``missing``, reported until written)."""
+
+    def __init__(self, state: SinkState, name: str, redact: Callable[[str], str],
+                 history: RunHistory | None = None) -> None:
+        self.state, self.name, self.redact = state, name, redact
+        self.history = history or RunHistory()
+        self.last_step: int | None = None
+        self.durable_through: int | None = None
+        self.missing: dict[str, Any] | None = None
+        self.segment = self.history.segment  # advanced by each rewind this sink is given
+        self.floor: int | None = None
+        # The rewinds the journal recorded after the saved watermark's segment: the sink
+        # may never have been given them (the service ended between the two), so its
+        # backend may still show the steps they superseded (``load``)
+        self.missed: list[Rewind] = []
+
+    def load(self) -> int | None:
+        """Start from the saved watermark (a restart), lowered by every rewind since it was
+        saved; return it."""
+        saved = self.state.load()
+        through, segment = saved.get("durable_through"), saved.get("segment", 0)
+        if not is_int(through):
+            through = None
+        if not isinstance(segment, int):
+            segment = 0
+        self.floor = self.durable_through = self.history.holds_through(through, segment)
+        self.missed = self.history.rewinds[max(segment, 0):]
+        return self.floor
+
+    def caught_up(self) -> None:
+        """The sink was given the rewinds it missed: save its watermark in the current
+        segment, so that a later restart does not give them again."""
+        if self.missed:
+            self.missed = []
+            self._save(self.durable_through)
+
+    def believe_content(self, held: int | None) -> None:
+        """The sink read back what it holds of the current segment (``held``: its last
+        step): believe that, not the saved watermark, which past the content would make it
+        skip steps for good."""
+        if self.floor is not None and (held is None or held < self.floor):
+            first = 0 if held is None else held + 1
+            self.missing = {
+                "steps": list(range(first, min(self.floor, first + 999) + 1)),
+                "count": self.floor - first + 1,
+                "reason": f"the watermark said the file held steps through {self.floor}, "
+                          f"but it ends at {held} (a torn, cut or lost tail); a step ranks "
+                          f"send again is written again"}
+            log.error("sink %s: %s", self.name, self.missing["reason"])
+        self.floor = self.durable_through = held
+
+    def holds(self, step: int) -> bool:
+        """Return True if the sink already holds ``step`` of the current segment."""
+        last = self.floor if self.last_step is None else self.last_step
+        return last is not None and step <= last
+
+    def written(self, step: int) -> None:
+        """Count ``step`` as written in the current segment: it is no longer missing."""
+        self.last_step = step
+        missing = self.missing
+        if missing is not None and step in missing["steps"]:
+            missing["steps"].remove(step)
+            missing["count"] -= 1
+            if not missing["count"]:
+                self.missing = None
+
+    def advance(self, through: int | None) -> None:
+        """Save ``through`` as durable, if it is progress."""
+        known = self.durable_through
+        if through is None or through < 0 or (known is not None and through <= known):
+            return  # nothing durable yet, or no progress
+        self._save(through)
+        self.durable_through = through
+
+    def back_to(self, step: int) -> None:
+        """A new segment begins after ``step`` (a rewind): the sink holds at most ``step``
+        of it; saved too, so a restart replays the rerun."""
+        self.segment += 1
+        held = None if step < 0 else step
+        if self.last_step is not None and self.last_step > step:
+            self.last_step = held
+        if self.durable_through is not None and self.durable_through > step:
+            self.durable_through = held
+        if self.floor is not None and self.floor > step:
+            self.floor = held
+        self._save(self.durable_through)
+
+    def report(self) -> dict[str, Any]:
+        """What ``health()`` shows of it."""
+        return {"last_step": self.last_step, "durable_through": self.durable_through,
+                "missing": self.missing}
+
+    def _save(self, through: int | None) -> None:
+        try:
+            self.state.update(durable_through=through, segment=self.segment)
+        except OSError as err:
+            log.error("sink %s: its watermark could not be saved: %s", self.name,
+                      self.redact(str(err)))
 
 
 class SinkDelivery:
@@ -151,8 +267,9 @@ class SinkDelivery:
                 self._dead_letter(item, f"queue full ({self.delivery.queue_size} steps waiting)")
 
     # -- the sink thread ---------------------------------------------------------------
-    def attempt(self, call: Callable[[], Any], retry: bool = False) -> str | None:
-        """Run ``call`` (opening the sink first if needed); return the last error or None."""
+    def attempt(self, call: Callable[..., Any], *args: Any, retry: bool = False) -> str | None:
+        """Run ``call(*args)`` (opening the sink first if needed); return the last error or
+        None."""
         tries = 1 + (self.delivery.retries if retry else 0)
         error = None
         for attempt in range(tries):
@@ -163,7 +280,7 @@ class SinkDelivery:
                     # Registered after open, so it runs before any exit hook the backend
                     # registered while opening (atexit is LIFO): wandb's teardown, say.
                     atexit.register(self.close, 10.0)
-                call()
+                call(*args)
                 return None
             except Exception as err:  # a sink must never take the service down
                 error = self.redact(f"{type(err).__name__}: {err}")
@@ -199,7 +316,7 @@ class SinkDelivery:
                 item.done.set()
             elif isinstance(item, Event):
                 if hasattr(self.sink, "write_event"):
-                    self.attempt(lambda e=item.event: self.sink.write_event(e))  # type: ignore[attr-defined]
+                    self.attempt(self.sink.write_event, item.event)  # type: ignore[attr-defined]
             else:
                 self._new_segment(item)
             with self._lock:
@@ -230,7 +347,7 @@ class SinkDelivery:
         # steps would pass for steps it holds (TensorBoard's events past the rewound step)
         rewind = getattr(self.sink, "rewind", None)
         missed = self.mark.missed if rewind is not None else []
-        if not any([self.attempt(lambda r=r: rewind(r.to_step), retry=True) for r in missed]):
+        if not any([self.attempt(rewind, r.to_step, retry=True) for r in missed]):
             self.mark.caught_up()
         held_through = getattr(self.sink, "held_through", None)
         if held_through is not None and self.opened:  # it can read back its content
@@ -279,13 +396,13 @@ class SinkDelivery:
         replays the rerun. ``item.done`` hears the outcome."""
         rewind, error = item.rewind, None
         if hasattr(self.sink, "write_event"):  # the journal: the history's own record
-            error = self.attempt(lambda: self.sink.write_event(rewind.event()),  # type: ignore[attr-defined]
+            error = self.attempt(self.sink.write_event, rewind.event(),  # type: ignore[attr-defined]
                                  retry=True)
             if error is not None:  # not recorded: nothing is rewound (the caller hears it)
                 item.done.heard(self.sink, error)
                 return
         if self.opened and hasattr(self.sink, "rewind"):
-            error = self.attempt(lambda: self.sink.rewind(rewind.to_step))  # type: ignore[attr-defined]
+            error = self.attempt(self.sink.rewind, rewind.to_step)  # type: ignore[attr-defined]
         if error is not None:
             log.error("sink %s could not rewind to step %d: %s", self.name, rewind.to_step,
                       error)
@@ -296,7 +413,7 @@ class SinkDelivery:
         if self.mark.holds(item.step):
             return  # each step of a segment once, in increasing order
         visible = public_metrics(item.metrics, self.allow_nan)
-        error = self.attempt(lambda: self.sink.write(item.step, visible, item.meta), retry=True)
+        error = self.attempt(self.sink.write, item.step, visible, item.meta, retry=True)
         with self._lock:
             if self._abandoned:  # a closer gave up meanwhile and dead-lettered this step
                 return
@@ -444,11 +561,16 @@ class SinkDispatcher:
         """Wait until every sink has handled everything queued so far; True if all did."""
         if self._closed:
             return True
-        items = [Flush(threading.Event()) for _ in self._deliveries]
-        for delivery, item in zip(self._deliveries, items):
-            delivery.put(item)
+        items = []
+        for delivery in self._deliveries:
+            items.append(Flush(threading.Event()))
+            delivery.put(items[-1])
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        return all(item.done.wait(_left(deadline)) for item in items)
+        for item in items:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not item.done.wait(left):
+                return False
+        return True
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain every queue and close every sink, all within one ``timeout_s`` (default:
@@ -464,10 +586,10 @@ class SinkDispatcher:
         for delivery in self._deliveries:
             delivery.finish_close(deadline)
 
-    def last_step(self, sink: Sink) -> int | None:
-        """Return the last step of the current segment ``sink`` (one of this dispatcher's)
-        has written (None if none yet, or not one of them)."""
-        return next((d.mark.last_step for d in self._deliveries if d.sink is sink), None)
+    def mark_of(self, sink: Sink) -> Watermark | None:
+        """The watermark of ``sink`` (one of this dispatcher's; None if not one of them):
+        its ``last_step`` is the last step of the current segment it has written."""
+        return next((d.mark for d in self._deliveries if d.sink is sink), None)
 
     def health(self) -> dict[str, dict[str, Any]]:
         """Return each sink's delivery record: written, failures, dead-lettered, last error,

@@ -73,18 +73,18 @@ class JsonlSink:
             line = json.dumps(record, allow_nan=False)
         except (ValueError, TypeError):  # a non-finite number, or a mapping JSON cannot take
             line = json.dumps(_json_values(record), allow_nan=False)
-        self._append(line)
+        if self._file is None:
+            raise RuntimeError("JsonlSink.write called before open or after close")
+        self._file.append((line + "\n").encode("utf-8"), fsync=self.config.fsync)
 
     def write_event(self, event: Mapping[str, Any]) -> None:
         """Journal something that is not a finished step (e.g. a late batch). A ``rewind``
         begins a segment of the run's history: it is synced before this returns."""
-        self._append(json.dumps({"event": dict(event), "time": time.time()},
-                                allow_nan=False), sync="rewind" in event)
-
-    def _append(self, line: str, sync: bool = False) -> None:
         if self._file is None:
-            raise RuntimeError("JsonlSink.write called before open or after close")
-        self._file.append((line + "\n").encode("utf-8"), fsync=sync or self.config.fsync)
+            raise RuntimeError("JsonlSink.write_event called before open or after close")
+        line = json.dumps({"event": dict(event), "time": time.time()}, allow_nan=False)
+        self._file.append((line + "\n").encode("utf-8"),
+                          fsync="rewind" in event or self.config.fsync)
 
     def close(self) -> None:
         if self._file is not None:

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import Field
 
 from metricsvc.sinks.base import Builtin, Strict, descriptions, tagged
-from metricsvc.storage.history import SinkState
+from metricsvc.storage.files import SinkState
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pydantic import Field
 from metricsvc.core.keys import safe_tag
 from metricsvc.sinks.base import Builtin, Strict, tagged
 from metricsvc.sinks.logfiles import LevelDBLogTail
-from metricsvc.storage.history import SinkState
+from metricsvc.storage.files import SinkState
 
 
 class SwanlabSinkConfig(Strict):

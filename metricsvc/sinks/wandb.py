@@ -25,7 +25,7 @@ from pydantic import Field
 
 from metricsvc.sinks.base import Builtin, Strict, descriptions
 from metricsvc.sinks.logfiles import LevelDBLogTail
-from metricsvc.storage.history import SinkState
+from metricsvc.storage.files import SinkState
 
 
 class WandbSinkConfig(Strict):

@@ -10,8 +10,8 @@ For each sink the run folder keeps the last step it durably holds and the segmen
 was current then (``SinkState``: ``<run folder>/sinks/<name>.json``, which a sink may also
 use to continue the same backend run: wandb's and MLflow's run ids). What the sink holds
 of the *current* segment is that step lowered by every rewind since (``holds_through``).
-The journal's writer, every other sink's ``Watermark`` and the reload all ask this one
-model whether a step is already written; none keeps its own idea.
+The journal's writer, every other sink's ``Watermark`` (``sinks.dispatch``) and the
+reload all ask this one model whether a step is already written; none keeps its own idea.
 """
 
 from __future__ import annotations
@@ -19,13 +19,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from metricsvc.core.keys import is_int, safe_file_name
-from metricsvc.storage.files import LineFile, write_atomic
+from metricsvc.core.keys import is_int
 
 log = logging.getLogger(__name__)
 
@@ -112,152 +109,3 @@ def journal_rewinds(path: str | os.PathLike[str]) -> Iterator[tuple[int, Rewind]
 
 
 # -- each sink's place in it -----------------------------------------------------------
-_COMPACT_BYTES = 1 << 16  # about 1500 watermark lines
-
-
-class SinkState:
-    """The durable record of sink ``name`` in ``run_dir``; read and written by its thread."""
-
-    def __init__(self, run_dir: Path, name: str) -> None:
-        self.path = Path(run_dir) / "sinks" / f"{safe_file_name(name)}.json"
-
-    def load(self) -> dict[str, Any]:
-        """Return the record: every line's fields, later lines over earlier ones ({} when
-        none was written or the file cannot be read; a torn or foreign line is skipped)."""
-        try:
-            lines = self.path.read_bytes().splitlines()
-        except OSError:
-            return {}
-        data: dict[str, Any] = {}
-        for line in lines:
-            try:
-                part = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(part, dict):
-                data.update(part)
-        return data
-
-    def update(self, **values: Any) -> None:
-        """Merge ``values`` into the record: one appended line (on a line of its own after
-        a torn one), or the folded record written whole once the file is long."""
-        line = json.dumps(values).encode() + b"\n"
-        try:
-            file = LineFile(self.path)
-        except FileNotFoundError:  # the first update of this run folder
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            file = LineFile(self.path)
-        try:
-            if file.size() + len(line) <= _COMPACT_BYTES:
-                file.append(line)
-                return
-        finally:
-            file.close()
-        write_atomic(self.path, json.dumps({**self.load(), **values}) + "\n")
-
-
-class Watermark:
-    """A sink's progress in the run's history: the last step written in the current segment
-    (``last_step``), the newest step its backend has made durable (``durable_through``, kept
-    with the segment current then in its ``SinkState``), where this incarnation started
-    from (``floor``: what the sink holds of the current segment), and the steps the saved
-    watermark claims but the content lacks (``missing``, reported until written)."""
-
-    def __init__(self, state: SinkState, name: str, redact: Callable[[str], str],
-                 history: RunHistory | None = None) -> None:
-        self.state, self.name, self.redact = state, name, redact
-        self.history = history or RunHistory()
-        self.last_step: int | None = None
-        self.durable_through: int | None = None
-        self.missing: dict[str, Any] | None = None
-        self.segment = self.history.segment  # advanced by each rewind this sink is given
-        self.floor: int | None = None
-        # The rewinds the journal recorded after the saved watermark's segment: the sink
-        # may never have been given them (the service ended between the two), so its
-        # backend may still show the steps they superseded (``load``)
-        self.missed: list[Rewind] = []
-
-    def load(self) -> int | None:
-        """Start from the saved watermark (a restart), lowered by every rewind since it was
-        saved; return it."""
-        saved = self.state.load()
-        through, segment = saved.get("durable_through"), saved.get("segment", 0)
-        if not is_int(through):
-            through = None
-        if not isinstance(segment, int):
-            segment = 0
-        self.floor = self.durable_through = self.history.holds_through(through, segment)
-        self.missed = self.history.rewinds[max(segment, 0):]
-        return self.floor
-
-    def caught_up(self) -> None:
-        """The sink was given the rewinds it missed: save its watermark in the current
-        segment, so that a later restart does not give them again."""
-        if self.missed:
-            self.missed = []
-            self._save(self.durable_through)
-
-    def believe_content(self, held: int | None) -> None:
-        """The sink read back what it holds of the current segment (``held``: its last
-        step): believe that, not the saved watermark, which past the content would make it
-        skip steps for good."""
-        if self.floor is not None and (held is None or held < self.floor):
-            first = 0 if held is None else held + 1
-            self.missing = {
-                "steps": list(range(first, min(self.floor, first + 999) + 1)),
-                "count": self.floor - first + 1,
-                "reason": f"the watermark said the file held steps through {self.floor}, "
-                          f"but it ends at {held} (a torn, cut or lost tail); a step ranks "
-                          f"send again is written again"}
-            log.error("sink %s: %s", self.name, self.missing["reason"])
-        self.floor = self.durable_through = held
-
-    def holds(self, step: int) -> bool:
-        """Return True if the sink already holds ``step`` of the current segment."""
-        last = self.floor if self.last_step is None else self.last_step
-        return last is not None and step <= last
-
-    def written(self, step: int) -> None:
-        """Count ``step`` as written in the current segment: it is no longer missing."""
-        self.last_step = step
-        missing = self.missing
-        if missing is not None and step in missing["steps"]:
-            missing["steps"].remove(step)
-            missing["count"] -= 1
-            if not missing["count"]:
-                self.missing = None
-
-    def advance(self, through: int | None) -> None:
-        """Save ``through`` as durable, if it is progress."""
-        known = self.durable_through
-        if through is None or through < 0 or (known is not None and through <= known):
-            return  # nothing durable yet, or no progress
-        self._save(through)
-        self.durable_through = through
-
-    def back_to(self, step: int) -> None:
-        """A new segment begins after ``step`` (a rewind): the sink holds at most ``step``
-        of it; saved too, so a restart replays the rerun."""
-        self.segment += 1
-        held = None if step < 0 else step
-        if self.last_step is not None and self.last_step > step:
-            self.last_step = held
-        if self.durable_through is not None and self.durable_through > step:
-            self.durable_through = held
-        if self.floor is not None and self.floor > step:
-            self.floor = held
-        self._save(self.durable_through)
-
-    def report(self) -> dict[str, Any]:
-        """What ``health()`` shows of it."""
-        return {"last_step": self.last_step, "durable_through": self.durable_through,
-                "missing": self.missing}
-
-    def _save(self, through: int | None) -> None:
-        try:
-            self.state.update(durable_through=through, segment=self.segment)
-        except OSError as err:
-            log.error("sink %s: its watermark could not be saved: %s", self.name,
-                      self.redact(str(err)))
-
-
