@@ -45,6 +45,7 @@ from metricsvc.core.wire import Batch
 from metricsvc.errors import LateBatch, ServiceNotice, StepAlreadyFinal, StepMismatch
 
 MAX_PARTS = 512  # recordings held before they are merged (a bound on a step's memory)
+_SKETCHED = frozenset(int(kind) for kind, spec in KINDS.items() if spec.sketch)
 
 
 @dataclass(slots=True)
@@ -122,18 +123,21 @@ class RecordBuffer:
         """Summarise ``{full key: value}`` (under ``mask``, or each under its own: ``masks``;
         with ``ids``, where each min and max lies) and keep the records as ``kinds`` (one
         for every key, or one per key; ``AUTO``: a plain dict's, chosen by the service)."""
-        each = {k: int(c) for k, c in kinds.items()} if isinstance(kinds, Mapping) else None
-        code = None if each is not None else int(kinds)  # type: ignore[arg-type]
+        if kinds.__class__ is dict or isinstance(kinds, Mapping):
+            each: Mapping[str, int] | None = kinds  # IntEnum codes are the ints
+            code = None
+            sketched = not _SKETCHED.isdisjoint(kinds.values())
+        else:
+            each, code = None, int(kinds)
+            sketched = code in _SKETCHED
         with self.lock:  # the mask cache's scratch buffers serve one summary at a time
             if mask is not None or masks is not None:
                 self._masked = True
             found = summarize_call(values, mask, masks=masks, ids=ids, compile=self.compile,
                                    cache=self.masks)
-            sketches = None
-            if each is not None or (code != AUTO and KINDS[ReduceType(code)].sketch):
-                sketches = self._sketches(values, mask, masks, each, code)
+            sketches = self._sketches(values, mask, masks, each, code) if sketched else None
             for rows in found:
-                self.keep(rows, code if each is None else tuple(each[k] for k in rows.keys),
+                self.keep(rows, code if each is None else tuple(map(each.__getitem__, rows.keys)),
                           expected, sketches)
         if self.on_record is not None:
             self.on_record()

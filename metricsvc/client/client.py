@@ -182,10 +182,10 @@ class Tracker:
         ``mask`` or each under its own (``masks``). Plain numbers of several kinds are one
         record of the buffer."""
         full = self._keys(values)
-        if isinstance(kinds, Mapping):
-            kinds = dict(zip(full, (kinds[k] for k in values)))
+        if kinds.__class__ is dict or isinstance(kinds, Mapping):
+            kinds = dict(zip(full, map(kinds.__getitem__, values)))
         if masks is not None:
-            masks = dict(zip(full, (masks[k] for k in values)))
+            masks = dict(zip(full, map(masks.__getitem__, values)))
         self.buffer.record(full, mask, kinds, masks=masks)
 
     def stat_each(self, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX, *,

@@ -103,12 +103,15 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
     vectors: dict[int, dict[str, tuple[np.ndarray, Any]]] = {}  # length -> short vectors
     device: dict[tuple, list[tuple[str, Any, Any]]] = {}  # (kind, id(mask)) -> values
     for key, (v, m) in prepared.items():
-        if isinstance(v, numbers.Number):
-            host[key] = _number_row(key, v)
-        elif isinstance(v, np.ndarray):
+        if v.__class__ is np.ndarray:
+            if masks is not None and not locate and v.ndim == 1 and 0 < v.size <= _VECTOR:
+                vectors.setdefault(v.size, {})[key] = (v, m)  # a value per sequence
+                continue
             host[key] = summarize_array(v, m)
             if locate and host[key][COUNT] > 0:
                 at[key] = _array_extremes(v, m)
+        elif v.__class__ is not Difference and not is_tensor(v):  # a plain number
+            host[key] = _number_row(key, v)
         elif on_host(v.a if isinstance(v, Difference) else v, compile):
             pair = None if (locate or masks is None) else _host_vector(v, m)
             if pair is not None:
@@ -124,7 +127,7 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
             kind, x = flat_value(v)
             device.setdefault((kind, 0 if masks else id(mask)), []).append((key, x, m))
     for group in vectors.values():
-        host.update(_vector_rows(group, cache))
+        host.update(_vector_rows(group))
     for m, group in passes.values():
         hosted = HostPass(m, MaskCache() if cache is None else cache, locate)
         for key, row in hosted.rows(group).items():
@@ -138,7 +141,9 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
             if row is not None:
                 order.append(key)
                 found.append(row)
-        rows = np.stack(found).reshape(len(order), NFIELDS)
+        rows = np.empty((len(order), NFIELDS))
+        for i, row in enumerate(found):
+            rows[i] = row
         sources = None
         if locate:
             sources = unknown_sources(len(order))
@@ -166,8 +171,10 @@ def summarize(values: Any, mask: Any = None, *, key: str = "value",
 def _prepare(values: Any, mask: Any, key: str) -> tuple[Any, Any]:
     """``(values, mask)`` checked and on one side: tensors on one device, or numpy; a
     ``Difference`` of two tensors on one device."""
-    if values.__class__ is np.ndarray and values.dtype.kind in "biuf" and mask is None:
-        return values, None  # a numpy array of numbers: nothing to check
+    if values.__class__ is np.ndarray and values.dtype.kind in "biuf" and (
+            mask is None or (mask.__class__ is np.ndarray and mask.dtype == np.bool_
+                             and mask.shape == values.shape)):
+        return values, mask  # a numpy array of numbers (under a bool mask of its shape)
     if isinstance(values, Difference):
         a, m = _prepare(values.a, mask, key)
         b, _ = _prepare(values.b, mask, key)
@@ -230,8 +237,7 @@ def _host_vector(v: Any, m: Any) -> tuple[np.ndarray, Any] | None:
     return v.numpy(), None if m is None else m.numpy()
 
 
-def _vector_rows(group: Mapping[str, tuple[np.ndarray, Any]],
-                 cache: MaskCache | None) -> dict[str, np.ndarray]:
+def _vector_rows(group: Mapping[str, tuple[np.ndarray, Any]]) -> dict[str, np.ndarray]:
     """Rows of same-length vectors, each under its mask: stacked in float64 (exact) and
     summarised together (``stacked_rows``); one whose valid values are not all finite, or
     reach 1e150, takes the host pass (which counts and excludes them)."""
@@ -241,15 +247,10 @@ def _vector_rows(group: Mapping[str, tuple[np.ndarray, Any]],
         if m is not None:
             valid[i] = m
     rows, ok, _ = stacked_rows(stacked, valid)
-    torch = torch_module()
-    cache = MaskCache() if cache is None else cache
     out = {}
     for i, (key, (x, m)) in enumerate(group.items()):
-        if ok[i]:
-            out[key] = rows[i]
-        else:  # counted and excluded, or summed scaled, on their own
-            mask = None if m is None else torch.from_numpy(m)
-            out[key] = HostPass(mask, cache).rows({key: torch.from_numpy(x)})[key].numpy()
+        # one not summarised together is counted and excluded, or summed scaled, on its own
+        out[key] = rows[i] if ok[i] else summarize_array(x, m)
     return out
 
 
