@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from metricsvc.core.formula import parse
 from metricsvc.core.keys import DEFAULT_NAME, default_namespace, is_plain_part
 from metricsvc.core.limits import LIMITS, MAX_PENDING_STEPS, MAX_STEPS_AHEAD, Limits
 from metricsvc.core.reduce import OutputRules, ReduceType, framework_conflict
@@ -214,6 +215,11 @@ class ServiceConfig(Strict):
         default_factory=dict, description="glob -> reduce kind for plain submit_metric keys"
     )
     renames: dict[str, str] = Field(default_factory=dict, description="output key prefix renames")
+    formulas: dict[str, str] = Field(
+        default_factory=dict,
+        description="derived metric name -> the formula it is computed with here, over the "
+                    "inputs its declaration names: what a framework's name means under a "
+                    "preset (verl: timing_per_token_ms/<stage> over the slowest rank's time)")
     output: OutputConfig = OutputConfig()
     limits: LimitsConfig = LimitsConfig()
     run: RunConfig = RunConfig()
@@ -231,6 +237,16 @@ class ServiceConfig(Strict):
             if conflict:
                 raise ValueError(f"reduce_rules: {conflict}")
         return rules
+
+    @field_validator("formulas")
+    @classmethod
+    def _parsed(cls, formulas: dict[str, str]) -> dict[str, str]:
+        for name, formula in formulas.items():
+            try:
+                parse(formula)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"formulas: {name!r}: {err}") from None
+        return formulas
 
     @model_validator(mode="after")
     def _room_ahead(self) -> ServiceConfig:
@@ -271,7 +287,8 @@ class ServiceConfig(Strict):
                 "max_pending_steps": self.limits.max_pending_steps,
                 "max_steps_ahead": self.limits.max_steps_ahead, "world_size": self.world_size,
                 "limits": self.limits.to_limits(), "reduce_rules": self.parsed_rules(),
-                "renames": self.renames, "output": self.output.rules()}
+                "renames": self.renames, "output": self.output.rules(),
+                "formulas": self.formulas}
 
     def journal(self, run_dir: Path) -> Path | None:
         """Where the journal of the run in ``run_dir`` is (None: the journal is off)."""

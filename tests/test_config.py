@@ -1,6 +1,7 @@
 """Config loading: YAML presets, dicts, overrides, and errors that name the bad key."""
 
 
+import numpy as np
 import pytest
 
 import metricsvc.config
@@ -104,3 +105,29 @@ def test_each_default_more_than_one_part_reads_comes_from_one_place():
     assert default(MetricClient, "retry_s") == limits.RETRY_S  # a stream's handle is its
     assert default(safe_tag, "max_length") == default(tagged, "max_length") \
         == default(descriptions, "max_length") == limits.MAX_TAG_LENGTH
+
+
+def test_a_presets_formula_for_a_derived_name_is_checked_at_load_and_replaces_the_declared_one():
+    from metricsvc.core.declare import Derived, encode_derived
+    from metricsvc.core.records import scalar_row
+    from metricsvc.core.wire import Batch
+    from metricsvc.service.engine import Engine
+
+    with pytest.raises(ValueError) as err:
+        load_config(None, formulas={"rate": "max(ms"})
+    assert "formulas: 'rate'" in str(err.value)
+    declared = [Derived("rate", "value(ms) / value(n)", {"ms": "__ms", "n": "__n"}),
+                Derived("other", "value(ms)", {"ms": "__ms"})]
+    engine = Engine(world_size=2, formulas={"rate": "max(ms) / value(n)",
+                                            "other": "value(missing)"})  # reads no input
+    finished = []
+    for rank, ms in ((0, 3.0), (1, 5.0)):
+        finished += engine.submit(Batch.build(
+            step=0, rank=rank, world_size=2, seq=1, final=True, keys=["__ms", "__n"],
+            data=np.stack([scalar_row(ms), scalar_row(2.0)]),
+            kinds=[ReduceType.SUM, ReduceType.SUM], expected=[0, 0],
+            derived=encode_derived(declared))).finished
+    (done,) = finished
+    assert done.metrics["rate"] == 5.0 / 4.0  # the slowest rank's over every rank's count
+    assert done.metrics["other"] == 8.0  # a formula that cannot apply: the declared one
+    assert done.meta["declarations"]["rate"][0] == "max(ms) / value(n)"  # journaled so

@@ -186,3 +186,36 @@ def test_the_verl_preset_exports_verls_compute_data_metrics_keys(ray_cluster, tm
         np.mean(kept == 6), rel=1e-12)
     assert got["response_length/clip_ratio"] == pytest.approx(np.mean(lengths == 6), rel=1e-12)
     metricsvc.stop_metric_worker(handle)
+
+
+@pytest.mark.parametrize("preset", ["verl", "siirl"])
+def test_verls_own_timing_and_throughput_cases_split_over_two_ranks_mean_each_presets_value(
+        ray_cluster, tmp_path, preset):
+    """verl's tests of compute_timing_metrics / compute_throughout_metrics
+    (tests/trainer/ppo/test_metric_utils.py): 2 samples of 3 prompt and 3 response tokens,
+    gen 0.5 s, ref 0.3 s, values 0.2 s; 600 tokens in 2 s on 2 GPUs. Split over two ranks
+    that run each stage in parallel (a sample each, the same stage times), the verl preset
+    gives verl's values (the slowest rank's time over every rank's tokens); the siirl
+    preset keeps siiRL's per-rank form (the ranks' summed time over their summed tokens)."""
+    name = f"verl-cases-{preset}"
+    handle = metricsvc.start_metric_worker(load_config(
+        preset, name=name, run={"root": str(tmp_path)}, sinks={"console": None}))
+    timing_raw = {"gen": 0.5, "ref": 0.3, "values": 0.2, "step": 2.0}
+    for rank, tokens in ((0, [100]), (1, [200, 300])):
+        c = MetricClient(None, rank=rank, world_size=2, name=name)
+        batch = {"responses": torch.zeros((1, 3)), "attention_mask": torch.ones((1, 6)),
+                 "global_token_num": tokens}
+        c.compute_local_timing_metrics(batch, timing_raw)
+        c.compute_local_throughout_metrics(batch, timing_raw, 1)
+        c.wait_submit()
+    got = ray.get(handle.wait_final_res.remote(0, 30))
+    metricsvc.stop_metric_worker(handle)
+    ranks = 1 if preset == "verl" else 2  # whose seconds: the slowest rank's, or every rank's
+    assert got["timing_per_token_ms/gen"] == pytest.approx(ranks * 0.5 * 1000 / 6, rel=1e-12)
+    assert got["timing_per_token_ms/ref"] == pytest.approx(ranks * 0.3 * 1000 / 12, rel=1e-12)
+    assert got["timing_per_token_ms/values"] == pytest.approx(ranks * 0.2 * 1000 / 12,
+                                                              rel=1e-12)
+    assert got["perf/total_num_tokens"] == 600 and got["perf/time_per_step"] == 2.0
+    assert got["perf/throughput"] == pytest.approx(600 / (2.0 * 2), rel=1e-12)
+    timing = "timing_s/gen" if preset == "verl" else "perf/delta_time/gen"
+    assert got[timing] == 0.5

@@ -24,9 +24,10 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from metricsvc.core.declare import Derived
 from metricsvc.core.keys import safe_tag, tag_order
 from metricsvc.core.limits import MAX_PENDING_STEPS, MAX_STEPS_AHEAD, Limits, Recent
 from metricsvc.core.reduce import OutputRules, ReduceType
@@ -73,12 +74,15 @@ class Engine:
         reduce_rules: Mapping[str, ReduceType | str] | None = None,
         renames: Mapping[str, str] | None = None,
         output: OutputRules | None = None,
+        formulas: Mapping[str, str] | None = None,
         remember_steps: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
         journaled_meta: Callable[[int], Mapping[str, Any] | None] | None = None,
     ) -> None:
         """``journaled_meta(step)``: how a published step's meta is read back when it is
-        older than what is kept in memory (the journal's; None: only memory)."""
+        older than what is kept in memory (the journal's; None: only memory). ``formulas``:
+        what a derived metric's name means here, over the inputs its declaration names
+        (a preset's framework meaning: verl's ``timing_per_token_ms/<stage>``)."""
         self.straggler_timeout_s = straggler_timeout_s
         self.max_pending_steps, self.max_steps_ahead = max_pending_steps, max_steps_ahead
         self.limits = limits or Limits()
@@ -94,6 +98,8 @@ class Engine:
         self._clock = clock
         self._keys = key_cache()  # key tuples checked before (ranks send them every step)
         self._costs: Recent = Recent(256)  # declarations -> (outputs, reads) they cost
+        self.formulas = dict(formulas or {})
+        self._meant: Recent = Recent(64)  # declarations as sent -> as this run means them
         self.pending = PendingSteps()
         self.published = Published(remember_steps, journaled_meta)
         self.streams = Streams(self.limits.max_keys_per_batch)
@@ -152,7 +158,24 @@ class Engine:
         except BatchRejected:
             self.counts["rejected"] += 1
             raise
+        if self.formulas and batch.declared:
+            meant = self._meant.get(batch.derived)
+            if meant is None:
+                meant = self._meant[batch.derived] = tuple(map(self._as_meant, batch.declared))
+            batch = replace(batch, declared=meant)
         return batch
+
+    def _as_meant(self, decl: Derived) -> Derived:
+        """``decl`` with the formula ``formulas`` gives its name (as it came where that
+        formula reads an input it does not declare: logged)."""
+        formula = self.formulas.get(decl.name)
+        if formula is None or formula == decl.formula:
+            return decl
+        try:
+            return Derived(decl.name, formula, decl.inputs, help=decl.help, unit=decl.unit)
+        except ValueError as err:
+            log.warning("formulas: %s; the declaration's own formula is used", err)
+            return decl
 
     def _merge(self, batch: Batch, digest: bytes) -> tuple[Status, list[StepResult]]:
         step = batch.step
