@@ -228,37 +228,67 @@ def test_validation_mean_and_std_at_n_match_a_hand_computation():
                                                                             "best@4", "worst@4"}
 
 
-def test_logp_diagnostics_are_exact_and_count_nonfinite_tails(make_worker):
+def _areal_train_infer(t, r, mask):
+    """AReaL's log_train_inference_stats in one process, on the concatenated tokens (what
+    metricsvc exports by default: a NaN/inf value of a mean is left out and counted)."""
+    finite = torch.isfinite(t) & torch.isfinite(r)
+    d = t - r
+    k3 = torch.expm1(d) - d
+
+    def mean(x):  # over masked tokens, NaN/inf values left out (output.nonfinite: exclude)
+        x = x[mask]
+        return x[torch.isfinite(x)].mean().item()
+
+    out = {"n_valid_tokens": float(mask.sum()), "logp_diff_squared": mean(d * d),
+           "trainer_nll": mean(-t), "rollout_nll": mean(-r), "kl_k1": mean(-d),
+           "kl_k2": mean(d * d / 2), "kl_k3": mean(k3),
+           "kl_k3_overflow_fraction": (~torch.isfinite(k3) & finite)[mask].double().mean().item(),
+           "nonfinite_logp_fraction": (~finite)[mask].double().mean().item()}
+    for th in (1.5, 2, 3, 5, 10):  # NaN where a masked token is not finite, as AReaL's
+        tail = torch.where(finite, (d.abs() > math.log(th)).double(), math.nan)[mask]
+        out[f"ratio_outside_{th:g}"] = tail.mean().item()
+    use = mask & finite & torch.isfinite(d)
+    out.update(zip(("logp_diff/mean", "logp_diff/min", "logp_diff/max"), stats(d[use])))
+    out.update(zip(("logp_abs_diff/mean", "logp_abs_diff/min", "logp_abs_diff/max"),
+                   stats(d[use].abs())))
+    return out
+
+
+def test_logp_diagnostics_are_arealss_definitions_exact_across_unequal_ranks(make_worker):
+    """Step 0: a masked -inf log-prob on one rank makes every ratio tail NaN (AReaL: "never
+    silently classifying invalid comparisons as zero"), a gap past float64's expm1 counts
+    in kl_k3_overflow_fraction, AReaL's large finite gap (d = 100) keeps k3 finite; step 1:
+    every log-prob finite, the tails are the one-process shares."""
     handle, cfg = make_worker()
     g = torch.Generator().manual_seed(3)
-    parts = []
-    for rows in (2, 7, 4, 11):
-        t = -torch.rand(rows, 6, generator=g) * 3
-        r = t + torch.randn(rows, 6, generator=g) * 0.8
-        r[0, 0] = float("-inf")  # a non-finite tail
-        mask = torch.rand(rows, 6, generator=g) < 0.8
-        mask[0, 0] = True
-        parts.append((t, r, mask))
-    run_ranks(cfg, [[("record_logp_diagnostics_for_test", p, {})] for p in parts])
-    got = ray.get(handle.wait_final_res.remote(0, 30))
-    t = torch.cat([p[0] for p in parts]).double()
-    r = torch.cat([p[1] for p in parts]).double()
-    mask = torch.cat([p[2] for p in parts])
-    finite = torch.isfinite(t) & torch.isfinite(r)
-    valid = mask & finite
-    d = (t - r)[valid]
-    expected = {"logp_diff_squared": (d * d).mean().item(),
-                "trainer_nll": (-t[valid]).mean().item(), "rollout_nll": (-r[valid]).mean().item(),
-                "kl_k1": (-d).mean().item(), "kl_k2": (d * d / 2).mean().item(),
-                "kl_k3": (torch.expm1(d) - d).mean().item(),
-                "nonfinite_logp_fraction": (~finite)[mask].double().mean().item()}
-    for th in (1.5, 2, 3, 5, 10):
-        expected[f"ratio_outside_{th:g}"] = (d.abs() > math.log(th)).double().mean().item()
-    expected.update(zip(("logp_diff/mean", "logp_diff/min", "logp_diff/max"), stats(d)))
-    expected.update(zip(("logp_abs_diff/mean", "logp_abs_diff/min", "logp_abs_diff/max"),
-                        stats(d.abs())))
-    assert_close(got, expected)
-    assert expected["nonfinite_logp_fraction"] > 0
+    steps, ranks = [], None
+    for step in range(2):
+        parts = []
+        for rank, rows in enumerate((2, 7, 4, 11)):
+            t = -torch.rand(rows, 6, generator=g) * 3
+            r = t + torch.randn(rows, 6, generator=g) * 0.8
+            mask = torch.rand(rows, 6, generator=g) < 0.8
+            if step == 0 and rank == 1:
+                r[0, 0], t[0, 1], r[0, 1], t[1, 0], r[1, 0] = (
+                    float("-inf"), -1.0, -101.0, -1.0, -801.0)
+                mask[:2, :2] = True
+            parts.append((t, r, mask))
+        steps.append(parts)
+        ranks = run_ranks(cfg, [[("record_logp_diagnostics_for_test", p, {})] for p in parts],
+                          ranks)
+    for step, parts in enumerate(steps):
+        got = ray.get(handle.wait_final_res.remote(step, 30))
+        t, r, mask = (torch.cat([p[i] for p in parts]).double() for i in range(3))
+        expected = _areal_train_infer(t, r, mask.bool())
+        for th in (1.5, 2, 3, 5, 10):
+            key = f"ratio_outside_{th:g}"
+            if step == 0:
+                assert math.isnan(got[key]) and math.isnan(expected.pop(key)), key
+        assert_close(got, expected)
+    first = ray.get(handle.wait_final.remote(0, 30))
+    assert first["metrics"]["kl_k3_overflow_fraction"] > 0
+    assert first["meta"]["nonfinite"]["kl_k3"] == 2  # the -inf token's and the overflow's
+    assert first["metrics"]["nonfinite_logp_fraction"] > 0
 
 
 def test_moe_balance_sums_counts_before_normalising(make_worker):

@@ -48,6 +48,7 @@ class ReduceType(IntEnum):
     SCALAR = 6  # rank-identical value (e.g. a learning rate); mismatches are flagged
     STD = 7  # -> key/std: exact population std from merged moments
     QUANTILES = 8  # -> key/p50, key/p90, key/p99 (configurable) from merged sketches
+    STRICT_AVG = 9  # -> key: the mean, NaN once a valid element was NaN/inf (AReaL's tails)
 
     @classmethod
     def parse(cls, value: ReduceType | str | int) -> ReduceType:
@@ -228,7 +229,8 @@ class Kind:
     buckets. ``suffixes`` are the exported names (``""``: the key itself), ``finalise``
     turns a merged record with at least one value into them; an empty population
     exports ``empty`` (None: nothing). ``weighted``: counts may be fractional weights.
-    ``flag``: a meta entry naming the keys whose merged record it marks. ``extremes``: which
+    ``flag``: a meta entry naming the keys whose merged record it marks. ``strict``: a
+    record that saw a NaN/inf exports NaN, whatever ``OutputRules.nonfinite``. ``extremes``: which
     of the record's min and max the last exported names are (in that order): where each
     came from is named in the step's ``meta["extremes"]``, and ``stat(ids=)`` accepts the kind.
     """
@@ -240,6 +242,7 @@ class Kind:
     weighted: bool = False
     flag: tuple[str, Callable[[np.ndarray], bool]] | None = None
     suffixes_vary: bool = False  # set by service config (the client cannot check them)
+    strict: bool = False
     extremes: tuple[str, ...] = ()  # "min", "max": what the last exported names are
 
 
@@ -259,6 +262,8 @@ KINDS: dict[ReduceType, Kind] = {
     ReduceType.STD: Kind(lambda r: ("std",), lambda row, m, _, r: (population_std(row),)),
     ReduceType.QUANTILES: Kind(lambda r: tuple(quantile_name(q) for q in r.quantiles),
                                _quantiles, sketch=True, suffixes_vary=True),
+    ReduceType.STRICT_AVG: Kind(lambda r: ("",), lambda row, m, _, r: (m,), weighted=True,
+                                strict=True),
 }
 _missing = set(ReduceType) - set(KINDS)
 if _missing:  # an enum member without its entry would fail at the first step instead
@@ -282,10 +287,11 @@ def finalize_row(
     or None for an empty population. ``m``: its mean, if worked out already (``means``).
 
     SUM of an empty population is 0 (the empty sum); every other kind omits it.
-    With ``rules.nonfinite == "propagate"`` a key that saw NaN/inf exports NaN.
+    With ``rules.nonfinite == "propagate"``, or of a ``strict`` kind, a key that saw NaN/inf
+    exports NaN.
     """
     spec = KINDS[kind]
-    if rules.nonfinite == "propagate" and row[NONFINITE] > 0:
+    if row[NONFINITE] > 0 and (spec.strict or rules.nonfinite == "propagate"):
         return (math.nan,) * len(spec.suffixes(rules))
     if row[COUNT] <= 0:
         return spec.empty

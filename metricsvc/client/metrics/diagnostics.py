@@ -11,9 +11,12 @@ from metricsvc.core.reduce import ReduceType
 
 THRESHOLDS = (1.5, 2.0, 3.0, 5.0, 10.0)
 _AVG = ReduceType.AVG
-# What record_logp_diagnostics records; d = log p_trainer - log p_rollout.
+# What record_logp_diagnostics records (AReaL's ppo_actor/train_infer/*, word for word);
+# d = log p_trainer - log p_rollout over the generation mask.
 METRICS = Catalogue(
-    Metric("logp_diff", ReduceType.AVG_MIN_MAX, "d over masked tokens with finite log-probs"),
+    Metric("n_valid_tokens", ReduceType.SUM, "masked tokens", "tokens"),
+    Metric("logp_diff", ReduceType.AVG_MIN_MAX, "d (a token whose log-prob is NaN/inf is "
+           "counted in meta.nonfinite and left out, or NaN with output.nonfinite: propagate)"),
     Metric("logp_abs_diff", ReduceType.AVG_MIN_MAX, "|d|"),
     Metric("logp_diff_squared", _AVG, "d^2"),
     Metric("trainer_nll", _AVG, "-log p_trainer"),
@@ -21,7 +24,10 @@ METRICS = Catalogue(
     Metric("kl_k1", _AVG, "-d"),
     Metric("kl_k2", _AVG, "d^2 / 2"),
     Metric("kl_k3", _AVG, "exp(d) - 1 - d"),
-    Metric("ratio_outside_<t>", _AVG, "share of tokens with |d| > log t"),
+    Metric("kl_k3_overflow_fraction", _AVG,
+           "share of masked tokens with finite log-probs whose exp(d) - 1 - d passes float64"),
+    Metric("ratio_outside_<t>", ReduceType.STRICT_AVG,
+           "share of tokens with |d| > log t; NaN once a masked token's log-prob is NaN/inf"),
     Metric("nonfinite_logp_fraction", _AVG, "share of masked tokens where a log-prob is NaN/inf"),
     # record_rollout_probs_diff (siiRL's compute_log_prob_diff_metrics): p = exp(log-prob)
     Metric("actor/rollout_probs_diff_max", ReduceType.MAX, "max |p_rollout - p_trainer|"),
@@ -34,24 +40,38 @@ def record_logp_diagnostics(
     m: Any, trainer_logp: Any, rollout_logp: Any, mask: Any,
     thresholds: tuple[float, ...] = THRESHOLDS,
 ) -> None:
-    """Record statistics of d = log p_trainer - log p_rollout over the masked tokens.
+    """Record AReaL's train-infer diagnostics of d = log p_trainer - log p_rollout over the
+    masked (generated) tokens, as AReaL's ``log_train_inference_stats`` defines them.
 
-    Tokens where either log-prob is NaN/inf are left out of every statistic and
-    counted in ``nonfinite_logp_fraction`` (their share of the masked tokens).
-    Only compact records leave the rank; no per-token tensor is kept.
+    A masked token whose log-prob is NaN/inf is counted in ``nonfinite_logp_fraction``
+    and makes every ``ratio_outside_<t>`` NaN (never a healthy-looking share); in the
+    other statistics its value is counted in the step's ``meta.nonfinite`` and left out
+    (exported as NaN under ``output.nonfinite: propagate``). ``kl_k3_overflow_fraction``:
+    finite log-probs whose ``expm1(d) - d`` passes float64. Only compact records leave the
+    rank; no per-token tensor is kept.
+
+    Raises:
+        ValueError: the three tensors' shapes differ.
     """
     torch = __import__("torch")
-    t = trainer_logp.double()
-    r = rollout_logp.double()
+    if not trainer_logp.shape == rollout_logp.shape == mask.shape:
+        raise ValueError(f"record_logp_diagnostics: trainer_logp {tuple(trainer_logp.shape)}, "
+                         f"rollout_logp {tuple(rollout_logp.shape)} and mask "
+                         f"{tuple(mask.shape)} must match")
+    t = trainer_logp.detach().double()
+    r = rollout_logp.detach().double()
     mask = mask.bool()
     finite = torch.isfinite(t) & torch.isfinite(r)
-    valid = mask & finite
     d = t - r
-    METRICS.stat(m, mask=valid, logp_diff=d, logp_abs_diff=d.abs())
-    ratios = {f"ratio_outside_{th:g}": (d.abs() > math.log(th)).double() for th in thresholds}
-    METRICS.stat(m, mask=valid, logp_diff_squared=d * d, trainer_nll=-t,
-           rollout_nll=-r, kl_k1=-d, kl_k2=d * d / 2, kl_k3=torch.expm1(d) - d, **ratios)
-    METRICS.stat(m, mask=mask, nonfinite_logp_fraction=(~finite).double())
+    k3 = torch.expm1(d) - d
+    nan = torch.full_like(d, math.nan)
+    tails = {f"ratio_outside_{th:g}": torch.where(finite, (d.abs() > math.log(th)).double(), nan)
+             for th in thresholds}
+    METRICS.stat(m, mask=mask, n_valid_tokens=torch.ones_like(d), logp_diff=d,
+                 logp_abs_diff=d.abs(), logp_diff_squared=d * d, trainer_nll=-t,
+                 rollout_nll=-r, kl_k1=-d, kl_k2=d * d / 2, kl_k3=k3,
+                 kl_k3_overflow_fraction=(~torch.isfinite(k3) & finite).double(),
+                 nonfinite_logp_fraction=(~finite).double(), **tails)
 
 
 def record_rollout_probs_diff(m: Any, data: Any) -> None:
