@@ -12,6 +12,8 @@ Catch by what happened, whichever side raised it:
 - ``NotFinal``: a step is not published yet. ``StepNotFinal``.
 - ``Late``: data for a step already published. ``StepAlreadyFinal`` (a client joined
   late and moved on), ``LateBatch`` (a warning: the batch was journaled, not merged).
+- ``NotSetUp``: a call made before the set-up it needs (the module-level
+  ``stats_tracker`` calls before ``stats_tracker.init``).
 
 Each also derives from the builtin a caller may already catch (``ValueError``,
 ``LookupError``, ``TimeoutError``, ``RuntimeError``). A leaf module every tier imports:
@@ -77,6 +79,10 @@ class LateBatch(Late, UserWarning):
     ``warnings.simplefilter("error", LateBatch)`` turns it into an exception."""
 
 
+class NotSetUp(MetricsvcError, RuntimeError):
+    """A call made before the set-up it needs; the message names the set-up call."""
+
+
 class ServiceNotice(UserWarning):
     """A warning: the service dropped an earlier batch of this rank (e.g. a world-size
     disagreement), or a sent batch could not be withdrawn."""
@@ -103,6 +109,7 @@ __all__ = [
     "Late",
     "StepAlreadyFinal",
     "LateBatch",
+    "NotSetUp",
     "ServiceNotice",
     "is_refusal",
 ]

@@ -175,6 +175,13 @@ class Tracker:
             mask = denominator
         self.buffer.record(full, mask, kind, ids)
 
+    def stat_compact(self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX,
+                     **values: Any) -> None:
+        """AReaL's ``stat_compact(mask, reduce_type, **values)``: four scalars a batch there
+        instead of the tensors; every ``stat`` here keeps only a compact record, so it is
+        ``stat`` (``denominator=``, ``reduce_type=`` and ``ids=`` included)."""
+        self.stat(mask, reduce, **values)
+
     def record_as(self, kinds: ReduceType | Mapping[str, ReduceType], values: dict[str, Any],
                   mask: Any = None, masks: Mapping[str, Any] | None = None) -> None:
         """Record ``values`` whose arguments are right by construction (a built-in family):
