@@ -53,6 +53,12 @@ class RankActor:
 
         record_logp_diagnostics(self.client, trainer, rollout, mask)
 
+    def record_advantage_signs_for_test(self, advantages, mask):
+        from metricsvc.client.metrics import record_advantage_signs
+
+        with self.client.scope("ppo_actor"):
+            record_advantage_signs(self.client, advantages, mask)
+
     def record_moe_for_test(self, counts):
         from metricsvc.client.metrics import record_moe_balance
 

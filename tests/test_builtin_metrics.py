@@ -291,6 +291,26 @@ def test_logp_diagnostics_are_arealss_definitions_exact_across_unequal_ranks(mak
     assert first["metrics"]["nonfinite_logp_fraction"] > 0
 
 
+def test_advantage_sign_fractions_are_token_occupancy_over_every_rank(make_worker):
+    """AReaL's ppo_actor/advantage_{positive,negative,zero}_fraction: the share of loss-masked
+    tokens by the sign of the shaped advantage, over the concatenated tokens (unequal
+    ranks, exact zeros, a NaN advantage in none of the three)."""
+    handle, cfg = make_worker()
+    g = torch.Generator().manual_seed(5)
+    parts = []
+    for rows in (1, 6, 3):
+        adv = torch.randn(rows, 7, generator=g)
+        adv[adv.abs() < 0.4] = 0.0  # GRPO's all-equal groups: exact zeros
+        adv[0, 0] = float("nan")
+        parts.append((adv, torch.rand(rows, 7, generator=g) < 0.6))
+    run_ranks(cfg, [[("record_advantage_signs_for_test", p, {})] for p in parts])
+    got = ray.get(handle.wait_final_res.remote(0, 30))
+    adv = torch.cat([p[0][p[1]] for p in parts]).double()
+    assert_close(got, {"ppo_actor/advantage_positive_fraction": (adv > 0).double().mean().item(),
+                       "ppo_actor/advantage_negative_fraction": (adv < 0).double().mean().item(),
+                       "ppo_actor/advantage_zero_fraction": (adv == 0).double().mean().item()})
+
+
 def test_moe_balance_sums_counts_before_normalising(make_worker):
     handle, cfg = make_worker()
     per_rank = [

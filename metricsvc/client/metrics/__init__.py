@@ -8,7 +8,11 @@ the merge, so they equal the value computed on the whole global batch.
 
 from metricsvc.client.metrics import data, diagnostics, moe, timing, validation
 from metricsvc.client.metrics.data import record_data_metrics, record_process_memory
-from metricsvc.client.metrics.diagnostics import record_logp_diagnostics, record_rollout_probs_diff
+from metricsvc.client.metrics.diagnostics import (
+    record_advantage_signs,
+    record_logp_diagnostics,
+    record_rollout_probs_diff,
+)
 from metricsvc.client.metrics.moe import record_moe_balance
 from metricsvc.client.metrics.timing import (
     TOKENS_OF_STAGE,
@@ -31,6 +35,7 @@ FAMILIES = {
 __all__ = [
     "FAMILIES",
     "TOKENS_OF_STAGE",
+    "record_advantage_signs",
     "record_data_metrics",
     "record_logp_diagnostics",
     "record_rollout_probs_diff",

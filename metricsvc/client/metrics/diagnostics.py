@@ -29,6 +29,10 @@ METRICS = Catalogue(
     Metric("ratio_outside_<t>", ReduceType.STRICT_AVG,
            "share of tokens with |d| > log t; NaN once a masked token's log-prob is NaN/inf"),
     Metric("nonfinite_logp_fraction", _AVG, "share of masked tokens where a log-prob is NaN/inf"),
+    # record_advantage_signs (AReaL's ppo_actor/advantage_*_fraction): token occupancy
+    Metric("advantage_positive_fraction", _AVG, "share of loss-masked tokens with advantage > 0"),
+    Metric("advantage_negative_fraction", _AVG, "share of loss-masked tokens with advantage < 0"),
+    Metric("advantage_zero_fraction", _AVG, "share of loss-masked tokens with advantage == 0"),
     # record_rollout_probs_diff (siiRL's compute_log_prob_diff_metrics): p = exp(log-prob)
     Metric("actor/rollout_probs_diff_max", ReduceType.MAX, "max |p_rollout - p_trainer|"),
     Metric("actor/rollout_probs_diff_mean", _AVG, "mean |p_rollout - p_trainer| per token"),
@@ -72,6 +76,18 @@ def record_logp_diagnostics(
                  rollout_nll=-r, kl_k1=-d, kl_k2=d * d / 2, kl_k3=k3,
                  kl_k3_overflow_fraction=(~torch.isfinite(k3) & finite).double(),
                  nonfinite_logp_fraction=(~finite).double(), **tails)
+
+
+def record_advantage_signs(m: Any, advantages: Any, loss_mask: Any) -> None:
+    """Record AReaL's ``advantage_{positive,negative,zero}_fraction`` (under the caller's
+    scope, ``ppo_actor`` in AReaL): the share of loss-masked tokens whose shaped advantage
+    is above, below or at zero, over every rank's tokens. Token occupancy, not task success
+    or gradient signs; pass the advantages and mask before any rejection filtering, as
+    AReaL does. A NaN advantage is in none of the three."""
+    METRICS.stat(m, mask=loss_mask.bool(),
+                 advantage_positive_fraction=(advantages > 0).double(),
+                 advantage_negative_fraction=(advantages < 0).double(),
+                 advantage_zero_fraction=(advantages == 0).double())
 
 
 def record_rollout_probs_diff(m: Any, data: Any) -> None:
