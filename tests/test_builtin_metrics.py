@@ -467,6 +467,7 @@ def test_every_built_in_family_records_exactly_what_it_declares():
     from metricsvc.client import Derived, Metric
     from metricsvc.client.metrics import (
         FAMILIES,
+        record_advantage_signs,
         record_logp_diagnostics,
         record_moe_balance,
         record_process_memory,
@@ -493,7 +494,8 @@ def test_every_built_in_family_records_exactly_what_it_declares():
             c, torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g),
             torch.rand(3, 5, generator=g) > 0.3), record_rollout_probs_diff(
             c, {"rollout_log_probs": -torch.rand(3, 5, generator=g),
-                "old_log_probs": -torch.rand(3, 5, generator=g)})),
+                "old_log_probs": -torch.rand(3, 5, generator=g)}), record_advantage_signs(
+            c, torch.randn(3, 5, generator=g), torch.rand(3, 5, generator=g) > 0.3)),
         "moe": lambda c: record_moe_balance(c, {0: torch.tensor([3, 1, 0]), 1: [2, 2, 2]}),
     }
     for family, record in recorders.items():
