@@ -43,10 +43,10 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
     # Built-in metric functions that are not MetricClient methods, callable through run().
-    def record_train_perf_for_test(self, tokens, seconds):
+    def record_train_perf_for_test(self, tokens, seconds, flops=None):
         from metricsvc.client.metrics import record_train_perf
 
-        record_train_perf(self.client, tokens, seconds)
+        record_train_perf(self.client, tokens, seconds, flops=flops)
 
     def record_logp_diagnostics_for_test(self, trainer, rollout, mask):
         from metricsvc.client.metrics import record_logp_diagnostics

@@ -1,6 +1,7 @@
 """Built-in metrics end to end: merged over unequal ranks == one process on the whole batch."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import ray
 import torch
 
 from metricsvc.client import MetricClient
-from metricsvc.client.metrics import validation_metrics
+from metricsvc.client.metrics import estimate_flops, validation_metrics
 from metricsvc.core.records import COUNT, SUM
 from tests.helpers import pooled_ranks
 
@@ -127,14 +128,18 @@ def test_timing_throughput_and_train_perf_are_exact_across_ranks(make_worker):
     batches = [make_batch(20 + s, rows) for s, rows in enumerate((3, 8, 1, 6))]
     timings = [{"gen": 1.0 + r, "update_actor": 0.5 * (r + 1), "step": 4.0 + r, "other": 0.1 * r}
                for r in range(WORLD)]
+    model = SimpleNamespace(num_hidden_layers=4, num_attention_heads=8, head_dim=16,
+                            active_parameters=1_000_000)
+    flops = [estimate_flops("dense_transformer", model, b["attention_mask"].sum(-1))
+             for b in batches]  # each rank's packed sequences, each estimated on its own
     steps, ranks = 3, None
     for step in range(steps):
         ranks = run_ranks(cfg, [[
             ("compute_local_timing_metrics", (b, t, WORLD), {}),
             ("compute_local_throughput_metrics", (b, t, 8, WORLD), {}),
             ("record_train_perf_for_test", (int(b["attention_mask"].sum()) * (step + 1),
-                                            t["step"]), {}),
-        ] for b, t in zip(batches, timings)], ranks)
+                                            t["step"], f * (step + 1)), {}),
+        ] for b, t, f in zip(batches, timings, flops)], ranks)
     got = ray.get(handle.wait_final_res.remote(steps - 1, 30))
 
     resp_tokens = sum(b["response_mask"].sum().item() for b in batches)
@@ -154,6 +159,9 @@ def test_timing_throughput_and_train_perf_are_exact_across_ranks(make_worker):
         "train_perf/total_tokens": all_tokens * (1 + 2 + 3),
         "train_perf/total_seconds": 7.0 * steps,
         "train_perf/cumulative_tokens_per_second": all_tokens * 6 / (7.0 * steps),
+        "train_perf/estimated_flops": sum(flops) * steps,
+        "train_perf/estimated_flops_per_second": sum(flops) * steps / 7.0,
+        "train_perf/cumulative_estimated_flops_per_second": sum(flops) * 6 / (7.0 * steps),
     }
     assert_close(got, expected)
     assert "timing_per_token_ms/other" not in got and "timing_per_token_ms/step" not in got
@@ -486,7 +494,7 @@ def test_every_built_in_family_records_exactly_what_it_declares():
             {**b, "tool_call_counts": torch.arange(6)}), record_process_memory(c)),
         "timing": lambda c: (record_timing_metrics(c, b, timing),
                              record_throughput_metrics(c, b, timing, 2),
-                             record_train_perf(c, torch.tensor(100.0), 2.0)),
+                             record_train_perf(c, torch.tensor(100.0), 2.0, flops=3e9)),
         "validation": lambda c: record_validation_metrics(
             c, ["gsm8k"] * 4, ["p1", "p1", "p2", "p2"],
             {"reward": [1.0, 0.0, 1.0, 1.0], "acc": [1.0, 0.0, 1.0, 1.0]}, [1, 2, 1, 3]),
@@ -640,3 +648,35 @@ def test_siirl_methods_on_an_accelerator_read_nothing_back_until_the_flush(respo
         recorded = list(counter.calls)
         c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
     assert recorded == [] and counter.count == 1, counter.calls
+
+
+def test_flops_estimators_are_registered_per_model_built_once_and_sum_packed_sequences():
+    """AReaL's register_flops_estimator: a factory per model type, called once per model
+    and config; a packed batch is the sum of each sequence's estimate, never the estimate
+    of the summed length; an unknown model type is a one-line error naming the registered
+    ones. The reference dense estimator is the page's 6 P L + 6 layers heads head_dim L (L+1)."""
+    from metricsvc.client.metrics import (
+        flops_estimator,
+        register_flops_estimator,
+    )
+
+    calls = []
+
+    def factory(config):
+        calls.append(config)
+        return lambda length: float(config.k * length * length)
+
+    register_flops_estimator("toy_quadratic", factory)
+    config = SimpleNamespace(k=3)
+    assert estimate_flops("toy_quadratic", config, [3, 5]) == 3 * 9 + 3 * 25  # not 3 * 64
+    assert estimate_flops("toy_quadratic", config, torch.tensor([2, 2])) == 24
+    assert flops_estimator("toy_quadratic", config) is flops_estimator("toy_quadratic", config)
+    assert calls == [config]  # built once for the model and its config
+    with pytest.raises(ValueError) as err:
+        estimate_flops("no_such_model", config, [1])
+    message = str(err.value)
+    assert "'no_such_model'" in message and "toy_quadratic" in message and "\n" not in message
+    dense = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64,
+                            num_parameters=1000)
+    assert estimate_flops("dense_transformer", dense, [10]) == (
+        6 * 1000 * 10 + 6 * 2 * 4 * 16 * 10 * 11)

@@ -13,6 +13,12 @@ from metricsvc.client.metrics.diagnostics import (
     record_logp_diagnostics,
     record_rollout_probs_diff,
 )
+from metricsvc.client.metrics.flops import (
+    dense_transformer,
+    estimate_flops,
+    flops_estimator,
+    register_flops_estimator,
+)
 from metricsvc.client.metrics.moe import record_moe_balance
 from metricsvc.client.metrics.timing import (
     TOKENS_OF_STAGE,
@@ -35,6 +41,10 @@ FAMILIES = {
 __all__ = [
     "FAMILIES",
     "TOKENS_OF_STAGE",
+    "dense_transformer",
+    "estimate_flops",
+    "flops_estimator",
+    "register_flops_estimator",
     "record_advantage_signs",
     "record_data_metrics",
     "record_logp_diagnostics",

@@ -52,6 +52,21 @@ def train_perf(name: str) -> tuple[Derived, ...]:
     )
 
 
+@functools.cache
+def train_perf_flops(name: str) -> tuple[Derived, ...]:
+    """AReaL's ``<name>/estimated_flops*`` rates over ``<name>/estimated_flops`` (SUM) and
+    ``<name>/seconds`` (MAX): cluster rates, not per GPU."""
+    inputs = {"flops": f"{name}/estimated_flops", "seconds": f"{name}/seconds"}
+    return (
+        Derived(f"{name}/estimated_flops_per_second", "value(flops) / value(seconds)", inputs,
+                help="this step's estimated FLOPs over its slowest rank's seconds",
+                unit="FLOP/s"),
+        Derived(f"{name}/cumulative_estimated_flops_per_second",
+                "total(value(flops)) / total(value(seconds))", inputs,
+                help="estimated FLOPs over seconds of every step so far", unit="FLOP/s"),
+    )
+
+
 METRICS = Catalogue(  # what the timing, throughput and train_perf recorders record (tested)
     Metric("timing_s/<stage>", ReduceType.MAX, "seconds of a stage on the slowest rank", "s"),
     Metric("__timing_per_token_ms/<stage>/ms", ReduceType.SUM,
@@ -68,6 +83,9 @@ METRICS = Catalogue(  # what the timing, throughput and train_perf recorders rec
     Metric("train_perf/tokens", ReduceType.SUM, "tokens of every rank this step", "tokens"),
     Metric("train_perf/seconds", ReduceType.MAX, "seconds of the slowest rank", "s"),
     *train_perf("train_perf"),
+    Metric("train_perf/estimated_flops", ReduceType.SUM,
+           "estimated training FLOPs of every rank's sequences (forward and backward)", "FLOP"),
+    *train_perf_flops("train_perf"),
 )
 
 # Which token count a stage's time is divided by (siiRL / verl).
@@ -158,12 +176,23 @@ def _token_count(batch: Mapping[str, Any]) -> Any:
     return float(sum(counts))
 
 
-def record_train_perf(m: Any, tokens: Any, seconds: float, name: str = "train_perf") -> None:
+def record_train_perf(m: Any, tokens: Any, seconds: float, name: str = "train_perf", *,
+                      flops: float | None = None) -> None:
     """Record AReaL's ``train_perf/*``: tokens summed over ranks, seconds the max over ranks,
-    rates and cumulative totals (kept by the service across steps) derived after the merge."""
+    rates and cumulative totals (kept by the service across steps) derived after the merge.
+    ``flops``: this rank's estimated training FLOPs (``estimate_flops``), summed over ranks
+    into ``estimated_flops`` and its rates; without it they are omitted, as AReaL omits them
+    for a model it cannot estimate."""
     m.declare(*train_perf(name))
+    entries = [METRICS.entry("train_perf/tokens"), METRICS.entry("train_perf/seconds")]
+    if flops is not None:
+        m.declare(*train_perf_flops(name))
+        entries.append(METRICS.entry("train_perf/estimated_flops"))
     # the kinds and meanings declared for train_perf/*, whatever the name
-    m.buffer.describe(METRICS.entry("train_perf/tokens"), METRICS.entry("train_perf/seconds"),
+    m.buffer.describe(*entries,
                       under=lambda key: m.full_key(name + key.removeprefix("train_perf")))
     m.stat(reduce=METRICS.kind("train_perf/tokens"), **{f"{name}/tokens": tokens})
     m.stat(reduce=METRICS.kind("train_perf/seconds"), **{f"{name}/seconds": float(seconds)})
+    if flops is not None:
+        m.stat(reduce=METRICS.kind("train_perf/estimated_flops"),
+               **{f"{name}/estimated_flops": float(flops)})
