@@ -53,6 +53,16 @@ class RankActor:
 
         record_logp_diagnostics(self.client, trainer, rollout, mask)
 
+    def record_for_test(self, function, args, kwargs=None, scope=None):
+        """``metricsvc.client.metrics.<function>(client, *args, **kwargs)``, under
+        ``scope`` if given."""
+        import contextlib
+
+        from metricsvc.client import metrics
+
+        with self.client.scope(scope) if scope else contextlib.nullcontext():
+            getattr(metrics, function)(self.client, *args, **(kwargs or {}))
+
     def record_advantage_signs_for_test(self, advantages, mask):
         from metricsvc.client.metrics import record_advantage_signs
 

@@ -484,6 +484,7 @@ def test_every_built_in_family_records_exactly_what_it_declares():
         record_timing_metrics,
         record_train_perf,
         record_validation_metrics,
+        record_version_stats,
     )
 
     b = make_batch(0, 6)
@@ -503,7 +504,8 @@ def test_every_built_in_family_records_exactly_what_it_declares():
             torch.rand(3, 5, generator=g) > 0.3), record_rollout_probs_diff(
             c, {"rollout_log_probs": -torch.rand(3, 5, generator=g),
                 "old_log_probs": -torch.rand(3, 5, generator=g)}), record_advantage_signs(
-            c, torch.randn(3, 5, generator=g), torch.rand(3, 5, generator=g) > 0.3)),
+            c, torch.randn(3, 5, generator=g), torch.rand(3, 5, generator=g) > 0.3),
+            record_version_stats(c, torch.tensor([[-1, 3, 4, 6]]), torch.ones(1, 4), 5)),
         "moe": lambda c: record_moe_balance(c, {0: torch.tensor([3, 1, 0]), 1: [2, 2, 2]}),
     }
     for family, record in recorders.items():

@@ -12,6 +12,7 @@ from metricsvc.client.metrics.diagnostics import (
     record_advantage_signs,
     record_logp_diagnostics,
     record_rollout_probs_diff,
+    record_version_stats,
 )
 from metricsvc.client.metrics.flops import (
     dense_transformer,
@@ -54,6 +55,7 @@ __all__ = [
     "record_throughput_metrics",
     "record_timing_metrics",
     "record_train_perf",
+    "record_version_stats",
     "record_validation_metrics",
     "validation_metrics",
 ]

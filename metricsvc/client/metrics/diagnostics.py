@@ -33,6 +33,16 @@ METRICS = Catalogue(
     Metric("advantage_positive_fraction", _AVG, "share of loss-masked tokens with advantage > 0"),
     Metric("advantage_negative_fraction", _AVG, "share of loss-masked tokens with advantage < 0"),
     Metric("advantage_zero_fraction", _AVG, "share of loss-masked tokens with advantage == 0"),
+    # record_version_stats (AReaL's ppo_actor/update/version_stats/*): a token's age is the
+    # last published checkpoint's version minus the version that generated it
+    Metric("n_valid_generated_tokens", ReduceType.SUM,
+           "masked generated tokens (version >= 0)", "tokens"),
+    *(Metric(f"sample_staleness_{of}_{stat}", kind, f"{what} token age, in versions")
+      for of in ("theta", "proximal") for stat, kind, what in (
+          ("avg", _AVG, "token-weighted mean"), ("min", ReduceType.MIN, "smallest"),
+          ("max", ReduceType.MAX, "largest"))),
+    Metric("stale_token_fraction", _AVG, "share of generated tokens older than the checkpoint"),
+    Metric("future_token_fraction", _AVG, "share of generated tokens newer than the checkpoint"),
     # record_rollout_probs_diff (siiRL's compute_log_prob_diff_metrics): p = exp(log-prob)
     Metric("actor/rollout_probs_diff_max", ReduceType.MAX, "max |p_rollout - p_trainer|"),
     Metric("actor/rollout_probs_diff_mean", _AVG, "mean |p_rollout - p_trainer| per token"),
@@ -88,6 +98,30 @@ def record_advantage_signs(m: Any, advantages: Any, loss_mask: Any) -> None:
                  advantage_positive_fraction=(advantages > 0).double(),
                  advantage_negative_fraction=(advantages < 0).double(),
                  advantage_zero_fraction=(advantages == 0).double())
+
+
+def record_version_stats(m: Any, versions: Any, mask: Any, current_version: int,
+                         shift: bool = True) -> None:
+    """Record AReaL's version statistics (under the caller's scope, ``update/version_stats``
+    within ``ppo_actor`` in AReaL) of the masked generated tokens (version >= 0; a prompt
+    token's is -1): ``sample_staleness_{theta,proximal}_{avg,min,max}`` (the checkpoint
+    ``current_version`` minus the token's version, both names AReaL's legacy pair of the
+    same age), ``stale_token_fraction`` and ``future_token_fraction`` (older, newer than
+    it) and ``n_valid_generated_tokens``; token-weighted means and global extrema over
+    every rank, empty populations omitted. ``shift``: ``versions`` are the raw rollout
+    versions, moved to their prediction positions (each position gets the next token's),
+    as AReaL does for the loss mask's positions; ``shift=False`` for aligned ones."""
+    torch = __import__("torch")
+    v = versions.detach()
+    if shift:
+        v = torch.cat([v[..., 1:], torch.full_like(v[..., :1], -1)], dim=-1)
+    generated = mask.bool() & (v >= 0)
+    age = (current_version - v).double()
+    METRICS.stat(m, mask=generated, n_valid_generated_tokens=torch.ones_like(age),
+                 stale_token_fraction=(v < current_version).double(),
+                 future_token_fraction=(v > current_version).double(),
+                 **{f"sample_staleness_{of}_{stat}": age for of in ("theta", "proximal")
+                    for stat in ("avg", "min", "max")})
 
 
 def record_rollout_probs_diff(m: Any, data: Any) -> None:
