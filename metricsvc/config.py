@@ -215,6 +215,10 @@ class ServiceConfig(Strict):
         default_factory=dict, description="glob -> reduce kind for plain submit_metric keys"
     )
     renames: dict[str, str] = Field(default_factory=dict, description="output key prefix renames")
+    max_staleness: int | None = Field(
+        None, ge=0,
+        description="warn when a stream exported into step s holds records of a policy "
+                    "version older than s minus this (AReaL's max_head_offpolicyness)")
     formulas: dict[str, str] = Field(
         default_factory=dict,
         description="derived metric name -> the formula it is computed with here, over the "
@@ -288,7 +292,7 @@ class ServiceConfig(Strict):
                 "max_steps_ahead": self.limits.max_steps_ahead, "world_size": self.world_size,
                 "limits": self.limits.to_limits(), "reduce_rules": self.parsed_rules(),
                 "renames": self.renames, "output": self.output.rules(),
-                "formulas": self.formulas}
+                "formulas": self.formulas, "max_staleness": self.max_staleness}
 
     def journal(self, run_dir: Path) -> Path | None:
         """Where the journal of the run in ``run_dir`` is (None: the journal is off)."""

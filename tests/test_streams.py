@@ -165,3 +165,67 @@ def test_a_stream_recorder_reaches_the_service_under_per_node_topology(make_work
     ray.get(handle.export_stream.remote("rollout", 0, True))
     assert ray.get(handle.wait_final_res.remote(0, 10)) == {"rollout/episodes": 2.0}
     ray.kill(combiner)
+
+
+@ray.remote(num_cpus=0)
+class RolloutWorker:
+    """An asynchronous rollout worker, AReaL's paradigm: each episode's reward recorded with
+    the policy version that generated it."""
+
+    def __init__(self, name):
+        self.client = MetricClient(None, rank=0, world_size=1, name=name)
+        self.rec = self.client.stream("rollout", flush_every=10**9, flush_interval_s=1e9)
+
+    def episodes(self, rewards, versions):
+        for r, v in zip(rewards, versions):
+            self.rec.scalar(reward=float(r), version=int(v))
+        self.rec.flush()
+
+
+def test_stream_records_carry_their_policy_version_and_each_step_gets_their_staleness(
+        make_worker):
+    """Records of several versions (older and newer than the step, negative ones not
+    counted) from concurrent workers, exported into two steps: every record counted once,
+    the staleness (step minus version) equal to numpy's on every record of the window,
+    the counts per version journaled, a record older than max_staleness said."""
+    handle, cfg = make_worker(max_staleness=3)
+    rng = np.random.default_rng(7)
+    workers = [RolloutWorker.remote(cfg.name) for _ in range(3)]
+    windows = []
+    for step in (10, 11):
+        sent = [(rng.normal(size=n), rng.integers(step - 6, step + 2, size=n))
+                for n in (5, 9, 2)]
+        sent[0][1][0] = -1  # a prompt's version: not counted
+        ray.get([w.episodes.remote(*s) for w, s in zip(workers, sent)])
+        ray.get(handle.export_stream.remote("rollout", step, True))
+        windows.append((step, np.concatenate([v for _, v in sent])))
+    for step, versions in windows:
+        got = ray.get(handle.wait_final.remote(step, 30))
+        metrics, meta = got["metrics"], got["meta"]
+        counted = versions[versions >= 0]
+        ages = (step - counted).astype(float)
+        assert metrics["rollout/staleness/mean"] == pytest.approx(ages.mean(), rel=1e-12)
+        assert (metrics["rollout/staleness/min"], metrics["rollout/staleness/max"]) == (
+            ages.min(), ages.max())
+        for q in (0.5, 0.9, 0.99):
+            assert metrics[f"rollout/staleness/p{q * 100:g}"] == pytest.approx(
+                np.quantile(ages, q), rel=1e-12, abs=1e-12)
+        values, counts = np.unique(counted, return_counts=True)
+        assert meta["stream_versions"]["rollout"] == {
+            str(v): int(c) for v, c in zip(values, counts)}
+        assert not any("__version" in k for k in metrics)  # counted, never exported
+        over = meta.get("staleness_over_bound", {}).get("rollout")
+        assert (over is not None) == (ages.max() > 3)
+        if over:
+            assert over == {"oldest_version": int(counted.min()),
+                            "staleness": int(ages.max()), "bound": 3}
+    for w in workers:
+        ray.kill(w)
+
+
+def test_a_stream_version_that_is_no_int_is_refused_naming_it_and_nothing_is_kept():
+    rec = MetricClient(None, rank=0, world_size=1).stream("rollout")
+    with pytest.raises(TypeError) as err:
+        rec.scalar(reward=1.0, version="v3")
+    assert "version=" in str(err.value) and "\n" not in str(err.value)
+    assert rec.pending_keys() == []

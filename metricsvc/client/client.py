@@ -31,7 +31,14 @@ from metricsvc.client.buffer import RecordBuffer, StepCursor
 from metricsvc.client.summaries import Rows, element_rows
 from metricsvc.client.tensors import is_tensor
 from metricsvc.core.declare import Derived
-from metricsvc.core.keys import DEFAULT_NAME, check_key, check_rank, default_namespace, is_int
+from metricsvc.core.keys import (
+    DEFAULT_NAME,
+    VERSION_SEGMENT,
+    check_key,
+    check_rank,
+    default_namespace,
+    is_int,
+)
 from metricsvc.core.limits import RETRY_S, Recent
 from metricsvc.core.records import scalar_row
 from metricsvc.core.reduce import AUTO, KINDS, ReduceType
@@ -633,6 +640,39 @@ class StreamRecorder(Tracker):
     def rpc_count(self) -> int:
         """Actor calls this recorder made."""
         return self.service.calls
+
+    def scalar(self, version: int | None = None, **values: Any) -> None:
+        """``Tracker.scalar``; ``version``: the policy version that produced these values
+        (AReaL's rollout paradigm): the step a window is exported into gets the
+        staleness of its records (``<stream>/staleness/*``: that step minus each record's
+        version) and, in the journal, the records per version. A negative version (a
+        prompt's) is not counted."""
+        checked = self._version(version)
+        super().scalar(**values)
+        self._count_version(checked)
+
+    def stat(self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX, *,
+             version: int | None = None, **kwargs: Any) -> None:
+        """``Tracker.stat``; ``version`` as in ``scalar`` (one record per call)."""
+        checked = self._version(version)
+        super().stat(mask, reduce, **kwargs)
+        self._count_version(checked)
+
+    def _version(self, version: Any) -> int | None:
+        if version is None:
+            return None
+        if not is_int(version):
+            raise TypeError(f"stream {self.name!r}: version= is the policy version that "
+                            f"produced the records, an int, got {type(version).__name__} "
+                            f"({version!r}); 'version' is a reserved argument name here")
+        return version
+
+    def _count_version(self, version: int | None) -> None:
+        """One record of ``version`` (after the call's values were kept: a bad call counts
+        nothing)."""
+        if version is not None and version >= 0:
+            key = f"{self.prefix}{VERSION_SEGMENT}/{version}"
+            self.buffer.keep(Rows((key,), scalar_row(1.0)[None]), int(ReduceType.SUM))
 
     def _maybe_flush(self) -> None:
         self._check_open()

@@ -56,6 +56,20 @@ def check_rank(rank: object, world_size: object) -> tuple[int, int]:
     return rank, world_size
 
 
+# A stream record's policy version (``StreamRecorder.scalar(..., version=v)``): one count
+# under ``<stream>/__version/<v>`` per recording call, read by the service when the window
+# is exported into a step (its staleness), never exported as a metric.
+VERSION_SEGMENT = "__version"
+
+
+def version_of(key: str, stream: str) -> int | None:
+    """The version a stream's version-count key counts (None: not one)."""
+    head, _, tail = key.rpartition("/")
+    if head != f"{stream}/{VERSION_SEGMENT}" or not tail.isdigit():
+        return None
+    return int(tail)
+
+
 def is_internal(key: str) -> bool:
     """Return True for a key with a path segment ``__<name>``: an input of derived
     metrics only, never exported."""

@@ -75,6 +75,7 @@ class Engine:
         renames: Mapping[str, str] | None = None,
         output: OutputRules | None = None,
         formulas: Mapping[str, str] | None = None,
+        max_staleness: int | None = None,
         remember_steps: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
         journaled_meta: Callable[[int], Mapping[str, Any] | None] | None = None,
@@ -82,7 +83,9 @@ class Engine:
         """``journaled_meta(step)``: how a published step's meta is read back when it is
         older than what is kept in memory (the journal's; None: only memory). ``formulas``:
         what a derived metric's name means here, over the inputs its declaration names
-        (a preset's framework meaning: verl's ``timing_per_token_ms/<stage>``)."""
+        (a preset's framework meaning: verl's ``timing_per_token_ms/<stage>``).
+        ``max_staleness``: a step whose stream records are older than this many versions
+        says so (``meta["staleness_over_bound"]``, and a warning)."""
         self.straggler_timeout_s = straggler_timeout_s
         self.max_pending_steps, self.max_steps_ahead = max_pending_steps, max_steps_ahead
         self.limits = limits or Limits()
@@ -93,7 +96,7 @@ class Engine:
         self.deriver = Deriver(self.limits.max_derived_outputs, self.limits.max_derived_reads)
         self.declarations = RunDeclarations()  # one definition of a derived metric a run
         self.out = StepOutput(self.output, reduce_rules, renames, self.deriver,
-                              self.declarations)
+                              self.declarations, max_staleness)
         self._tags = TagOwners()  # which key each sink tag shows, for the run
         self._clock = clock
         self._keys = key_cache()  # key tuples checked before (ranks send them every step)

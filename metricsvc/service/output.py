@@ -10,6 +10,7 @@ blindly (non-finite values, overflow, missing contributors, approximations, coll
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +31,11 @@ from metricsvc.core.reduce import (
     finalize,
     is_approximate_plain_key,
 )
-from metricsvc.core.sketch import histogram
+from metricsvc.core.sketch import histogram, quantile_name
 from metricsvc.service.derive import Deriver, RunDeclarations
 from metricsvc.service.steps import Merged, PendingStep
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepResult:
@@ -67,8 +69,9 @@ class StepOutput:
 
     def __init__(self, output: OutputRules, reduce_rules: Mapping[str, Any] | None,
                  renames: Mapping[str, str] | None, deriver: Deriver,
-                 declarations: RunDeclarations) -> None:
+                 declarations: RunDeclarations, max_staleness: int | None = None) -> None:
         self.output = output
+        self.max_staleness = max_staleness
         self.resolver = KindResolver(reduce_rules)
         self.rename = Renamer(renames)
         self._tags: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
@@ -155,6 +158,17 @@ class StepOutput:
         declared = self.declarations.of(p.declared) if p.declared else {}
         metrics = self.metrics(merged, p.keys, plan, declared, collisions)
         meta = merged.meta
+        if p.stream_versions:  # the records' staleness: the step minus their versions
+            for name, counts in p.stream_versions.items():
+                metrics.update(staleness(name, p.step, counts, self.output))
+                oldest = min(counts)
+                if self.max_staleness is not None and p.step - oldest > self.max_staleness:
+                    said = {"oldest_version": oldest, "staleness": p.step - oldest,
+                            "bound": self.max_staleness}
+                    meta.setdefault("staleness_over_bound", {})[name] = said
+                    log.warning("step %d: stream %r holds records of version %d, %d versions "
+                                "old (max_staleness %d)", p.step, name, oldest,
+                                p.step - oldest, self.max_staleness)
         if self.deriver.totals:  # the running sums: a restart continues them
             meta["derived_totals"] = self.deriver.state()
         meta.update(_anomalies(p.keys, plan, merged, p.world_size))
@@ -240,6 +254,28 @@ def _sum_squares(row: np.ndarray) -> float:
     n = row[COUNT]
     with np.errstate(over="ignore"):  # past float64's range it is inf, as the value is
         return float(row[M2_ROOT] ** 2 + row[SUM] ** 2 / n) if n else 0.0
+
+
+def staleness(name: str, step: int, counts: Mapping[int, int],
+              rules: OutputRules) -> dict[str, float]:
+    """``<name>/staleness/*`` of the records of stream ``name`` exported into ``step``:
+    ``step`` minus each record's version, exactly from the counts per version: the mean,
+    min, max and the configured quantiles (numpy's linear interpolation over every
+    record, never a sketch)."""
+    versions = np.array(sorted(counts), dtype=np.int64)
+    weights = np.array([counts[v] for v in versions], dtype=np.float64)
+    ages = (step - versions)[::-1].astype(np.float64)  # ascending
+    weights = weights[::-1]
+    n = weights.sum()
+    out = {f"{name}/staleness/{rules.mean_suffix}": float(ages @ weights / n),
+           f"{name}/staleness/min": float(ages[0]), f"{name}/staleness/max": float(ages[-1])}
+    ends = np.cumsum(weights)  # records up to and including each age
+    for q in rules.quantiles:
+        h = (n - 1) * q  # the position among the records, in order
+        low = ages[np.searchsorted(ends, np.floor(h) + 1)]
+        high = ages[np.searchsorted(ends, np.ceil(h) + 1)]
+        out[f"{name}/staleness/{quantile_name(q)}"] = float(low + (h - np.floor(h)) * (high - low))
+    return out
 
 
 def internal_rows(keys: list[str]) -> list[int]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from metricsvc.core import records
 from metricsvc.core.declare import Derived
+from metricsvc.core.keys import version_of
 from metricsvc.core.reduce import kind_name
 from metricsvc.core.sketch import Sketch, merge_sparse
 from metricsvc.core.wire import Batch
@@ -211,6 +212,8 @@ class PendingStep(Collection):
         self.streams: list[str] = []
         # Per stream exported into this step: each client's newest batch (seq) it holds
         self.stream_seqs: dict[str, dict[str, int]] = {}
+        # Per stream exported into this step: its records per policy version (version=)
+        self.stream_versions: dict[str, dict[int, int]] = {}
         self.timed_out = False
         self.stream_only = stream_only  # final with its stream windows alone (no rank)
         # Until the run's world size is agreed: how to rebuild this step without the
@@ -246,6 +249,18 @@ class PendingStep(Collection):
         """Fold the window of stream ``name`` in, merged as one part (``order``: where it
         merges). Raises ``BatchRejected`` if its keys cannot merge into the step."""
         part, keys, codes, sketches = window.as_part(order)
+        versions = [(i, v) for i, k in enumerate(keys)
+                    if (v := version_of(k, name)) is not None]
+        if versions:  # the records' versions: counted for the step, never exported
+            counts = self.stream_versions.setdefault(name, {})
+            for i, v in versions:
+                counts[v] = counts.get(v, 0) + int(part.rows[i, records.SUM])
+            keep = np.ones(len(keys), dtype=bool)
+            keep[[i for i, _ in versions]] = False
+            row_of = np.cumsum(keep) - 1  # a kept key's row among the kept ones
+            keys = [k for k, kept in zip(keys, keep) if kept]
+            codes, part = codes[keep], Part(order, None, part.idx[keep], part.rows[keep])
+            sketches = [(int(row_of[row]), c, n) for row, c, n in sketches if keep[row]]
         located = Part(order, None, self.locate(keys, codes, f"stream {name!r}"), part.rows)
         self.add(located, keys, codes, np.zeros(len(keys), dtype=np.int32), sketches, True)
         self.declare(window.declared.values(), window.about)
@@ -322,6 +337,9 @@ class PendingStep(Collection):
             "missing_ranks": self.missing() if size is None or len(self.closed) < size else [],
             "batches": self.batches, "keys": len(self.keys),
             "age_s": round(now - self.opened_at, 6)}
+        if self.stream_versions:
+            meta["stream_versions"] = {name: {str(v): n for v, n in sorted(counts.items())}
+                                       for name, counts in self.stream_versions.items()}
         if self.streams:
             meta["streams"] = list(self.streams)
             meta["stream_seqs"] = {name: dict(seqs) for name, seqs in self.stream_seqs.items()}
