@@ -209,8 +209,12 @@ def pytest_unconfigure(config):
 # terminated"). Such a test (``removes_nodes``) holds the shared cluster alone: a
 # readers-writer lock between the workers, per test, its module fixtures' setup and
 # teardown included. The turnstile keeps the tests that share from starving it.
+# Taken in the test's setup and let go at the end of its teardown: a wait past the
+# deadline (or pytest-timeout's) fails that test by name, where raised from
+# ``pytest_runtest_protocol`` it was an internal error of the worker.
 _ALONE: list[bool] = [False]  # whether this worker's running test holds the cluster alone
-LOCK_DEADLINE_S = 300  # as long as a test may run (pytest-timeout), and no longer
+_HELD: list = []  # the lock files this worker's running test holds open
+LOCK_DEADLINE_S = 280  # within the test's own limit (pytest-timeout: 300 s)
 
 
 def _lock(file, mode: int, test: str) -> None:
@@ -227,24 +231,30 @@ def _lock(file, mode: int, test: str) -> None:
             time.sleep(0.05)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
     shared = os.environ.get(_SHARED)
     locks = json.loads(shared).get("locks") if shared else None
-    if not locks:  # one process: nothing runs beside it
-        yield
-        return
-    alone = item.get_closest_marker("removes_nodes") is not None
-    with open(os.path.join(locks, "turnstile"), "a") as turn, \
-            open(os.path.join(locks, "nodes"), "a") as nodes:
+    if locks:  # else one process: nothing runs beside it
+        alone = item.get_closest_marker("removes_nodes") is not None
+        turn = open(os.path.join(locks, "turnstile"), "a")
+        nodes = open(os.path.join(locks, "nodes"), "a")
+        _HELD[:] = [turn, nodes]  # closing a file lets go of its lock
         _lock(turn, fcntl.LOCK_EX, item.nodeid)
         _lock(nodes, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, item.nodeid)
         fcntl.flock(turn, fcntl.LOCK_UN)
         _ALONE[0] = alone
-        try:
-            yield  # closing the file releases its lock
-        finally:
-            _ALONE[0] = False
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        yield
+    finally:
+        while _HELD:
+            _HELD.pop().close()
+        _ALONE[0] = False
 
 
 def _joined_cluster(address: str):

@@ -382,3 +382,22 @@ def test_the_front_door_opens():
     out = subprocess.run([sys.executable, "-m", "metricsvc", "--version"], capture_output=True,
                          text=True, cwd=ROOT / "tests", timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("metricsvc "), out.stderr
+
+
+def test_make_test_ends_and_names_the_test_when_a_worker_dies(tmp_path):
+    """``make test``'s own pytest options, on a suite whose test kills its worker process:
+    the run ends (pytest-xdist 3.8 replaced the worker and waited forever under
+    ``--dist loadfile``: a CI run hung so) and names the test it lost."""
+    make = (ROOT / "Makefile").read_text()
+    args = next(line.split("=", 1)[1].split() for line in make.splitlines()
+                if line.startswith("PYTEST_ARGS ="))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_dies.py").write_text(
+        "import os, signal\ndef test_killed():\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "def test_after():\n    pass\n")
+    for name in "abc":
+        (tmp_path / f"test_{name}.py").write_text(f"def test_{name}():\n    pass\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout[-2000:]
+    assert "crashed while running 'test_dies.py::test_killed'" in out.stdout, out.stdout[-2000:]
