@@ -125,6 +125,29 @@ class LimitsConfig(Strict):
         )
 
 
+class TableConfig(Strict):
+    """A table a step carries: a row for each binding of the ``rows`` pattern's
+    ``<placeholders>`` among the step's exported names, a column for each placeholder and
+    for each of ``values`` (the last segment under the row)."""
+
+    rows: str = Field(description="the rows' key pattern, e.g. moe_balance/layer_<layer>/"
+                                  "expert_<expert>")
+    values: list[str] = Field(min_length=1, description="the value columns: last segments")
+    max_rows: int = Field(10_000, ge=1, le=100_000,
+                          description="rows kept (in order); past it the table says so")
+
+    @field_validator("rows")
+    @classmethod
+    def _placeholders(cls, rows: str) -> str:
+        if "<" not in rows:
+            raise ValueError(f"tables: rows pattern {rows!r} has no <placeholder>")
+        return rows
+
+
+MOE_TABLE = {"moe_balance/expert_loads": TableConfig(
+    rows="moe_balance/layer_<layer>/expert_<expert>", values=["tokens", "load_percent"])}
+
+
 class OutputConfig(Strict):
     """How merged records become exported keys and numbers."""
 
@@ -143,6 +166,12 @@ class OutputConfig(Strict):
         _OUTPUT.histogram_bins, ge=0, le=512,
         description="bins of the merged histogram of each QUANTILES key, sent to the sinks "
                     "that draw histograms and kept in the journal (0: none)")
+    tables: dict[str, TableConfig] = Field(
+        default_factory=lambda: dict(MOE_TABLE),
+        description="tables each step carries (meta.tables) from its exported names: wandb "
+                    "logs one Table a step instead of their scalars, TensorBoard a text "
+                    "panel, MLflow an artifact, the journal the rows (default: AReaL's "
+                    "moe_balance/expert_loads)")
 
     @field_validator("quantiles")
     @classmethod
@@ -292,7 +321,8 @@ class ServiceConfig(Strict):
                 "max_steps_ahead": self.limits.max_steps_ahead, "world_size": self.world_size,
                 "limits": self.limits.to_limits(), "reduce_rules": self.parsed_rules(),
                 "renames": self.renames, "output": self.output.rules(),
-                "formulas": self.formulas, "max_staleness": self.max_staleness}
+                "formulas": self.formulas, "max_staleness": self.max_staleness,
+                "tables": {name: t.model_dump() for name, t in self.output.tables.items()}}
 
     def journal(self, run_dir: Path) -> Path | None:
         """Where the journal of the run in ``run_dir`` is (None: the journal is off)."""

@@ -114,6 +114,20 @@ def wandb_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
     return dict(out)
 
 
+def wandb_tables(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
+    """Return ``{step: {key: (columns, rows)}}`` of the ``wandb.Table`` values of the one
+    offline wandb run under ``root``, read from the table files its history names."""
+    out: dict[int, dict[str, tuple[list, list]]] = defaultdict(dict)
+    for path, row in _wandb_rows(root):
+        for key, value in row.items():
+            if isinstance(value, dict) and value.get("_type") == "table-file":
+                table = json.loads((path.parent / "files" / value["path"]).read_text())
+                step = int(row["_step"])
+                assert key not in out[step], f"wandb: table {key} at {step} twice"
+                out[step][key] = (table["columns"], table["data"])
+    return dict(out)
+
+
 def tensorboard_histograms(logdir: Path) -> dict[int, dict[str, tuple[list, list]]]:
     """Return ``{step: {tag: (edges, counts)}}`` of the histograms in ``logdir``'s event files
     (EventAccumulator; a bucket's lower edge is the previous limit, the first one's the min)."""
@@ -177,6 +191,18 @@ def _tensorboard(logdir: Path):
     return acc
 
 
+def tensorboard_texts(logdir: Path) -> dict[int, dict[str, str]]:
+    """Return ``{step: {tag: text}}`` of the text panels in ``logdir``'s event files."""
+    acc = _tensorboard(logdir)
+    out: dict[int, dict[str, str]] = defaultdict(dict)
+    for tag in acc.Tags()["tensors"]:
+        for event in acc.Tensors(tag):
+            name = tag.removesuffix("/text_summary")
+            assert name not in out[event.step], f"tensorboard: text {tag} at {event.step} twice"
+            out[event.step][name] = event.tensor_proto.string_val[0].decode()
+    return dict(out)
+
+
 def tensorboard_scalars(logdir: Path) -> dict[int, dict[str, float]]:
     """Return the scalars of the event files in ``logdir`` (tensorboard's EventAccumulator)."""
     acc = _tensorboard(logdir)
@@ -209,6 +235,25 @@ def mlflow_metrics(tracking_uri: str) -> dict[int, dict[str, float]]:
         for m in client.get_metric_history(run.info.run_id, key):
             assert m.key not in out[m.step], f"mlflow: {m.key} at step {m.step} twice"
             out[m.step][m.key] = m.value
+    return dict(out)
+
+
+def mlflow_tables(tracking_uri: str) -> dict[int, dict[str, dict]]:
+    """Return ``{step: {table: {"columns", "data"}}}`` of the table artifacts of the one run
+    in the MLflow store (``tables/<name>/step_<step>.json``; a name's ``/`` are folders),
+    through MLflow's client."""
+    client, run = _mlflow_run(tracking_uri)
+    out: dict[int, dict[str, dict]] = defaultdict(dict)
+    folders = ["tables"]
+    while folders:
+        for item in client.list_artifacts(run.info.run_id, folders.pop()):
+            if item.is_dir:
+                folders.append(item.path)
+                continue
+            local = client.download_artifacts(run.info.run_id, item.path)
+            path = Path(item.path)
+            name = path.parent.relative_to("tables").as_posix()
+            out[int(path.stem.removeprefix("step_"))][name] = json.loads(Path(local).read_text())
     return dict(out)
 
 

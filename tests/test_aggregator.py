@@ -336,3 +336,23 @@ def test_values_read_a_column_at_a_time_equal_each_records_own_finalisation(nonf
             nonfinite == "propagate" and data[:, records.NONFINITE].any())
         taken["columns" if plainly else "rows"] += 1
     assert taken["columns"] > 30 and taken["rows"] > 5  # both paths were compared
+
+
+def test_a_table_holds_a_row_per_binding_in_number_order_and_says_what_it_cut():
+    from metricsvc.core.declare import table_series
+    from metricsvc.service.output import Tables
+
+    tables = Tables({"loads": {"rows": "moe/layer_<layer>/expert_<expert>",
+                               "values": ["tokens", "share"], "max_rows": 3}})
+    metrics = {"moe/layer_0/expert_10/tokens": 5.0, "moe/layer_0/expert_2/tokens": 7.0,
+               "moe/layer_0/expert_2/share": 0.5, "moe/layer_1/expert_0/tokens": 1.0,
+               "moe/layer_0/expert_3/tokens": 2.0, "moe/layer_0/max_over_ideal": 1.2,
+               "moe/layer_0/expert_2/other": 9.0}
+    table = tables.of(metrics)["loads"]
+    assert table["columns"] == ["layer", "expert", "tokens", "share"]
+    assert table["rows"] == [[0, 2, 7.0, 0.5], [0, 3, 2.0, None], [0, 10, 5.0, None]]
+    assert table["cut"] == 1  # layer 1's row, past max_rows
+    carried = table_series(table["series"])
+    assert {n for n in metrics if carried(n)} == {
+        n for n in metrics if n.endswith(("/tokens", "/share"))}
+    assert tables.of({"loss": 1.0}) == {}

@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from metricsvc.client import Derived, MetricClient
+from metricsvc.client.metrics import record_moe_balance
 from metricsvc.config import load_config
 from metricsvc.core.keys import safe_tag
 from metricsvc.sinks import SinkDispatcher, build_sinks, default_registry
@@ -246,3 +247,56 @@ def test_stop_metric_worker_closes_sinks_then_ends_the_actor(ray_cluster, tmp_pa
     assert "exit" in wandb_record_kinds(tmp_path / "default" / "t")
     with pytest.raises(ValueError):
         metricsvc.get_metric_worker("stop-wandb")
+
+
+@pytest.mark.slow
+def test_moe_loads_reach_wandb_as_one_table_a_step_and_the_scalars_where_the_page_says(
+        make_worker):
+    """AReaL's page: wandb gets one moe_balance/expert_loads Table per step (layer, expert,
+    tokens, load_percent; its history keeps every step's), max_over_ideal stays a scalar;
+    SwanLab (and MLflow) keep the per-expert scalars; TensorBoard shows the layer summaries
+    and a text panel, no per-expert series; the journal holds the rows. Counts of two
+    ranks are summed before anything is normalised."""
+    cfg_all = load_config("all")
+    handle, cfg = make_worker(sinks={**cfg_all.sinks.model_dump(), "console": None})
+    per_rank = [{0: np.array([10, 0, 5, 5]), 1: np.array([3, 3, 3, 3])},
+                {0: np.array([0, 30, 0, 10]), 1: np.array([1, 0, 0, 0])}]
+    steps = 2
+    for step in range(steps):
+        for rank, counts in enumerate(per_rank):
+            c = MetricClient(None, rank=rank, world_size=2, name=cfg.name, start_step=step)
+            record_moe_balance(c, {layer: v * (step + 1) for layer, v in counts.items()})
+            c.wait_submit(timeout_s=30)
+    assert ray.get(handle.flush.remote(120), timeout=150)
+    health = ray.get(handle.close.remote())
+    assert not health["sink_errors"], health["sink_errors"]
+    run_dir = Path(health["run_dir"])
+    journal = read_journal(run_dir / "metrics.jsonl")
+    expert = "moe_balance/layer_0/expert_1/tokens"
+    for record in journal:
+        step = record["step"]
+        total = {layer: (per_rank[0][layer] + per_rank[1][layer]) * (step + 1)
+                 for layer in (0, 1)}
+        rows = [[layer, e, float(n), 100.0 * n / total[layer].sum()]
+                for layer in (0, 1) for e, n in enumerate(total[layer])]
+        table = record["meta"]["tables"]["moe_balance/expert_loads"]
+        assert table["columns"] == ["layer", "expert", "tokens", "load_percent"]
+        np.testing.assert_allclose(np.array(table["rows"], float), rows, rtol=1e-12)
+        assert record["metrics"][expert] == total[0][1]  # the journal keeps every series
+        columns, got = readback.wandb_tables(run_dir)[step]["moe_balance/expert_loads"]
+        assert columns == table["columns"]
+        np.testing.assert_allclose(np.array(got, float), rows, rtol=1e-12)
+        wandb = readback.wandb_history(run_dir)[step]
+        assert "moe_balance/layer_0/max_over_ideal" in wandb and expert not in wandb
+        board = readback.tensorboard_scalars(run_dir / "tensorboard")[step]
+        assert "moe_balance/layer_0/max_over_ideal" in board and expert not in board
+        assert readback.swanlab_scalars(run_dir / "swanlab")[step][expert] == total[0][1]
+        assert readback.mlflow_metrics((run_dir / "mlruns").as_uri())[step][expert] == \
+            total[0][1]
+        held = readback.mlflow_tables((run_dir / "mlruns").as_uri())[step]
+        assert held["moe_balance/expert_loads"] == {"columns": table["columns"],
+                                                    "data": table["rows"]}
+    texts = readback.tensorboard_texts(run_dir / "tensorboard")
+    assert sorted(texts) == list(range(steps))
+    assert "| layer | expert | tokens | load_percent |" in texts[0]["moe_balance/expert_loads"]
+    assert len(readback.wandb_tables(run_dir)) == steps  # one table a step, every step kept

@@ -19,7 +19,7 @@ import bisect
 import functools
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -363,3 +363,15 @@ class KeyIndex:
             if group.match(k) is not None:
                 out.append(k)
         return out
+
+
+def table_series(series: Mapping[str, Any]) -> Callable[[str], bool]:
+    """Whether an exported name is one a step's table carries (its ``series``: the rows'
+    ``pattern`` with a last ``<value>`` segment, and the ``values`` that segment takes)."""
+    pattern, values = key_pattern(series["pattern"]), frozenset(series["values"])
+
+    def carried(name: str) -> bool:
+        binding = pattern.match(name)
+        return binding is not None and binding.get("value") in values
+
+    return carried

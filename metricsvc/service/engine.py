@@ -76,6 +76,7 @@ class Engine:
         output: OutputRules | None = None,
         formulas: Mapping[str, str] | None = None,
         max_staleness: int | None = None,
+        tables: Mapping[str, Mapping[str, Any]] | None = None,
         remember_steps: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
         journaled_meta: Callable[[int], Mapping[str, Any] | None] | None = None,
@@ -85,7 +86,8 @@ class Engine:
         what a derived metric's name means here, over the inputs its declaration names
         (a preset's framework meaning: verl's ``timing_per_token_ms/<stage>``).
         ``max_staleness``: a step whose stream records are older than this many versions
-        says so (``meta["staleness_over_bound"]``, and a warning)."""
+        says so (``meta["staleness_over_bound"]``, and a warning). ``tables``: the tables a
+        step carries, by name (``rows``, ``values``, ``max_rows``: ``output.Tables``)."""
         self.straggler_timeout_s = straggler_timeout_s
         self.max_pending_steps, self.max_steps_ahead = max_pending_steps, max_steps_ahead
         self.limits = limits or Limits()
@@ -96,7 +98,7 @@ class Engine:
         self.deriver = Deriver(self.limits.max_derived_outputs, self.limits.max_derived_reads)
         self.declarations = RunDeclarations()  # one definition of a derived metric a run
         self.out = StepOutput(self.output, reduce_rules, renames, self.deriver,
-                              self.declarations, max_staleness)
+                              self.declarations, max_staleness, tables)
         self._tags = TagOwners()  # which key each sink tag shows, for the run
         self._clock = clock
         self._keys = key_cache()  # key tuples checked before (ranks send them every step)

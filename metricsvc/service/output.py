@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from metricsvc.core.declare import key_pattern
+from metricsvc.core.declare import key_pattern, placeholders
 from metricsvc.core.keys import is_internal, safe_tag, tag_order
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SIDE, SUM, describe_source
 from metricsvc.core.reduce import (
@@ -69,9 +69,11 @@ class StepOutput:
 
     def __init__(self, output: OutputRules, reduce_rules: Mapping[str, Any] | None,
                  renames: Mapping[str, str] | None, deriver: Deriver,
-                 declarations: RunDeclarations, max_staleness: int | None = None) -> None:
+                 declarations: RunDeclarations, max_staleness: int | None = None,
+                 tables: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.output = output
         self.max_staleness = max_staleness
+        self.tables = Tables(tables)
         self.resolver = KindResolver(reduce_rules)
         self.rename = Renamer(renames)
         self._tags: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
@@ -169,6 +171,10 @@ class StepOutput:
                     log.warning("step %d: stream %r holds records of version %d, %d versions "
                                 "old (max_staleness %d)", p.step, name, oldest,
                                 p.step - oldest, self.max_staleness)
+        if self.tables:
+            tables = self.tables.of(metrics)
+            if tables:  # rows of exported values, for the sinks that show tables
+                meta["tables"] = tables
         if self.deriver.totals:  # the running sums: a restart continues them
             meta["derived_totals"] = self.deriver.state()
         meta.update(_anomalies(p.keys, plan, merged, p.world_size))
@@ -254,6 +260,56 @@ def _sum_squares(row: np.ndarray) -> float:
     n = row[COUNT]
     with np.errstate(over="ignore"):  # past float64's range it is inf, as the value is
         return float(row[M2_ROOT] ** 2 + row[SUM] ** 2 / n) if n else 0.0
+
+
+class Tables:
+    """The tables a step carries (``meta["tables"]``), each built from the step's exported
+    names: a row per binding of its ``rows`` pattern's placeholders, its columns those
+    placeholders (whole numbers as ints) and its ``values``; rows in order, at most
+    ``max_rows`` (``cut`` says how many more there were). ``series`` tells a sink which
+    exported names the table carries (``core.declare.table_series``)."""
+
+    def __init__(self, specs: Mapping[str, Mapping[str, Any]] | None) -> None:
+        self.specs = {name: (key_pattern(f"{spec['rows']}/<value>"), placeholders(spec["rows"]),
+                             list(spec["values"]), int(spec.get("max_rows", 10_000)))
+                      for name, spec in (specs or {}).items()}
+        self._held: tuple[tuple[str, ...], dict[str, Any]] = ((), {})
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def of(self, metrics: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+        """The tables of a step's exported ``metrics`` (none: an empty dict)."""
+        names = tuple(metrics)
+        if self._held[0] != names:  # where each cell comes from, once per set of names
+            self._held = (names, self._layout(names))
+        out = {}
+        for table, (columns, cells, cut, series) in self._held[1].items():
+            rows = [[*row, *(None if n is None else metrics[n] for n in names_of)]
+                    for row, names_of in cells]
+            out[table] = {"columns": columns, "rows": rows, "series": series}
+            if cut:
+                out[table]["cut"] = cut
+        return out
+
+    def _layout(self, names: tuple[str, ...]) -> dict[str, Any]:
+        layout = {}
+        for table, (pattern, holes, values, max_rows) in self.specs.items():
+            rows: dict[tuple, list[str | None]] = {}
+            for name in names:
+                binding = pattern.match(name)
+                if binding is None or binding["value"] not in values:
+                    continue
+                row = tuple(int(binding[h]) if binding[h].isdigit() else binding[h]
+                            for h in holes)
+                rows.setdefault(row, [None] * len(values))[values.index(binding["value"])] = name
+            if rows:
+                ordered = sorted(rows.items(), key=lambda kv: [(isinstance(v, str), v)
+                                                             for v in kv[0]])
+                layout[table] = ([*holes, *values], ordered[:max_rows],
+                                 max(0, len(ordered) - max_rows),
+                                 {"pattern": pattern.text, "values": values})
+        return layout
 
 
 def staleness(name: str, step: int, counts: Mapping[int, int],

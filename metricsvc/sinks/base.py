@@ -61,6 +61,9 @@ class Sink(Protocol):
     Optional attributes:
 
     - ``supports_nan`` (default False: non-finite values are dropped before ``write``);
+    - ``table_series`` (default True): False for a sink that draws ``meta["tables"]``
+      itself (``{name: {"columns", "rows", "series"}}``, the configured ``output.tables``):
+      the scalars a table holds are then left out of what it gets;
     - ``write_event(event)`` for journal events;
     - ``commit() -> int | None``: make what was written durable in the backend (its own
       flush); return the newest step now durable, or None for "everything written". The

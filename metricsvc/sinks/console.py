@@ -64,6 +64,7 @@ class ConsoleSink:
 
     name = "console"
     supports_nan = True
+    table_series = False  # the layer summaries, not a line per table cell
 
     def __init__(
         self, config: ConsoleSinkConfig | None = None, stream: TextIO | None = None

@@ -19,6 +19,7 @@ journal before anything else is rewound.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import math
 import queue
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from metricsvc.core.declare import table_series
 from metricsvc.core.keys import is_int, is_internal
 from metricsvc.core.redaction import Redactor
 from metricsvc.errors import ServiceUnavailable
@@ -236,6 +238,9 @@ class SinkDelivery:
         self.delivery, self.dead, self.redact = delivery, dead, redactor.text
         self.replay = replay  # None: a new run; else reads the journal of the run to continue
         self.allow_nan = bool(getattr(sink, "supports_nan", False))
+        # False: the sink shows a step's tables instead of the scalars they carry
+        self.table_series = bool(getattr(sink, "table_series", True))
+        self._tabled: tuple[tuple, frozenset[str]] = ((), frozenset())
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=delivery.queue_size)
         self.mark = Watermark(SinkState(run_dir, name), name, self.redact, history)
         self.counts: dict[str, Any] = {"written": 0, "failures": 0, "dead_lettered": 0,
@@ -413,6 +418,9 @@ class SinkDelivery:
         if self.mark.holds(item.step):
             return  # each step of a segment once, in increasing order
         visible = public_metrics(item.metrics, self.allow_nan)
+        tables = item.meta.get("tables")
+        if tables and not self.table_series:
+            visible = self._untabled(visible, tables)
         error = self.attempt(self.sink.write, item.step, visible, item.meta, retry=True)
         with self._lock:
             if self._abandoned:  # a closer gave up meanwhile and dead-lettered this step
@@ -425,6 +433,18 @@ class SinkDelivery:
             self._dead_letter(item, error, visible)
         elif self._uncommitted >= _COMMIT_EVERY:
             self._commit()
+
+    def _untabled(self, visible: dict[str, float],
+                  tables: Mapping[str, Any]) -> dict[str, float]:
+        """``visible`` without the names a step's tables carry (worked out once while the
+        steps export the same names and tables)."""
+        held = (tuple(visible), tuple(json.dumps(t["series"], sort_keys=True)
+                                      for t in tables.values()))
+        if self._tabled[0] != held:
+            carried = [table_series(t["series"]) for t in tables.values()]
+            self._tabled = (held, frozenset(n for n in visible if any(c(n) for c in carried)))
+        drop = self._tabled[1]
+        return {k: v for k, v in visible.items() if k not in drop}
 
     def _dead_letter(self, item: Write, error: str, visible: dict | None = None) -> None:
         """Keep the step exactly as the sink would have received it, for a later replay."""

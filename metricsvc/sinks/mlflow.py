@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import Field
 
+from metricsvc.core.keys import safe_tag
 from metricsvc.sinks.base import Builtin, Strict, descriptions, tagged
 from metricsvc.storage.files import SinkState
 
@@ -105,6 +106,10 @@ class MlflowSink:
                                                      for tag, text in about.items()])
         for i in range(0, len(batch), 1000):  # MLflow caps a batch at 1000 metrics
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+        for name, table in meta.get("tables", {}).items():  # an artifact a step, in the
+            self.client.log_dict(  # form of MLflow's table files (a restart rewrites it alike)
+                self.run_id, {"columns": table["columns"], "data": table["rows"]},
+                f"tables/{safe_tag(name)}/step_{step:08d}.json")
 
     def close(self) -> None:
         if self.client is not None and self.run_id is not None:

@@ -81,12 +81,24 @@ def _histogram(tag: str, hist: Mapping[str, Any]) -> Any:
                          hist["sum_squares"], list(hist["edges"][1:]), list(hist["counts"]))
 
 
+def markdown(table: Mapping[str, Any]) -> str:
+    """A step's table as the markdown TensorBoard's text panel draws."""
+    lines = ["| " + " | ".join(map(str, table["columns"])) + " |",
+             "|" + "---|" * len(table["columns"])]
+    lines += ["| " + " | ".join("" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+                                for v in row) + " |" for row in table["rows"]]
+    if table.get("cut"):
+        lines.append(f"({table['cut']} more rows not shown)")
+    return "\n".join(lines)
+
+
 class TensorboardSink:
     """One scalar per key and step under ``<run folder>/<subdir>``, and a histogram per
     QUANTILES key (its merged buckets across ranks)."""
 
     name = "tensorboard"
     supports_nan = True
+    table_series = False  # a step's tables as a text panel each, not a series per cell
 
     def __init__(self, config: TensorboardSinkConfig | None = None) -> None:
         self.config = config or TensorboardSinkConfig()
@@ -131,7 +143,7 @@ class TensorboardSink:
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
         from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import scalar
+        from tensorboardX.summary import scalar, text
 
         held = self._held.pop(step, ())
         now = time.time()
@@ -144,6 +156,10 @@ class TensorboardSink:
             tag = safe_tag(name)
             if tag not in held:
                 self._write(Event(wall_time=now, step=step, summary=_histogram(tag, hist)))
+        for name, table in meta.get("tables", {}).items():
+            tag = safe_tag(name)
+            if tag not in held:
+                self._write(Event(wall_time=now, step=step, summary=text(tag, markdown(table))))
         if self.config.flush_every_step or time.monotonic() - self._last_flush > \
                 self.config.flush_secs:
             self.commit()

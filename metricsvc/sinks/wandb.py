@@ -73,6 +73,7 @@ class WandbSink:
 
     name = "wandb"
     supports_nan = True
+    table_series = False  # a step's tables as one wandb.Table each, not thousands of series
 
     def __init__(self, config: WandbSinkConfig | None = None) -> None:
         self.config = config or WandbSinkConfig()
@@ -140,13 +141,15 @@ class WandbSink:
         if about:  # wandb's metrics have no description field: the run's config holds them
             self.run.config.update({f"description/{tag}": text for tag, text in about.items()},
                                    allow_val_change=True)
-        histograms = meta.get("histograms")
-        if histograms:
+        histograms, tables = meta.get("histograms"), meta.get("tables")
+        if histograms or tables:
             import wandb
 
-            for name, hist in histograms.items():  # merged buckets of every rank
+            for name, hist in (histograms or {}).items():  # merged buckets of every rank
                 row.setdefault(name, wandb.Histogram(
                     np_histogram=(list(hist["counts"]), list(hist["edges"]))))
+            for name, table in (tables or {}).items():  # one per step: the history keeps each
+                row.setdefault(name, wandb.Table(columns=table["columns"], data=table["rows"]))
         self.run.log(row, step=step, commit=True)
 
     def commit(self) -> int | None:
