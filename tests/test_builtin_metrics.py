@@ -682,3 +682,34 @@ def test_flops_estimators_are_registered_per_model_built_once_and_sum_packed_seq
                             num_parameters=1000)
     assert estimate_flops("dense_transformer", dense, [10]) == (
         6 * 1000 * 10 + 6 * 2 * 4 * 16 * 10 * 11)
+
+
+def test_device_timing_on_the_cpu_is_wall_time_read_at_the_flush_with_no_wait():
+    """``record_timing(..., device=True)`` and ``timed_train_perf`` on the CPU: the wall time
+    of each block (AReaL's CPU timing), kept unread until the close, no device wait; a
+    block timed twice in a step is two records of its key."""
+    import time
+
+    from metricsvc.client.metrics import timed_train_perf
+
+    c = MetricClient(None, rank=0, world_size=1)  # never sends: no actor needed
+    spans = []
+    for pause in (0.03, 0.01):
+        before = time.perf_counter()
+        with c.record_timing("update", device=True):
+            time.sleep(pause)
+        spans.append((pause, time.perf_counter() - before))
+    before = time.perf_counter()
+    with timed_train_perf(c, torch.tensor(100.0)):
+        time.sleep(0.02)
+    spans.append((0.02, time.perf_counter() - before))
+    assert c.buffer.keys() == ["train_perf/tokens", "timing_s/update", "train_perf/seconds"]
+    assert "timing_s/update" not in c.buffer.kinds  # unread until the close
+    sent = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    row = dict(zip(sent.keys, sent.data))
+    update = row["timing_s/update"]
+    assert update[COUNT] == 2
+    assert spans[0][0] + spans[1][0] <= update[SUM] <= spans[0][1] + spans[1][1]
+    assert spans[2][0] <= row["train_perf/seconds"][SUM] <= spans[2][1]
+    assert row["train_perf/tokens"][SUM] == 100.0
+    assert c.buffer.device_waits == 0 and not c.buffer.timings

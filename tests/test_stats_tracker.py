@@ -3,6 +3,8 @@ on the process's client; export_all returns every rank's merged step on every ra
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -38,6 +40,8 @@ class AReaLWorker:
             stats_tracker.stat_compact(mask, ReduceType.AVG, diag=diag)
         with stats_tracker.record_timing("rollout"):
             pass
+        with stats_tracker.record_timing("train_step", device=True):  # read at the close
+            time.sleep(0.01 * (rank + 1))
         stats_tracker.get("rollout").scalar(reward=0.5 + rank)
         return stats_tracker.export_all(timeout_s=60)
 
@@ -72,6 +76,7 @@ def test_areal_module_level_calls_record_on_the_process_client_and_export_all_me
     assert stats["ppo_actor/diag"] == pytest.approx(np.mean(diag), rel=1e-15)
     assert stats["lr"] == 1e-5 and stats["rollout/reward"] == 1.0
     assert "timeperf/rollout" in stats
+    assert 0.02 <= stats["timeperf/train_step"] < 1  # the slowest rank's, device-timed
     for a in actors:
         ray.kill(a)
 

@@ -15,10 +15,12 @@ refusal by the service does: the records of one close never reach another step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +28,7 @@ import numpy as np
 
 from metricsvc.client.host import MaskCache
 from metricsvc.client.summaries import Rows, add_sketches, sketch, summarize_call, to_host
-from metricsvc.client.tensors import is_tensor, to_device
+from metricsvc.client.tensors import is_tensor, to_device, torch_module
 from metricsvc.core.declare import Derived, Metric, encode_derived
 from metricsvc.core.keys import check_key, is_int, is_internal, safe_tag
 from metricsvc.core.limits import Recent
@@ -82,11 +84,15 @@ class RecordBuffer:
         self.denominators: dict[str, Any] = {}  # this step's masks by full name
         self._masked = False  # a mask was prepared in this step (the cache holds it)
         self.host_copies = 0
+        # blocks timed with ``device=True``: (key, kind, start, end, device or None), read at
+        # the close (``_read_timings``), one wait per device
+        self.timings: list[tuple[str, int, Any, Any, Any]] = []
+        self.device_waits = 0
         self.label = label
         self.on_record = on_record
 
     def __len__(self) -> int:
-        return len(self.kinds)
+        return len(self.kinds) + len(self.timings)
 
     def denominate(self, masks: Mapping[str, Any]) -> None:
         """Register this step's denominators (bool masks by full name) and record their
@@ -100,7 +106,7 @@ class RecordBuffer:
 
     def keys(self) -> list[str]:
         """Return the keys recorded since the last flush."""
-        return list(self.kinds)
+        return list(dict.fromkeys([*self.kinds, *(t[0] for t in self.timings)]))
 
     def checked(self, key: str) -> str:
         """Return ``key`` if it is a usable name here (key rules; an internal key must be
@@ -209,12 +215,55 @@ class RecordBuffer:
             sources[:, [MIN_CALL, MAX_CALL]] = calls_of
         return sources
 
+    @contextlib.contextmanager
+    def timed(self, key: str, code: int, device: bool = False) -> Iterator[None]:
+        """Time the block into ``key`` (kind ``code``), in seconds. ``device``: on a CUDA
+        device (torch imported, a device present), two events on the current stream, read
+        at the close with one wait per device and never before (AReaL's device timing);
+        elsewhere the wall time, also kept until the close. Otherwise the wall time, now."""
+        torch = torch_module() if device else None
+        cuda = torch is not None and torch.cuda.is_available()
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                with self.lock:
+                    self.timings.append((key, int(code), start, end,
+                                         torch.cuda.current_device()))
+            elif device:
+                with self.lock:
+                    self.timings.append((key, int(code), start, time.perf_counter(), None))
+            else:
+                self.record({key: time.perf_counter() - start}, None, code)
+
+    def _read_timings(self) -> None:
+        """The step's device-timed blocks, recorded in seconds: one wait per device that
+        timed any (everything queued there before the flush is done), then each block's
+        elapsed time; wall-timed ones as they are."""
+        timings, self.timings = self.timings, []
+        torch = torch_module()
+        for device in dict.fromkeys(t[4] for t in timings if t[4] is not None):
+            torch.cuda.synchronize(device)
+            self.device_waits += 1
+        for key, code, start, end, device in timings:
+            seconds = end - start if device is None else start.elapsed_time(end) / 1000.0
+            self.record({key: seconds}, None, code)
+
     # -- closing -------------------------------------------------------------------------
     def take_batch(self, *, step: int, rank: int, world_size: int, seq: int,
                    final: bool) -> Batch:
         """Return everything recorded as one wire batch (one host copy per device) and
         start afresh."""
         with self.lock:
+            if self.timings:
+                self._read_timings()
             keys, data, codes, expected, extremes, sketches = self._merged()
             derived = self.declarations.take_wire()
             self._reset()
@@ -321,6 +370,7 @@ class RecordBuffer:
             self.masks.clear()
             self._masked = False
         self.parts, self.kinds, self.seen, self.sketches = [], {}, {}, {}
+        self.timings = []
         self._on_device = False
         if self.expected:
             self.expected = {}

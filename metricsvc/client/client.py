@@ -268,15 +268,14 @@ class Tracker:
         self.buffer.keep(Rows((full,), scalar_row(float(value), float(weight))[None]),
                          int(ReduceType.AVG))
 
-    @contextlib.contextmanager
-    def record_timing(self, name: str) -> Iterator[None]:
-        """Time the block into ``timing_s/<name>`` (MAX across ranks by default)."""
+    def record_timing(self, name: str, *,
+                      device: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Time the block into ``timing_s/<name>`` (MAX across ranks by default).
+        ``device=True``: the time the block's work took on the CUDA device (events on the
+        current stream, read at the flush with one wait per device, never per block); on
+        the CPU the wall time, as AReaL's."""
         key = check_key(f"{self.prefix}{self.timing_prefix}{name}")
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.buffer.record({key: time.perf_counter() - start}, None, self.timing_reduce)
+        return self.buffer.timed(key, self.timing_reduce, device)
 
     def get(self, name: str) -> Tracker:
         """Return the named tracker ``name``: keys prefixed ``name/``, scopes of its own."""

@@ -101,10 +101,11 @@ def scope_func_wrapper(name: str) -> Callable[[Callable[..., Any]], Callable[...
     return client().scope(name)
 
 
-def record_timing(name: str) -> AbstractContextManager[None]:
+def record_timing(name: str, *, device: bool = False) -> AbstractContextManager[None]:
     """AReaL's ``stats_tracker.record_timing``: the block's seconds (``timeperf/<name>``
-    under the ``areal`` preset)."""
-    return client().record_timing(name)
+    under the ``areal`` preset); ``device=True``: measured on the CUDA device, read at the
+    flush."""
+    return client().record_timing(name, device=device)
 
 
 def get(name: str = "") -> Tracker:

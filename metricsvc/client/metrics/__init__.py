@@ -26,6 +26,7 @@ from metricsvc.client.metrics.timing import (
     record_throughput_metrics,
     record_timing_metrics,
     record_train_perf,
+    timed_train_perf,
 )
 from metricsvc.client.metrics.validation import record_validation_metrics, validation_metrics
 
@@ -55,6 +56,7 @@ __all__ = [
     "record_throughput_metrics",
     "record_timing_metrics",
     "record_train_perf",
+    "timed_train_perf",
     "record_version_stats",
     "record_validation_metrics",
     "validation_metrics",

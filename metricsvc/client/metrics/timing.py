@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from metricsvc.client.metrics.batch import (
@@ -176,13 +177,14 @@ def _token_count(batch: Mapping[str, Any]) -> Any:
     return float(sum(counts))
 
 
-def record_train_perf(m: Any, tokens: Any, seconds: float, name: str = "train_perf", *,
-                      flops: float | None = None) -> None:
+def record_train_perf(m: Any, tokens: Any, seconds: float | None, name: str = "train_perf",
+                      *, flops: float | None = None) -> None:
     """Record AReaL's ``train_perf/*``: tokens summed over ranks, seconds the max over ranks,
     rates and cumulative totals (kept by the service across steps) derived after the merge.
     ``flops``: this rank's estimated training FLOPs (``estimate_flops``), summed over ranks
     into ``estimated_flops`` and its rates; without it they are omitted, as AReaL omits them
-    for a model it cannot estimate."""
+    for a model it cannot estimate. ``seconds`` None: recorded by the caller
+    (``timed_train_perf``)."""
     m.declare(*train_perf(name))
     entries = [METRICS.entry("train_perf/tokens"), METRICS.entry("train_perf/seconds")]
     if flops is not None:
@@ -192,7 +194,21 @@ def record_train_perf(m: Any, tokens: Any, seconds: float, name: str = "train_pe
     m.buffer.describe(*entries,
                       under=lambda key: m.full_key(name + key.removeprefix("train_perf")))
     m.stat(reduce=METRICS.kind("train_perf/tokens"), **{f"{name}/tokens": tokens})
-    m.stat(reduce=METRICS.kind("train_perf/seconds"), **{f"{name}/seconds": float(seconds)})
+    if seconds is not None:
+        m.stat(reduce=METRICS.kind("train_perf/seconds"), **{f"{name}/seconds": float(seconds)})
     if flops is not None:
         m.stat(reduce=METRICS.kind("train_perf/estimated_flops"),
                **{f"{name}/estimated_flops": float(flops)})
+
+
+@contextlib.contextmanager
+def timed_train_perf(m: Any, tokens: Any, name: str = "train_perf", *,
+                     flops: float | None = None, device: bool = True) -> Iterator[None]:
+    """``record_train_perf`` with the block's own time as its seconds, as AReaL times
+    ``train_perf``: on the CUDA device (events on the current stream, read at the flush
+    with one wait per device, never per batch), the wall time on the CPU (or with
+    ``device=False``)."""
+    record_train_perf(m, tokens, None, name, flops=flops)
+    key = m.full_key(f"{name}/seconds")
+    with m.buffer.timed(key, int(METRICS.kind("train_perf/seconds")), device):
+        yield
