@@ -160,6 +160,32 @@ def swanlab_scalars(root: Path) -> dict[int, dict[str, float]]:
     return dict(out)
 
 
+def trackio_points(folder: Path, project: str, run: str) -> list[tuple[int, dict[str, float]]]:
+    """Return every logged point of run ``run`` of the Trackio project in ``folder``, in
+    order, read by Trackio's own reader (``SQLiteStorage.get_logs``) in a process of its
+    own: Trackio takes its folder from ``TRACKIO_DIR`` once per process."""
+    import subprocess
+    import sys
+
+    script = ("import json, os, sys\nos.environ['TRACKIO_DIR'] = sys.argv[1]\n"
+              "from trackio.sqlite_storage import SQLiteStorage\n"
+              "print(json.dumps(SQLiteStorage.get_logs(sys.argv[2], sys.argv[3]), default=str))")
+    out = subprocess.run([sys.executable, "-c", script, str(folder), project, run],
+                         capture_output=True, text=True, timeout=120, check=True)
+    logs = json.loads(out.stdout.strip().splitlines()[-1])
+    return [(int(log.pop("step")), {k: v for k, v in log.items() if k != "timestamp"})
+            for log in logs]
+
+
+def trackio_scalars(folder: Path, project: str, run: str) -> dict[int, dict[str, float]]:
+    """``trackio_points`` by step; a step logged twice fails."""
+    out: dict[int, dict[str, float]] = {}
+    for step, values in trackio_points(folder, project, run):
+        assert step not in out, f"trackio: step {step} logged twice"
+        out[step] = values
+    return out
+
+
 def swanlab_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
     """Return ``{step: {key: (edges, counts)}}`` of the histogram charts of the one SwanLab
     run under ``root``: media records naming ECharts JSON files, each bar with its edges."""

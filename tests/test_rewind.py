@@ -47,7 +47,8 @@ def _mlflow_points(run: Path) -> list[tuple[int, float]]:
 def test_rewind_records_steps_afresh_and_every_reader_shows_the_rerun(ray_cluster, tmp_path):
     cfg = {"name": "rewind-a", "world_size": 1, "sinks": {"console": None, "jsonl": {},
                                                           "tensorboard": {}, "wandb": {},
-                                                          "swanlab": {}, "mlflow": {}},
+                                                          "swanlab": {}, "mlflow": {},
+                                                          "trackio": {}},
            "run": {"root": str(tmp_path), "experiment": "e", "trial": "t"}}
     handle = metricsvc.start_metric_worker(cfg)
     _steps("rewind-a", [float(s) for s in range(8)], 0)
@@ -76,6 +77,9 @@ def test_rewind_records_steps_afresh_and_every_reader_shows_the_rerun(ray_cluste
         **want, 4: 4.0, 5: 5.0, 6: 6.0, 7: 7.0}
     assert _mlflow_points(run) == [(s, float(s)) for s in range(8)] + [
         (s, want[s]) for s in range(4, 9)]
+    # Trackio likewise keeps both points of steps 4-7, in the order logged
+    assert [(s, row["x"]) for s, row in readback.trackio_points(run / "trackio", "e", "t")] \
+        == [(s, float(s)) for s in range(8)] + [(s, want[s]) for s in range(4, 9)]
 
     ray.kill(handle, no_restart=True)
     resumed = metricsvc.start_metric_worker({**cfg, "name": "rewind-b",

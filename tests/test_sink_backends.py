@@ -71,7 +71,7 @@ def test_every_sink_of_all_yaml_gets_the_same_numbers_as_the_journal(make_worker
     assert "rollout/reward__count" in journal[0]  # a user's key: it reaches every sink
     assert not health["sink_errors"], health["sink_errors"]
     assert {name: h["written"] for name, h in health["sinks"].items()} == {
-        n: 4 for n in ("jsonl", "tensorboard", "wandb", "swanlab", "mlflow")}
+        n: 4 for n in ("jsonl", "tensorboard", "wandb", "swanlab", "mlflow", "trackio")}
 
     assert_same(readback.tensorboard_scalars(run_dir / "tensorboard"), journal, safe_tag,
                 rel=1e-6)  # TensorBoard stores float32
@@ -79,6 +79,8 @@ def test_every_sink_of_all_yaml_gets_the_same_numbers_as_the_journal(make_worker
     assert_same(readback.swanlab_scalars(run_dir / "swanlab"), journal, safe_tag)
     assert_same(readback.mlflow_metrics((run_dir / "mlruns").as_uri()), journal,
                 lambda k: safe_tag(k, 250))
+    assert_same(readback.trackio_scalars(run_dir / "trackio", run_dir.parent.name,
+                                         run_dir.name), journal, safe_tag)
 
     # What a declared metric means reaches every sink that can show it, once
     meaning = "tokens per unit of learning rate [tokens]"

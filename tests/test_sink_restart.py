@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 # close timeout, and the close dead-lettered what these tests check was written.
 SINKS = {"console": None, "jsonl": {}, "tensorboard": {},
          "wandb": {"mode": "offline", "flush_interval_s": 0.2},
-         "swanlab": {"mode": "offline"}, "mlflow": {}, "delivery": {"close_timeout_s": 150}}
+         "swanlab": {"mode": "offline"}, "mlflow": {}, "trackio": {},
+         "delivery": {"close_timeout_s": 150}}
 
 
 def record(clients, step):
@@ -56,6 +57,8 @@ def check_every_backend(run_dir, steps):
     same(readback.swanlab_scalars(run_dir / "swanlab"), safe_tag, what="swanlab")
     same(readback.mlflow_metrics((run_dir / "mlruns").as_uri()), lambda k: safe_tag(k, 250),
          what="mlflow")
+    same(readback.trackio_scalars(run_dir / "trackio", run_dir.parent.name, run_dir.name),
+         safe_tag, what="trackio")
     return journal
 
 

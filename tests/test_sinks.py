@@ -145,7 +145,8 @@ def test_each_built_in_sinks_registration_makes_its_config_section():
     from metricsvc.sinks.base import builtins
 
     specs = builtins()
-    assert list(specs) == ["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]
+    assert list(specs) == ["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow",
+                           "trackio"]
     assert list(SinksConfig.model_fields) == [*specs, "custom", "delivery"]
     for name, spec in specs.items():
         # (the journal's config lives with the journal, in storage: the worker owns it)
@@ -154,4 +155,4 @@ def test_each_built_in_sinks_registration_makes_its_config_section():
         assert SinksConfig.model_fields[name].default == spec.default
         assert name in default_registry(with_entry_points=False)
     assert [s.extra for s in specs.values() if s.library] == [
-        "tensorboard", "wandb", "swanlab", "mlflow"]
+        "tensorboard", "wandb", "swanlab", "mlflow", "trackio"]
