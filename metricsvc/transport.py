@@ -75,8 +75,26 @@ def own_error(error: BaseException) -> BaseException:
     return cause
 
 
+def ray_running(label: str, method: str) -> None:
+    """Refuse a call once this process has shut Ray down (``ray.shutdown()``): Ray would
+    start a new local cluster for it, or, from a sender thread, end the process.
+
+    Raises:
+        ServiceUnavailable: Ray is not running in this process.
+    """
+    if not ray.is_initialized():
+        raise ServiceUnavailable(f"{label} ({method}): Ray is not running in this process "
+                                 f"(ray.shutdown() was called); nothing was sent")
+
+
 def ray_get(ref: Any, timeout: float | None = None) -> Any:
-    """``ray.get(ref)``, raising what the actor raised as metricsvc's own exception."""
+    """``ray.get(ref)``, raising what the actor raised as metricsvc's own exception.
+
+    Raises:
+        ServiceUnavailable: this process shut Ray down while waiting (Ray raises
+            ``SystemExit(0)`` in the waiting thread: handed to a caller, it ended the
+            program).
+    """
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.RayTaskError as err:
@@ -84,6 +102,11 @@ def ray_get(ref: Any, timeout: float | None = None) -> Any:
         if own is err:
             raise
         raise own from err
+    except (SystemExit, ray.exceptions.RaySystemError):
+        if ray.is_initialized():
+            raise
+        raise ServiceUnavailable("the answer never came: Ray was shut down in this process "
+                                 "(ray.shutdown() was called) while waiting") from None
 
 
 def next_pause(err: BaseException, method: str, pauses: Iterator[float], budget_s: float,
@@ -120,6 +143,7 @@ def call(target: Callable[[], Any], method: str, *args: Any, retry_s: float,
     pauses = backoff(retry_s if timeout_s is None else min(retry_s, timeout_s))
     while True:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ray_running(label, method)  # at every try: a retry may outlast the process's Ray
         try:
             return ray_get(getattr(target(), method).remote(*args), timeout=left)
         except ACTOR_ERRORS as err:
@@ -270,6 +294,7 @@ class ServiceHandle:
 
     def issue(self, method: str, *args: Any) -> ray.ObjectRef:
         """One call of the target, made now; returns its answer's reference."""
+        ray_running(f"MetricWorker {self.name!r}", method)
         self.calls += 1
         target = self._target if self._target is not None else self.target
         return getattr(target, method).remote(*args)

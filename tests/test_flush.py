@@ -249,3 +249,52 @@ def test_a_flush_wakes_no_thread_when_the_answer_before_it_is_in(make_worker):
     assert callers == [threading.current_thread()] * 10
     assert c.rpc_count == 13
     assert [c.wait_final_res(s, 30)["x"] for s in (0, 3, 12)] == [0.0, 3.0, 12.0]
+
+
+@pytest.mark.slow
+def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_process(tmp_path):
+    """A driver shuts Ray down while a flush waits on a service that answers nothing: the
+    client's sender thread touches Ray no more (Ray would start a new local cluster for
+    it, or end the process: a test worker died so after its session's ray.shutdown()), and
+    a later flush is refused in one line naming the shutdown."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        import ray
+        import metricsvc
+        from metricsvc.client import MetricClient
+        from metricsvc.errors import ServiceUnavailable
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        w = metricsvc.start_metric_worker({{"name": "x", "world_size": 1,
+            "sinks": {{"console": None}}, "run": {{"root": {str(tmp_path)!r}}}}})
+        c = MetricClient(rank=0, world_size=1, name="x")
+        c.scalar(loss=1.0)
+        c.wait_submit(step=0)
+        pid = ray.get(w.health.remote())["pid"]
+        os.kill(pid, signal.SIGSTOP)  # it answers nothing: the sender thread waits
+        for step in (1, 2):
+            c.scalar(loss=2.0)
+            c.flush(step=step)
+        time.sleep(1)
+        ray.shutdown()
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        time.sleep(4)
+        print("RAY", ray.is_initialized(), flush=True)
+        c.scalar(loss=3.0)
+        try:
+            c.wait_submit(step=3, timeout_s=10)
+        except ServiceUnavailable as err:
+            print("REFUSED", str(err).splitlines()[0], flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=180, cwd=tmp_path)  # a Ray of its own (RAY_ADDRESS=local)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RAY False" in out.stdout, out.stdout + out.stderr[-2000:]
+    refused = next(line for line in out.stdout.splitlines() if line.startswith("REFUSED"))
+    assert "ray.shutdown() was called" in refused
