@@ -280,3 +280,17 @@ def test_a_later_recording_without_ids_that_wins_leaves_its_side_unknown_not_ref
     assert all(np.isnan(src[4:])), src  # max 9.0: from the recording without ids
     back = check_batch(decode(encode(batch)))  # what the service runs on every batch
     np.testing.assert_array_equal(back.extremes, batch.extremes)
+
+
+def test_plain_lists_with_ids_name_their_samples_as_arrays_do():
+    """Values given as nested lists (what a user types) are located as the same numpy
+    array: the row and column of each min and max, and the sample's id."""
+    kl = [[0.1, 0.2], [9.0, -3.0]]
+    ids = [1002, 1003]
+    _, as_lists = located_of({"kl": kl}, ids=ids)
+    _, as_arrays = located_of({"kl": np.array(kl)}, ids=np.array(ids))
+    np.testing.assert_array_equal(as_lists["kl"], as_arrays["kl"])
+    from metricsvc.core.records import describe_source
+
+    assert describe_source(as_lists["kl"], "max") == {"row": 1, "col": 0, "call": 0, "id": 1003}
+    assert describe_source(as_lists["kl"], "min")["col"] == 1

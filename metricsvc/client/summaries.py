@@ -149,7 +149,7 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
             sources = unknown_sources(len(order))
             for i, k in enumerate(order):
                 if k in at:
-                    sources[i] = _host_sources(at[k], _inner(values[k]), ids)
+                    sources[i] = _host_sources(at[k], _inner(prepared[k][0]), ids)
         out.append(Rows(tuple(order), rows, sources))
     for group in device.values():
         out.append(_device_group(group, values, ids, compile, masks is not None))
