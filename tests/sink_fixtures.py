@@ -111,3 +111,49 @@ class StallingSink:
 
     def close(self) -> None:
         pass
+
+
+class GatedSink:
+    """A custom sink with a file of its own (one JSON line per step it is given), exactly
+    once across restarts (``resume`` reads its file), whose reopening after a restart waits
+    until the test creates the file ``gate``: everything the service journals meanwhile is
+    already there when it replays."""
+
+    name = "gated"
+
+    def __init__(self, options: dict) -> None:
+        self.gate = options["gate"]
+        self.path = None
+        self.held: set[int] = set()
+
+    def open(self, run_dir) -> None:
+        self.path = run_dir / "gated.jsonl"
+
+    def resume(self, after) -> None:
+        import json
+        import os
+        import time
+
+        give_up = time.monotonic() + 120
+        while not os.path.exists(self.gate) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                step = json.loads(line)["step"]
+                if after is None or step > after:
+                    self.held.add(step)
+
+    def write(self, step, metrics, meta) -> None:
+        import json
+
+        if step in self.held:
+            self.held.discard(step)
+            return
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"step": step, "metrics": dict(metrics)}) + "\n")
+
+    def rewind(self, to_step) -> None:
+        self.held = {s for s in self.held if s <= to_step}
+
+    def close(self) -> None:
+        pass

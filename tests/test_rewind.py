@@ -86,3 +86,34 @@ def test_rewind_records_steps_afresh_and_every_reader_shows_the_rerun(ray_cluste
                                              "run": {**cfg["run"], "resume": True}})
     assert ray.get(resumed.wait_final_res.remote(6, 10)) == {"x": 60.0}  # reloaded: the rerun
     metricsvc.stop_metric_worker(resumed)
+
+
+def test_a_sink_reopening_after_a_restart_gets_a_rewinds_rerun_once(make_worker, tmp_path):
+    """A restarted service whose sink is still reopening its backend while the run rewinds
+    and reruns: the sink's replay is the journal as the restart found it, and the rewind and
+    the rerun reach it once, in order (the replay read the rerun from the journal, then the
+    queued rewind lowered the watermark and the rerun was written again)."""
+    import json
+
+    from tests.helpers import sigkill
+
+    gate = tmp_path / "gate"
+    handle, cfg = make_worker(world_size=1, sinks={"jsonl": {}, "custom": [
+        {"target": "tests.sink_fixtures:GatedSink", "options": {"gate": str(gate)}}]})
+    _steps(cfg.name, [float(s) for s in range(4)], 0)
+    ray.get(handle.flush.remote(30), timeout=60)
+    sigkill(handle)  # the next incarnation's gated sink waits to reopen
+    _steps(cfg.name, [4.0, 5.0, 6.0], 4)
+    assert ray.get(handle.rewind.remote(to_step=4)) == {"to_step": 4, "superseded": 2}
+    _steps(cfg.name, [50.0, 60.0], 5)
+    ray.get(handle.wait_final.remote(6, 30))
+    gate.write_text("open")
+    health = ray.get(handle.close.remote(), timeout=120)
+    assert not health["sink_errors"], health["sink_errors"]
+    lines = [json.loads(line) for line in
+             (Path(health["run_dir"]) / "gated.jsonl").read_text().splitlines()]
+    seen = [(r["step"], r["metrics"]["x"]) for r in lines]
+    # each step of each segment once, in order: 0-4, the superseded 5 and 6 if the sink
+    # took them before the rewind reached it, then the rerun
+    assert seen in ([(s, float(s)) for s in range(5)] + [(5, 50.0), (6, 60.0)],
+                    [(s, float(s)) for s in range(7)] + [(5, 50.0), (6, 60.0)]), seen

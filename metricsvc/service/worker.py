@@ -130,7 +130,10 @@ class MetricWorkerImpl:
         # Continuing a run, each sink continues its backend run and is given the journaled
         # steps past its watermark: what users look at survives the restart too.
         self.history = RunHistory.read(self.journal.path if continuing else None)
-        replay = (functools.partial(iter_journal, self.journal.path)
+        # The replay is the journal as this incarnation found it: what it journals later
+        # (a rewind, its rerun) reaches each sink through its queue, once.
+        replay = (functools.partial(iter_journal, self.journal.path,
+                                    lines=self.journal.line_count())
                   if continuing and self.journal.holds_steps() else None)
         self.sinks = SinkDispatcher(
             build_sinks(cfg.sinks, check=True, built={"jsonl": self.writer} if self.writer

@@ -99,10 +99,14 @@ def rewind_of(line: str) -> Rewind | None:
     return Rewind(to_step, by if isinstance(by, str) else None, held if is_int(held) else None)
 
 
-def journal_rewinds(path: str | os.PathLike[str]) -> Iterator[tuple[int, Rewind]]:
-    """Yield ``(line number, rewind)`` of each rewind event in a journal, in file order."""
+def journal_rewinds(path: str | os.PathLike[str],
+                    lines: int | None = None) -> Iterator[tuple[int, Rewind]]:
+    """Yield ``(line number, rewind)`` of each rewind event in a journal (its first
+    ``lines`` lines, if given), in file order."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
+            if lines is not None and number > lines:
+                break
             rewind = rewind_of(line)
             if rewind is not None:
                 yield number, rewind

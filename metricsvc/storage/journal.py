@@ -85,6 +85,20 @@ class Journal:
         """Return the journaled meta of ``step`` (None: not journaled, or no journal)."""
         return None if self.index is None else self.index.meta(step)
 
+    def records(self) -> Iterator[dict[str, Any]]:
+        """The latest segment's step records, in order (none: no journal)."""
+        if self.holds_steps():
+            yield from iter_journal(self.path)  # type: ignore[arg-type]
+
+    def line_count(self) -> int:
+        """How many lines the journal holds now (a cut last line counts)."""
+        count, last = 0, b"\n"
+        with open(self.path, "rb") as fh:  # type: ignore[arg-type]
+            while chunk := fh.read(1 << 20):
+                count += chunk.count(b"\n")
+                last = chunk[-1:]
+        return count + (last != b"\n")
+
     def totals_at(self, step: int) -> dict[str, Any] | None:
         """The running totals journaled with the last step at or before ``step`` in the
         latest segment (each step's meta holds them all: None, none yet)."""
@@ -138,11 +152,12 @@ def read_journal(path: str | os.PathLike[str],
     return list(iter_journal(path, stats))
 
 
-def iter_journal(path: str | os.PathLike[str],
-                 stats: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+def iter_journal(path: str | os.PathLike[str], stats: dict[str, Any] | None = None,
+                 lines: int | None = None) -> Iterator[dict[str, Any]]:
     """Yield the finished-step records of a journal's latest segment, one per step, in
     file order, holding one record at a time (a restart reads a bounded part of a long
-    journal).
+    journal). ``lines``: the journal as its first so many lines have it (what a restart
+    found: what is journaled later reaches the sinks through their queues).
 
     A ``rewind`` event (``{"event": {"rewind": {"to_step": k}}}``) starts a segment: the
     records past ``k`` before it are archived (kept in the file, left out here; a first
@@ -152,12 +167,14 @@ def iter_journal(path: str | os.PathLike[str],
     kept and the rest counted. ``stats`` (if given) receives ``skipped``, ``duplicates``
     and ``archived`` once the journal has been read through.
     """
-    rewinds = _rewinds(path)  # line number -> the lowest step any later rewind goes back to
+    rewinds = _rewinds(path, lines)  # line -> the lowest step any later rewind goes back to
     seen: set[int] = set()
     duplicates: list[int] = []
     skipped = archived = 0
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
+            if lines is not None and number > lines:
+                break
             record, why = _step_record(line)
             if why is not None:
                 skipped += 1
@@ -224,10 +241,10 @@ class JournalIndex:
                         self._at = {s: a for s, a in self._at.items() if s <= rewind.to_step}
 
 
-def _rewinds(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
+def _rewinds(path: str | os.PathLike[str], lines: int | None = None) -> list[tuple[int, int]]:
     """``(line, to_step)`` of each rewind event, with ``to_step`` the lowest of it and every
     later one (what a record before that line is archived past)."""
-    found = [(number, rewind.to_step) for number, rewind in journal_rewinds(path)]
+    found = [(number, rewind.to_step) for number, rewind in journal_rewinds(path, lines)]
     for i in range(len(found) - 2, -1, -1):
         found[i] = (found[i][0], min(found[i][1], found[i + 1][1]))
     return found
