@@ -48,6 +48,7 @@ _EXPORTS = {
     "Tracker": "metricsvc.client",
     "Unavailable": "metricsvc.errors",
     "final_result": "metricsvc.service.start",
+    "flagged_samples": "metricsvc.storage.flagged",
     "get_metric_worker": "metricsvc.service.start",
     "load_config": "metricsvc.config",
     "presets": "metricsvc.config",

@@ -22,7 +22,13 @@ from pydantic import (
 
 from metricsvc.core.formula import parse
 from metricsvc.core.keys import DEFAULT_NAME, default_namespace, is_plain_part
-from metricsvc.core.limits import LIMITS, MAX_PENDING_STEPS, MAX_STEPS_AHEAD, Limits
+from metricsvc.core.limits import (
+    LIMITS,
+    MAX_ALERT_RULES,
+    MAX_PENDING_STEPS,
+    MAX_STEPS_AHEAD,
+    Limits,
+)
 from metricsvc.core.reduce import OutputRules, ReduceType, framework_conflict
 from metricsvc.core.sketch import MIN_ALPHA, SketchSpec
 from metricsvc.sinks.base import CustomSinkConfig, DeliveryConfig, Strict, sinks_model
@@ -216,6 +222,37 @@ class MetricsConfig(Strict):
         return patterns
 
 
+class AlertRule(Strict):
+    """One alert rule: exactly one of ``above``, ``below``, ``spike`` (each on ``key``, an
+    exported name), ``nonfinite`` (a pattern of recorded keys) or ``missing`` (a name)."""
+
+    key: str | None = Field(None, description="the exported name above/below/spike watch")
+    above: float | None = Field(None, description="alert when the value is above this")
+    below: float | None = Field(None, description="alert when the value is below this")
+    spike: float | None = Field(None, gt=1, description="alert when the value passes this "
+                                                        "many times the median of the last "
+                                                        "`over` final values")
+    over: int = Field(20, ge=1, le=1000, description="the spike rule's window, in steps")
+    nonfinite: str | None = Field(None, description="alert when a recorded key matching "
+                                                    "this glob counted NaN/inf values")
+    missing: str | None = Field(None, description="alert when a final step lacks this name")
+    name: str | None = Field(None, description="how the alert is named (default: the rule)")
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> AlertRule:
+        kinds = [k for k in ("above", "below", "spike", "nonfinite", "missing")
+                 if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"an alert rule is exactly one of above, below, spike, nonfinite, "
+                             f"missing; got {kinds or 'none'}")
+        keyed = kinds[0] in ("above", "below", "spike")
+        if keyed and not self.key:
+            raise ValueError(f"alert rule {kinds[0]}: needs key (the exported name it watches)")
+        if not keyed and self.key is not None:
+            raise ValueError(f"alert rule {kinds[0]}: takes no key (its value names it)")
+        return self
+
+
 class ServiceConfig(Strict):
     """Everything the MetricWorker actor needs; the driver passes it at start."""
 
@@ -253,6 +290,10 @@ class ServiceConfig(Strict):
         description="derived metric name -> the formula it is computed with here, over the "
                     "inputs its declaration names: what a framework's name means under a "
                     "preset (verl: timing_per_token_ms/<stage> over the slowest rank's time)")
+    alerts: list[AlertRule] = Field(
+        default_factory=list, max_length=MAX_ALERT_RULES,
+        description="rules evaluated once when a step is final; an alert is journaled with "
+                    "its step and names the samples behind its value (failures.md)")
     output: OutputConfig = OutputConfig()
     limits: LimitsConfig = LimitsConfig()
     run: RunConfig = RunConfig()
@@ -322,7 +363,8 @@ class ServiceConfig(Strict):
                 "limits": self.limits.to_limits(), "reduce_rules": self.parsed_rules(),
                 "renames": self.renames, "output": self.output.rules(),
                 "formulas": self.formulas, "max_staleness": self.max_staleness,
-                "tables": {name: t.model_dump() for name, t in self.output.tables.items()}}
+                "tables": {name: t.model_dump() for name, t in self.output.tables.items()},
+                "alerts": [rule.model_dump() for rule in self.alerts]}
 
     def journal(self, run_dir: Path) -> Path | None:
         """Where the journal of the run in ``run_dir`` is (None: the journal is off)."""

@@ -284,7 +284,7 @@ def test_no_module_imports_from_a_higher_layer_and_the_client_never_from_the_ser
 
 
 ENGINE = ("metricsvc.service.engine", "metricsvc.service.steps", "metricsvc.service.output",
-          "metricsvc.service.derive", "metricsvc.service.streams")
+          "metricsvc.service.derive", "metricsvc.service.streams", "metricsvc.service.alerts")
 
 
 def test_the_engine_is_pure_no_ray_no_pydantic_no_threads_no_files():

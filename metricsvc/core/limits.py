@@ -17,6 +17,10 @@ MAX_TAG_LENGTH = 255  # the longest tag a sink is given (TensorBoard, wandb, mlf
 # -- quantiles -----------------------------------------------------------------------------
 SKETCH_ALPHA = 0.01  # the quantile sketch's relative accuracy, on ranks and in the service
 
+# -- alerts --------------------------------------------------------------------------------
+MAX_ALERT_RULES = 64  # rules a run may declare (``alerts:``)
+MAX_FLAGGED_PER_STEP = 256  # samples one step's alerts may name; past it the step says so
+
 # -- calling actors ------------------------------------------------------------------------
 RETRY_S = 120.0  # how long a sender waits for a restarting actor before it gives up
 

@@ -33,6 +33,7 @@ from metricsvc.core.limits import MAX_PENDING_STEPS, MAX_STEPS_AHEAD, Limits, Re
 from metricsvc.core.reduce import OutputRules, ReduceType
 from metricsvc.core.wire import Batch, encode, key_cache, receive
 from metricsvc.errors import BatchRejected
+from metricsvc.service.alerts import Alerts
 from metricsvc.service.derive import Deriver, RunDeclarations
 from metricsvc.service.output import StepOutput, StepResult
 from metricsvc.service.steps import PendingStep
@@ -77,6 +78,7 @@ class Engine:
         formulas: Mapping[str, str] | None = None,
         max_staleness: int | None = None,
         tables: Mapping[str, Mapping[str, Any]] | None = None,
+        alerts: Sequence[Mapping[str, Any]] = (),
         remember_steps: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
         journaled_meta: Callable[[int], Mapping[str, Any] | None] | None = None,
@@ -87,7 +89,8 @@ class Engine:
         (a preset's framework meaning: verl's ``timing_per_token_ms/<stage>``).
         ``max_staleness``: a step whose stream records are older than this many versions
         says so (``meta["staleness_over_bound"]``, and a warning). ``tables``: the tables a
-        step carries, by name (``rows``, ``values``, ``max_rows``: ``output.Tables``)."""
+        step carries, by name (``rows``, ``values``, ``max_rows``: ``output.Tables``).
+        ``alerts``: the rules each final step is checked against (``alerts.Alerts``)."""
         self.straggler_timeout_s = straggler_timeout_s
         self.max_pending_steps, self.max_steps_ahead = max_pending_steps, max_steps_ahead
         self.limits = limits or Limits()
@@ -99,6 +102,7 @@ class Engine:
         self.declarations = RunDeclarations()  # one definition of a derived metric a run
         self.out = StepOutput(self.output, reduce_rules, renames, self.deriver,
                               self.declarations, max_staleness, tables)
+        self.alerts = Alerts(alerts)
         self._tags = TagOwners()  # which key each sink tag shows, for the run
         self._clock = clock
         self._keys = key_cache()  # key tuples checked before (ranks send them every step)
@@ -114,7 +118,7 @@ class Engine:
         self.late_by_rank: Counter[int] = Counter()
         self.counts = Counter({"batches": 0, "duplicate": 0, "late": 0, "rejected": 0,
                                "partial": 0, "stream_batches": 0, "conflict": 0, "dropped": 0,
-                               "collisions": 0})
+                               "collisions": 0, "alerts": 0})
 
     @property
     def world_size(self) -> int | None:
@@ -352,6 +356,13 @@ class Engine:
             if not pending.ready():
                 break
             result = self.out.finish(pending, pending.finish(self._clock()), self.lag.lagging)
+            if self.alerts:  # once, in step order: journaled with the step
+                alerts, cut = self.alerts.check(step, result.metrics, result.meta)
+                if alerts:
+                    result.meta["alerts"] = alerts
+                    self.counts["alerts"] += len(alerts)
+                if cut:
+                    result.meta["alerts_cut"] = cut
             self.counts["partial"] += result.meta["partial"]
             self.counts["collisions"] += "collisions" in result.meta
             out.append(result)  # before forgetting it: a raise loses nothing
@@ -431,12 +442,17 @@ class Engine:
             self.out.descriptions.restore(meta, step)
             if isinstance(stream_seqs := meta.get("stream_seqs"), dict):
                 self.streams.ledger.journaled(stream_seqs)
+            if self.alerts and isinstance(metrics := record.get("metrics"), dict):
+                self.alerts.remember(step, metrics)  # evaluated once already: never again
 
-    def rewind(self, to_step: int, totals: Mapping[str, Any] | None) -> int:
+    def rewind(self, to_step: int, totals: Mapping[str, Any] | None,
+               before: Iterable[tuple[int, Mapping[str, float]]] = ()) -> int:
         """Forget every step past ``to_step`` (published or pending): they will be recorded
         afresh, and what the superseded steps journaled once (declarations, descriptions) is
         journaled again with the rerun. ``totals``: the running sums as journaled with
-        ``to_step``. Returns how many published steps were superseded."""
+        ``to_step``; ``before``: the final steps at or before it, ``(step, metrics)`` in
+        order, as far back as the alerts' windows reach. Returns how many published steps
+        were superseded."""
         superseded = self.published.forget_after(to_step)
         self.streams.ledger.forget_after(to_step)
         self.pending.forget_after(to_step)
@@ -448,6 +464,7 @@ class Engine:
         self.deriver.restore(totals or {})
         self.declarations.forget_after(to_step)
         self.out.descriptions.forget_after(to_step)
+        self.alerts.rewound(before)
         self.newest_closed = self.pending.newest_closed(self.last_emitted)
         return superseded
 
@@ -490,6 +507,7 @@ class Engine:
             "world_size": self.world.size,
             "world_size_source": self.world.source,
             "partial_steps": counts["partial"],
+            "alerts": counts["alerts"],
         }
 
 class PendingSteps(dict[int, PendingStep]):

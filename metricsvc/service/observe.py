@@ -63,6 +63,7 @@ SINK_GAUGES = {
 WAIT = "metricsvc_flush_to_final_seconds"  # a step's first batch -> final (its meta.age_s)
 WAIT_BOUNDS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
 STEP = "metricsvc_step_metric"  # the finished-step metrics metrics.export names
+ALERTS = "metricsvc_alerts"  # the alerts of the steps finished, by rule (tag ``rule``)
 
 
 def export_off(enabled: bool) -> str | None:
@@ -134,12 +135,15 @@ class LiveMetrics:
                 self.off = f"off: {type(err).__name__}: {err}"
 
     def _create(self) -> None:
-        from ray.util.metrics import Gauge, Histogram
+        from ray.util.metrics import Counter, Gauge, Histogram
 
         tags = ("service",)
         self._health = SeriesTable(GAUGES, COUNTERS, tags)
         self._sinks = SeriesTable(SINK_GAUGES, SINK_COUNTERS, ("service", "sink"))
         self._series.update({**self._health.series, **self._sinks.series})
+        self._series[ALERTS] = Counter(
+            ALERTS, description="alerts raised when a step was final, by rule",
+            tag_keys=("service", "rule"))
         self._series[WAIT] = Histogram(
             WAIT, description="seconds from a step's first batch to its being final",
             boundaries=WAIT_BOUNDS, tag_keys=tags)
@@ -184,6 +188,8 @@ class LiveMetrics:
             age = result.meta.get("age_s")
             if isinstance(age, (int, float)):
                 self._series[WAIT].observe(max(age, 0.0), tags=tags)
+            for alert in result.meta.get("alerts", ()):
+                self._series[ALERTS].inc(1, tags={**tags, "rule": alert["rule"]})
         if self.patterns and finished:
             self._step = (finished[-1].step, self._chosen_of(finished[-1].metrics))
         self._show_step(tags)

@@ -511,7 +511,8 @@ class MetricWorkerImpl:
         the running totals from the last step at or before it, readers forget the superseded
         results, and every sink is given it in order with the steps around it."""
         self.sinks.rewind(Rewind(to_step, by, held), self.writer)  # the journal first
-        superseded = self.engine.rewind(to_step, self._totals_at(to_step))
+        superseded = self.engine.rewind(to_step, self._totals_at(to_step),
+                                        self._steps_through(to_step))
         self.results.forget_after(to_step)
         if self.reloaded_through is not None:
             self.reloaded_through = min(self.reloaded_through, to_step)
@@ -526,6 +527,15 @@ class MetricWorkerImpl:
         if kept:
             return self.results.by_step[max(kept)].meta.get("derived_totals")
         return self.journal.totals_at(step)
+
+    def _steps_through(self, step: int) -> list[tuple[int, dict[str, float]]]:
+        """The final steps at or before ``step``, ``(step, metrics)`` in order, when the
+        alerts' windows need them: the journal's latest segment, else what readers keep."""
+        if not self.engine.alerts.windows:
+            return []
+        if self.journal.holds_steps():
+            return [(r["step"], r["metrics"]) for r in self.journal.records() if r["step"] <= step]
+        return [(s, r.metrics) for s, r in sorted(self.results.by_step.items()) if s <= step]
 
     def config_dump(self) -> dict[str, Any]:
         """Return the config this service runs (secrets hidden), for ``start_metric_worker``

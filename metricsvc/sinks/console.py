@@ -59,6 +59,17 @@ def source(where: Mapping[str, Any] | None) -> str:
     return "  <- " + ", ".join(parts)
 
 
+def alert_line(alert: Mapping[str, Any]) -> str:
+    """``ALERT step 12: kl/max above 0.5: kl/max = 0.73  <- rank 1, id 4711`` (each sample
+    the alert names, after the arrow)."""
+    value = alert.get("value")
+    shown = "missing" if value is None else f"{alert['key']} = {value:.6g}"
+    samples = "; ".join(f"{s['name']}: " + source(s).removeprefix("  <- ")
+                        for s in alert.get("samples", ()))
+    return (f"ALERT step {alert['step']}: {alert['rule']}: {shown}"
+            f"{'  <- ' + samples if samples else ''}\n")
+
+
 class ConsoleSink:
     """Print every N-th finished step as an aligned table."""
 
@@ -94,10 +105,13 @@ class ConsoleSink:
         return text
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
+        stream = self._stream or sys.stdout
+        for alert in meta.get("alerts", ()):  # every step's, shown or not
+            stream.write(alert_line(alert))
         if step % self.config.every and not meta.get("partial"):
+            stream.flush()
             return  # the pace is measured from the first step shown
         pace = self.pace(step)
-        stream = self._stream or sys.stdout
         if meta.get("partial"):
             stream.write(f"WARNING step {step} is partial: ranks {meta.get('missing_ranks')} "
                          f"did not close it within the straggler timeout\n")

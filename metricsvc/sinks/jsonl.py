@@ -1,7 +1,10 @@
 """The journal's writer: one JSON line per finished step (and per event) under the run
 folder, each written whole or not at all (``LineFile``). The service owns it as its log:
 how far it has written is how far clients may forget their batches. Read back with
-``metricsvc.storage.journal``."""
+``metricsvc.storage.journal``. A step with alerts is followed by an ``alert`` event line
+each, and the samples they name go first to ``flagged_samples.jsonl``
+(``metricsvc.storage.flagged``): a kill between the two writes them again, never loses
+them."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from pydantic import Field, field_validator
 
 from metricsvc.sinks.base import Builtin, Strict, plain
 from metricsvc.storage.files import LineFile
+from metricsvc.storage.flagged import FLAGGED_FILE, flagged_lines
 from metricsvc.storage.journal import DEFAULT_JOURNAL, iter_journal, journal_file
 
 
@@ -51,11 +55,13 @@ class JsonlSink:
         self.config = config or JsonlSinkConfig()
         self.path: Path | None = None
         self._file: LineFile | None = None
+        self._flagged: LineFile | None = None  # opened with the first sample an alert names
         self._through: int | None = None  # after a restart: its newest step
 
     def open(self, run_dir: Path) -> None:
         self.path = journal_file(run_dir, self.config.filename)
         self._file = LineFile(self.path)  # type: ignore[arg-type]
+        self._flagged_path = Path(run_dir) / FLAGGED_FILE
 
     def resume(self, after: int | None) -> None:
         """Read back the newest step the journal's latest segment holds (``held_through``):
@@ -75,6 +81,17 @@ class JsonlSink:
             line = json.dumps(_json_values(record), allow_nan=False)
         if self._file is None:
             raise RuntimeError("JsonlSink.write called before open or after close")
+        alerts = meta.get("alerts")
+        if alerts:
+            line += "".join("\n" + json.dumps({"event": {"alert": _json_values(a)},
+                                                "time": record["time"]}, allow_nan=False)
+                            for a in alerts)
+            flagged = flagged_lines(alerts)
+            if flagged:
+                if self._flagged is None:
+                    self._flagged = LineFile(self._flagged_path)
+                self._flagged.append("".join(json.dumps(_json_values(f)) + "\n"
+                                             for f in flagged).encode("utf-8"), fsync=True)
         self._file.append((line + "\n").encode("utf-8"), fsync=self.config.fsync)
 
     def write_event(self, event: Mapping[str, Any]) -> None:
@@ -90,6 +107,9 @@ class JsonlSink:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._flagged is not None:
+            self._flagged.close()
+            self._flagged = None
 
 
 BUILTIN = Builtin("jsonl", 1, JsonlSinkConfig, JsonlSinkConfig(), "metricsvc.sinks.jsonl:JsonlSink")

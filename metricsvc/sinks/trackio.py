@@ -6,7 +6,9 @@ Each step is one ``SQLiteStorage.bulk_log`` of its metrics at its step, the call
 own run makes from its background thread, made here on the sink's thread: it returns once
 the database holds the step (a write is durable), and a failure raises (to be retried)
 where Trackio's thread would only warn. A restarted service continues the same run and
-leaves out every step the database already holds past the watermark (``resume``).
+leaves out every step the database already holds past the watermark (``resume``). A
+step's alerts (``meta["alerts"]``) become Trackio alerts (level ``warn``) at that step,
+written before its metrics, each once (Trackio keeps one alert per id).
 
 Trackio takes its folder from ``TRACKIO_DIR`` when it is first imported: a service opens
 it before, and a process can hold one Trackio folder (a second is refused, naming both).
@@ -22,6 +24,7 @@ from typing import Any
 from pydantic import Field
 
 from metricsvc.sinks.base import Builtin, Strict, tagged
+from metricsvc.sinks.console import alert_line
 
 # Trackio's own columns beside the metrics: a metric of such a name is renamed ``__name``,
 # as ``trackio.log`` renames it (``trackio.utils.RESERVED_KEYS``)
@@ -69,6 +72,13 @@ class TrackioSink:
         if step in self._held:
             self._held.discard(step)
             return
+        alerts = meta.get("alerts") or []
+        if alerts:
+            self.storage.bulk_alert(
+                project=self.project, run=self.run, titles=[a["rule"] for a in alerts],
+                texts=[alert_line(a).strip() for a in alerts], levels=["warn"] * len(alerts),
+                steps=[step] * len(alerts),
+                alert_ids=[f"{step}/{a['rule']}/{a['value']!r}" for a in alerts])
         values = {(f"__{tag}" if tag in _RESERVED else tag): float(v)
                   for tag, v in tagged(metrics).items()}
         self.storage.bulk_log(project=self.project, run=self.run, metrics_list=[values],

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from metricsvc.sinks.base import Builtin, Strict, descriptions
+from metricsvc.sinks.console import alert_line
 from metricsvc.sinks.logfiles import LevelDBLogTail
 from metricsvc.storage.files import SinkState
 
@@ -151,6 +152,11 @@ class WandbSink:
             for name, table in (tables or {}).items():  # one per step: the history keeps each
                 row.setdefault(name, wandb.Table(columns=table["columns"], data=table["rows"]))
         self.run.log(row, step=step, commit=True)
+        if self.config.mode == "online":  # wandb's alerts need its server (email, Slack)
+            for alert in meta.get("alerts", ()):
+                self.run.alert(title=f"metricsvc: {alert['rule']}",
+                               text=alert_line(alert).strip(), level="WARN",
+                               wait_duration=0)
 
     def commit(self) -> int | None:
         """Return the newest step wandb has written to its transaction log (its own flush,
