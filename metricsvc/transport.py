@@ -75,16 +75,12 @@ def own_error(error: BaseException) -> BaseException:
     return cause
 
 
-def ray_running(label: str, method: str) -> None:
-    """Refuse a call once this process has shut Ray down (``ray.shutdown()``): Ray would
-    start a new local cluster for it, or, from a sender thread, end the process.
-
-    Raises:
-        ServiceUnavailable: Ray is not running in this process.
-    """
-    if not ray.is_initialized():
-        raise ServiceUnavailable(f"{label} ({method}): Ray is not running in this process "
-                                 f"(ray.shutdown() was called); nothing was sent")
+def ray_down(label: str, method: str) -> ServiceUnavailable:
+    """What a call is refused with once this process has shut Ray down
+    (``ray.shutdown()``): made anyway, Ray would start a new local cluster for it, or,
+    from a sender thread, end the process. Every call checks ``ray.is_initialized()``."""
+    return ServiceUnavailable(f"{label} ({method}): Ray is not running in this process "
+                              f"(ray.shutdown() was called); nothing was sent")
 
 
 def ray_get(ref: Any, timeout: float | None = None) -> Any:
@@ -143,7 +139,8 @@ def call(target: Callable[[], Any], method: str, *args: Any, retry_s: float,
     pauses = backoff(retry_s if timeout_s is None else min(retry_s, timeout_s))
     while True:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ray_running(label, method)  # at every try: a retry may outlast the process's Ray
+        if not ray.is_initialized():  # at every try: a retry may outlast the process's Ray
+            raise ray_down(label, method)
         try:
             return ray_get(getattr(target(), method).remote(*args), timeout=left)
         except ACTOR_ERRORS as err:
@@ -294,7 +291,8 @@ class ServiceHandle:
 
     def issue(self, method: str, *args: Any) -> ray.ObjectRef:
         """One call of the target, made now; returns its answer's reference."""
-        ray_running(f"MetricWorker {self.name!r}", method)
+        if not ray.is_initialized():
+            raise ray_down(f"MetricWorker {self.name!r}", method)
         self.calls += 1
         target = self._target if self._target is not None else self.target
         return getattr(target, method).remote(*args)

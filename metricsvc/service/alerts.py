@@ -66,9 +66,6 @@ class Alerts:
         self.windows: dict[str, deque[tuple[int, float]]] = {
             r.target: deque(maxlen=r.over) for r in self.rules if r.kind == "spike"}
 
-    def __bool__(self) -> bool:
-        return bool(self.rules)
-
     def check(self, step: int, metrics: Mapping[str, float],
               meta: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int]:
         """The alerts of final step ``step`` (each ``{"step", "rule", "key", "value",

@@ -356,7 +356,7 @@ class Engine:
             if not pending.ready():
                 break
             result = self.out.finish(pending, pending.finish(self._clock()), self.lag.lagging)
-            if self.alerts:  # once, in step order: journaled with the step
+            if self.alerts.rules:  # once, in step order: journaled with the step
                 alerts, cut = self.alerts.check(step, result.metrics, result.meta)
                 if alerts:
                     result.meta["alerts"] = alerts
@@ -442,7 +442,7 @@ class Engine:
             self.out.descriptions.restore(meta, step)
             if isinstance(stream_seqs := meta.get("stream_seqs"), dict):
                 self.streams.ledger.journaled(stream_seqs)
-            if self.alerts and isinstance(metrics := record.get("metrics"), dict):
+            if self.alerts.rules and isinstance(metrics := record.get("metrics"), dict):
                 self.alerts.remember(step, metrics)  # evaluated once already: never again
 
     def rewind(self, to_step: int, totals: Mapping[str, Any] | None,

@@ -171,10 +171,13 @@ class StepOutput:
                     log.warning("step %d: stream %r holds records of version %d, %d versions "
                                 "old (max_staleness %d)", p.step, name, oldest,
                                 p.step - oldest, self.max_staleness)
-        if self.tables:
-            tables = self.tables.of(metrics)
-            if tables:  # rows of exported values, for the sinks that show tables
-                meta["tables"] = tables
+        starts = self.tables.starts
+        for name in metrics if starts else ():
+            if name.startswith(starts):  # a name a table may hold: the step's tables
+                tables = self.tables.of(metrics)
+                if tables:  # rows of exported values, for the sinks that show tables
+                    meta["tables"] = tables
+                break
         if self.deriver.totals:  # the running sums: a restart continues them
             meta["derived_totals"] = self.deriver.state()
         meta.update(_anomalies(p.keys, plan, merged, p.world_size))
@@ -273,10 +276,10 @@ class Tables:
         self.specs = {name: (key_pattern(f"{spec['rows']}/<value>"), placeholders(spec["rows"]),
                              list(spec["values"]), int(spec.get("max_rows", 10_000)))
                       for name, spec in (specs or {}).items()}
+        # what every name a table holds starts with (the rows pattern up to its first
+        # placeholder): a step with none of them has no table, found without a call
+        self.starts = tuple(spec["rows"].partition("<")[0] for spec in (specs or {}).values())
         self._held: tuple[tuple[str, ...], dict[str, Any]] = ((), {})
-
-    def __bool__(self) -> bool:
-        return bool(self.specs)
 
     def of(self, metrics: Mapping[str, float]) -> dict[str, dict[str, Any]]:
         """The tables of a step's exported ``metrics`` (none: an empty dict)."""
