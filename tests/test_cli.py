@@ -56,6 +56,26 @@ def test_report_extremes_says_so_when_the_journal_names_no_source(journal):
         in out.stdout
 
 
+def test_report_alerts_lists_every_alert_of_the_run_with_its_samples(journal, tmp_path):
+    from metricsvc.sinks.jsonl import JsonlSink
+
+    assert "the run's alerts (0;" in cli("report", journal, "--alerts").stdout
+    run = tmp_path / "run"
+    run.mkdir()
+    sink = JsonlSink()
+    sink.open(run)
+    for step in range(8):
+        alerts = [{"step": step, "rule": "kl too high", "key": "kl/max", "value": 9.0,
+                   "samples": [{"name": "kl/max", "value": 9.0, "rank": 1, "id": 4711}]}] \
+            if step == 1 else []
+        sink.write(step, {"kl/max": 9.0 if step == 1 else 0.1}, {"alerts": alerts})
+    sink.close()
+    out = cli("report", run, "--alerts", "--last", "2")  # every alert, not only those shown
+    assert out.returncode == 0, out.stderr
+    assert "ALERT step 1: kl too high: kl/max = 9  <- kl/max: rank 1, id 4711" in out.stdout
+    assert "the run's alerts (1;" in out.stdout
+
+
 def test_plot_writes_a_png_with_bands_and_partial_marks(journal, tmp_path):
     png = tmp_path / "out.png"
     out = cli("plot", journal / "metrics.jsonl", "--keys", "critic/*", "actor/lr", "-o", png)

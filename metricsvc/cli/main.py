@@ -23,6 +23,7 @@ from metricsvc import __version__
 from metricsvc.config import load_config, presets
 from metricsvc.core.keys import DEFAULT_NAME, NAMESPACE_ENV, default_namespace
 from metricsvc.core.redaction import Redactor
+from metricsvc.sinks.console import alert_line
 from metricsvc.storage.journal import journals_under, read_journal
 
 
@@ -103,10 +104,23 @@ def cmd_report(args: argparse.Namespace) -> None:
         print(f"* step {s['step']} is partial: missing ranks {s['meta'].get('missing_ranks')}")
     if args.extremes:
         print_extremes(steps, keys, width)
+    if args.alerts:
+        print_alerts(every)
     if len(steps) < len(every):
         print(f"# the last {len(steps)} of {len(every)} steps (--last N shows more)")
     else:
         print(f"# all {len(steps)} steps")
+
+
+def print_alerts(steps: list[dict[str, Any]]) -> None:
+    """Every alert of the run (``meta.alerts``), with the samples it names."""
+    found = [alert for s in steps for alert in s["meta"].get("alerts", ())]
+    print(f"\nthe run's alerts ({len(found)}; their samples with ids are in "
+          f"flagged_samples.jsonl):")
+    for alert in found:
+        print(alert_line(alert), end="")
+    if not found:
+        print("(none)")
 
 
 def print_extremes(steps: list[dict[str, Any]], keys: list[str], width: int) -> None:
@@ -327,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="last N steps (default 5; the output says how many it shows)")
     report.add_argument("--extremes", action="store_true",
                         help="also print the rank and sample each min and max came from")
+    report.add_argument("--alerts", action="store_true",
+                        help="also print every alert of the run and the samples it names")
     plot = sub.add_parser("plot", help="line plots of chosen keys over steps")
     plot.add_argument("target", metavar="RUN_DIR_OR_JOURNAL",
                       help="a run folder (its newest journal is read) or a metrics.jsonl")
