@@ -240,11 +240,14 @@ def test_a_driver_that_exits_without_close_still_finishes_the_wandb_run(tmp_path
 def test_stop_metric_worker_closes_sinks_then_ends_the_actor(ray_cluster, tmp_path):
     import metricsvc
 
+    # wandb's finish takes seconds of CPU: on a loaded machine past the default 30 s close
+    # timeout (the run then lacked its exit record), as in test_sink_restart
     cfg = load_config({"name": "stop-wandb", "run": {"root": str(tmp_path), "trial": "t"},
-                       "sinks": {"console": None, "wandb": {}}})
+                       "sinks": {"console": None, "wandb": {},
+                                 "delivery": {"close_timeout_s": 150}}})
     handle = metricsvc.start_metric_worker(cfg)
     run_steps(cfg, steps=2, world=1)
-    health = metricsvc.stop_metric_worker(handle)
+    health = metricsvc.stop_metric_worker(handle, timeout_s=200)
     assert health["closed"] and health["sinks"]["wandb"]["written"] == 2
     assert "exit" in wandb_record_kinds(tmp_path / "default" / "t")
     with pytest.raises(ValueError):
