@@ -278,14 +278,16 @@ def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_pro
         for step in (1, 2):
             c.scalar(loss=2.0)
             c.flush(step=step)
-        time.sleep(1)
+        assert c.in_flight == 2
         ray.shutdown()
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-        time.sleep(4)
-        print("RAY", ray.is_initialized(), flush=True)
+        give_up = time.monotonic() + 60
+        while c.in_flight and time.monotonic() < give_up:  # both answered, by the thread
+            time.sleep(0.05)
+        print("RAY", ray.is_initialized(), c.in_flight, flush=True)
         c.scalar(loss=3.0)
         try:
             c.wait_submit(step=3, timeout_s=10)
@@ -295,6 +297,6 @@ def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_pro
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=180, cwd=tmp_path)  # a Ray of its own (RAY_ADDRESS=local)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "RAY False" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "RAY False 0" in out.stdout, out.stdout + out.stderr[-2000:]
     refused = next(line for line in out.stdout.splitlines() if line.startswith("REFUSED"))
     assert "ray.shutdown() was called" in refused
