@@ -176,7 +176,8 @@ class OutputConfig(Strict):
         default_factory=lambda: dict(MOE_TABLE),
         description="tables each step carries (meta.tables) from its exported names: wandb "
                     "logs one Table a step instead of their scalars, TensorBoard a text "
-                    "panel, MLflow an artifact, the journal the rows (default: AReaL's "
+                    "panel, MLflow an artifact and SwanLab an ECharts table beside them, the "
+                    "journal the rows (default: AReaL's "
                     "moe_balance/expert_loads)")
 
     @field_validator("quantiles")

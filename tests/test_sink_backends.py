@@ -296,6 +296,9 @@ def test_moe_loads_reach_wandb_as_one_table_a_step_and_the_scalars_where_the_pag
         board = readback.tensorboard_scalars(run_dir / "tensorboard")[step]
         assert "moe_balance/layer_0/max_over_ideal" in board and expert not in board
         assert readback.swanlab_scalars(run_dir / "swanlab")[step][expert] == total[0][1]
+        assert readback.swanlab_tables(run_dir / "swanlab")[step][
+            safe_tag("moe_balance/expert_loads")] == {"columns": table["columns"],
+                                                      "rows": table["rows"]}
         assert readback.mlflow_metrics((run_dir / "mlruns").as_uri())[step][expert] == \
             total[0][1]
         held = readback.mlflow_tables((run_dir / "mlruns").as_uri())[step]

@@ -108,6 +108,12 @@ class SwanlabSink:
                 chart = _histogram_chart(tag, hist)
                 if chart is not None:
                     values[tag] = chart
+        for name, table in meta.get("tables", {}).items():  # beside its scalars (the page's)
+            tag = safe_tag(name)
+            if tag not in held and tag not in values:
+                import swanlab
+
+                values[tag] = swanlab.echarts.Table().add(table["columns"], table["rows"])
         if values:
             self.run.log(values, step=step)
 
