@@ -67,6 +67,16 @@ class SlowSink:
         self._note("close")
 
 
+def steps_past(path, after) -> set[int]:
+    """The steps a sink's own file (one JSON line per step) holds past ``after``."""
+    import json
+
+    if not path.exists():
+        return set()
+    steps = (json.loads(line)["step"] for line in path.read_text().splitlines())
+    return {step for step in steps if after is None or step > after}
+
+
 class StallingSink:
     """A custom sink with a file of its own (one JSON line per step) that stalls once, in
     the write of ``stall_step``, until the test kills the actor. ``resume`` reads its file,
@@ -87,15 +97,10 @@ class StallingSink:
         self.marker = run_dir / "stalling.started"
 
     def resume(self, after) -> None:
-        import json
         import time
 
         time.sleep(self.reopen_s)
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                step = json.loads(line)["step"]
-                if after is None or step > after:
-                    self.held.add(step)
+        self.held = steps_past(self.path, after)
 
     def write(self, step, metrics, meta) -> None:
         import json
@@ -130,18 +135,13 @@ class GatedSink:
         self.path = run_dir / "gated.jsonl"
 
     def resume(self, after) -> None:
-        import json
         import os
         import time
 
         give_up = time.monotonic() + 120
         while not os.path.exists(self.gate) and time.monotonic() < give_up:
             time.sleep(0.05)
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                step = json.loads(line)["step"]
-                if after is None or step > after:
-                    self.held.add(step)
+        self.held = steps_past(self.path, after)
 
     def write(self, step, metrics, meta) -> None:
         import json
