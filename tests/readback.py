@@ -6,6 +6,7 @@ import json
 import struct
 import zlib
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 _BLOCK = 32768
@@ -186,12 +187,11 @@ def trackio_scalars(folder: Path, project: str, run: str) -> dict[int, dict[str,
     return out
 
 
-def swanlab_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
-    """Return ``{step: {key: (edges, counts)}}`` of the histogram charts of the one SwanLab
-    run under ``root``: media records naming ECharts JSON files, each bar with its edges."""
+def _swanlab_charts(root: Path) -> Iterator[tuple[int, str, dict]]:
+    """``(step, key, chart)`` of every ECharts media record of the one SwanLab run under
+    ``root``, the chart read from the JSON file the record names."""
     from swanlab.proto.swanlab.record.v1.record_pb2 import Record
 
-    out: dict[int, dict[str, tuple[list, list]]] = defaultdict(dict)
     for path in sorted(root.rglob("run-*.swanlab")):
         for data in leveldb_log_records(path, b":SWL"):
             record = Record()
@@ -200,37 +200,33 @@ def swanlab_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
                 continue
             (item,) = record.media.value.items
             chart = json.loads((path.parent / "media" / "echarts" / item.filename).read_text())
-            if chart.get("_swanLab") == "table":
-                continue  # a table (swanlab_tables)
-            bars = chart["series"][0]["data"]
-            step, key = int(record.media.step), record.media.key
-            assert key not in out[step], f"swanlab: chart {key} at step {step} logged twice"
-            out[step][key] = ([bars[0]["lo"], *(b["hi"] for b in bars)],
-                              [b["value"] for b in bars])
+            yield int(record.media.step), record.media.key, chart
+
+
+def swanlab_histograms(root: Path) -> dict[int, dict[str, tuple[list, list]]]:
+    """Return ``{step: {key: (edges, counts)}}`` of the histogram charts of the one SwanLab
+    run under ``root``: bar charts, each bar with its edges."""
+    out: dict[int, dict[str, tuple[list, list]]] = defaultdict(dict)
+    for step, key, chart in _swanlab_charts(root):
+        if chart.get("_swanLab") == "table":
+            continue  # a table (swanlab_tables)
+        bars = chart["series"][0]["data"]
+        assert key not in out[step], f"swanlab: chart {key} at step {step} logged twice"
+        out[step][key] = ([bars[0]["lo"], *(b["hi"] for b in bars)], [b["value"] for b in bars])
     return dict(out)
 
 
 def swanlab_tables(root: Path) -> dict[int, dict[str, dict]]:
     """Return ``{step: {key: {"columns", "rows"}}}`` of the ECharts tables of the one SwanLab
     run under ``root``."""
-    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
-
     out: dict[int, dict[str, dict]] = defaultdict(dict)
-    for path in sorted(root.rglob("run-*.swanlab")):
-        for data in leveldb_log_records(path, b":SWL"):
-            record = Record()
-            record.ParseFromString(data)
-            if record.WhichOneof("record_type") != "media":
-                continue
-            (item,) = record.media.value.items
-            chart = json.loads((path.parent / "media" / "echarts" / item.filename).read_text())
-            if chart.get("_swanLab") != "table":
-                continue
-            columns = [c["field"] for c in chart["colDefs"]]
-            step, key = int(record.media.step), record.media.key
-            assert key not in out[step], f"swanlab: table {key} at step {step} logged twice"
-            out[step][key] = {"columns": columns,
-                              "rows": [[row[c] for c in columns] for row in chart["rowData"]]}
+    for step, key, chart in _swanlab_charts(root):
+        if chart.get("_swanLab") != "table":
+            continue
+        columns = [c["field"] for c in chart["colDefs"]]
+        assert key not in out[step], f"swanlab: table {key} at step {step} logged twice"
+        out[step][key] = {"columns": columns,
+                          "rows": [[row[c] for c in columns] for row in chart["rowData"]]}
     return dict(out)
 
 
