@@ -220,6 +220,21 @@ def test_alerts_name_the_samples_behind_them_everywhere_once_across_a_kill_and_a
     assert held in ([(2, "missing lr"), (3, "kl too high"), (4, "nonfinite actor/*")],
                     [(2, "missing lr"), (3, "kl too high"), (4, "nonfinite actor/*"),
                      (5, "kl too high")])
+    # a resumed run (a new service on the folder): the journaled steps are never checked
+    # again; its own steps are
+    resumed = metricsvc.start_metric_worker({**cfg.model_dump(), "name": f"{cfg.name}-b",
+                                             "run": {**cfg.run.model_dump(), "resume": True}})
+    ranks[:] = [MetricClient(None, rank=r, world_size=2, name=f"{cfg.name}-b", start_step=7)
+                for r in range(2)]
+    planted.clear()
+    planted[(7, 0)] = (99, 8.0)
+    record(7)
+    ray.get(resumed.close.remote(), timeout=120)
+    alerted = [json.loads(line)["event"]["alert"]["step"]
+               for line in (run / "metrics.jsonl").read_text().splitlines()
+               if line.startswith('{"event": {"alert"')]
+    assert alerted == [2, 3, 4, 5, 7]
+    assert metricsvc.flagged_samples(run) == [4711, 17, 99]
 
 
 def test_the_alerts_are_counted_in_rays_metrics_by_rule(make_worker):
