@@ -308,3 +308,26 @@ def test_moe_loads_reach_wandb_as_one_table_a_step_and_the_scalars_where_the_pag
     assert sorted(texts) == list(range(steps))
     assert "| layer | expert | tokens | load_percent |" in texts[0]["moe_balance/expert_loads"]
     assert len(readback.wandb_tables(run_dir)) == steps  # one table a step, every step kept
+
+
+def test_a_sink_that_draws_tables_gets_every_value_a_table_holds_or_its_scalar(tmp_path):
+    """A sink with ``table_series = False`` gets a table instead of the scalars it holds;
+    a table cut at ``max_rows`` leaves its scalars in (the rows past the cut are nowhere
+    else)."""
+    from metricsvc.service.output import Tables
+
+    class Drawing(RecordingSink):
+        table_series = False
+
+    metrics = {f"moe/layer_0/expert_{e}/tokens": float(e) for e in range(4)}
+    metrics["moe/layer_0/max_over_ideal"] = 1.5
+    sink = Drawing()
+    dispatcher = SinkDispatcher([sink], tmp_path)
+    for step, max_rows in enumerate((10, 3)):
+        tables = Tables({"loads": {"rows": "moe/layer_<layer>/expert_<expert>",
+                                   "values": ["tokens"], "max_rows": max_rows}}).of(metrics)
+        dispatcher.publish(step, metrics, {"tables": tables})
+    dispatcher.close()
+    (_, whole, _), (_, cut, meta) = sink.steps
+    assert whole == {"moe/layer_0/max_over_ideal": 1.5}  # the table holds the rest
+    assert cut == metrics and meta["tables"]["loads"]["cut"] == 1

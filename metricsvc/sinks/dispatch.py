@@ -437,11 +437,12 @@ class SinkDelivery:
     def _untabled(self, visible: dict[str, float],
                   tables: Mapping[str, Any]) -> dict[str, float]:
         """``visible`` without the names a step's tables carry (worked out once while the
-        steps export the same names and tables)."""
-        held = (tuple(visible), tuple(json.dumps(t["series"], sort_keys=True)
-                                      for t in tables.values()))
+        steps export the same names and tables); a table cut at its ``max_rows`` leaves its
+        scalars in (the rows past the cut are nowhere else)."""
+        whole = [t for t in tables.values() if not t.get("cut")]
+        held = (tuple(visible), tuple(json.dumps(t["series"], sort_keys=True) for t in whole))
         if self._tabled[0] != held:
-            carried = [table_series(t["series"]) for t in tables.values()]
+            carried = [table_series(t["series"]) for t in whole]
             self._tabled = (held, frozenset(n for n in visible if any(c(n) for c in carried)))
         drop = self._tabled[1]
         return {k: v for k, v in visible.items() if k not in drop}
