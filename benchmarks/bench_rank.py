@@ -336,9 +336,9 @@ def extremes_cost(rows: int, cols: int, rounds: int = 9, calls: int = 5) -> dict
     ids = torch.arange(rows) + 10_000
     plain = body._plain()
 
-    def step(given: torch.Tensor | None) -> None:
-        client.stat(mask=body.mask, ids=given, **tokens)
-        client.stat(ids=given, **per_seq)
+    def step(given: torch.Tensor | None, top: int | None = None) -> None:
+        client.stat(mask=body.mask, ids=given, top=top, **tokens)
+        client.stat(ids=given, top=top, **per_seq)
         client.submit_metric(plain)
         encode(client.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True))
 
@@ -348,8 +348,14 @@ def extremes_cost(rows: int, cols: int, rounds: int = 9, calls: int = 5) -> dict
     def without() -> None:
         step(None)
 
+    def with_top() -> None:
+        step(ids, 8)
+
     c = interleaved(with_ids, without, rounds, calls)
-    return {"with_ids_ms": c.pop("a_ms"), "without_ms": c.pop("b_ms"), **c}
+    t = interleaved(with_top, with_ids, rounds, calls)
+    return {"with_ids_ms": c.pop("a_ms"), "without_ms": c.pop("b_ms"), **c,
+            "with_top_ms": t["a_ms"], "top_ratio": t["ratio"], "top_low": t["low"],
+            "top_high": t["high"]}
 
 
 def print_extremes_cost(c: dict, rows: int, cols: int) -> None:
@@ -361,6 +367,8 @@ def print_extremes_cost(c: dict, rows: int, cols: int) -> None:
     print(f"| without ids | {c['without_ms']:.2f} | | |")
     print(f"| stat(ids=) | {c['with_ids_ms']:.2f} | {c['ratio']:.2f}× | "
           f"{c['low']:.2f}–{c['high']:.2f}× |")
+    print(f"| stat(ids=, top=8) | {c['with_top_ms']:.2f} | {c['top_ratio']:.2f}× of stat(ids=) "
+          f"| {c['top_low']:.2f}–{c['top_high']:.2f}× |")
 
 
 def main() -> list[dict]:

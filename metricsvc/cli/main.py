@@ -23,7 +23,7 @@ from metricsvc import __version__
 from metricsvc.config import load_config, presets
 from metricsvc.core.keys import DEFAULT_NAME, NAMESPACE_ENV, default_namespace
 from metricsvc.core.redaction import Redactor
-from metricsvc.sinks.console import alert_line
+from metricsvc.sinks.console import alert_line, source
 from metricsvc.storage.journal import journals_under, read_journal
 
 
@@ -104,12 +104,28 @@ def cmd_report(args: argparse.Namespace) -> None:
         print(f"* step {s['step']} is partial: missing ranks {s['meta'].get('missing_ranks')}")
     if args.extremes:
         print_extremes(steps, keys, width)
+    if args.top:
+        print_top(steps, keys)
     if args.alerts:
         print_alerts(every)
     if len(steps) < len(every):
         print(f"# the last {len(steps)} of {len(every)} steps (--last N shows more)")
     else:
         print(f"# all {len(steps)} steps")
+
+
+def print_top(steps: list[dict[str, Any]], keys: list[str]) -> None:
+    """The samples ``stat(top=k)`` kept for each shown min and max (``meta.top``)."""
+    print("\nthe k smallest and largest samples (stat(top=k)):")
+    shown = 0
+    for s in steps:
+        for name, samples in s["meta"].get("top", {}).items():
+            if name in keys:
+                shown += 1
+                print(f"step {s['step']} {name}: " + "; ".join(
+                    f"{x['value']:.6g}{source(x).replace('  <- ', ' (', 1)})" for x in samples))
+    if not shown:
+        print("(none: no shown key was recorded with stat(top=k) in these steps)")
 
 
 def print_alerts(steps: list[dict[str, Any]]) -> None:
@@ -341,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="last N steps (default 5; the output says how many it shows)")
     report.add_argument("--extremes", action="store_true",
                         help="also print the rank and sample each min and max came from")
+    report.add_argument("--top", action="store_true",
+                        help="also print the k smallest and largest samples of each shown "
+                             "min and max recorded with stat(top=k)")
     report.add_argument("--alerts", action="store_true",
                         help="also print every alert of the run and the samples it names")
     plot = sub.add_parser("plot", help="line plots of chosen keys over steps")

@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.host import MaskCache
-from metricsvc.client.summaries import Rows, add_sketches, sketch, summarize_call, to_host
+from metricsvc.client.summaries import (
+    Rows,
+    add_sketches,
+    sketch,
+    summarize_call,
+    to_host,
+    top_samples,
+)
 from metricsvc.client.tensors import is_tensor, to_device, torch_module
 from metricsvc.core.declare import Derived, Metric, encode_derived
 from metricsvc.core.keys import check_key, is_int, is_internal, safe_tag
@@ -36,7 +43,15 @@ from metricsvc.core.records import (
     MAX_CALL,
     MIN_CALL,
     NFIELDS,
+    NTOP,
     SIDES,
+    TOP_CALL,
+    TOP_COL,
+    TOP_ID,
+    TOP_K,
+    TOP_ROW,
+    TOP_SIDE,
+    TOP_VALUE,
     merge_grouped,
     unknown_sources,
     winners,
@@ -88,6 +103,9 @@ class RecordBuffer:
         # the close (``_read_timings``), one wait per device
         self.timings: list[tuple[str, int, Any, Any, Any]] = []
         self.device_waits = 0
+        # stat(top=k): key -> each call's (call, row length, samples [2, k, 3], k)
+        self.tops: dict[str, list[tuple[int, int, Any, int]]] = {}
+        self._tops_copied: list[np.ndarray] = []  # their samples, on the host (``_merged``)
         self.label = label
         self.on_record = on_record
 
@@ -125,7 +143,8 @@ class RecordBuffer:
     # -- recording -----------------------------------------------------------------------
     def record(self, values: Mapping[str, Any], mask: Any,
                kinds: ReduceType | int | Mapping[str, ReduceType | int], ids: Any = None,
-               expected: int = 0, masks: Mapping[str, Any] | None = None) -> None:
+               expected: int = 0, masks: Mapping[str, Any] | None = None,
+               top: int | None = None) -> None:
         """Summarise ``{full key: value}`` (under ``mask``, or each under its own: ``masks``;
         with ``ids``, where each min and max lies) and keep the records as ``kinds`` (one
         for every key, or one per key; ``AUTO``: a plain dict's, chosen by the service)."""
@@ -142,9 +161,15 @@ class RecordBuffer:
             found = summarize_call(values, mask, masks=masks, ids=ids, compile=self.compile,
                                    cache=self.masks)
             sketches = self._sketches(values, mask, masks, each, code) if sketched else None
+            if top is not None:  # with the call's number of each key: its recordings before
+                samples = {key: (self.seen.get(key, 0), *found_top) for key, found_top
+                           in top_samples(values, mask, ids, top).items()}
             for rows in found:
                 self.keep(rows, code if each is None else tuple(map(each.__getitem__, rows.keys)),
                           expected, sketches)
+            if top is not None:  # kept with the records: a refused call keeps neither
+                for key, (call, held, inner) in samples.items():
+                    self.tops.setdefault(key, []).append((call, inner, held, top))
         if self.on_record is not None:
             self.on_record()
 
@@ -265,13 +290,46 @@ class RecordBuffer:
             if self.timings:
                 self._read_timings()
             keys, data, codes, expected, extremes, sketches = self._merged()
+            top = self._top(keys) if self.tops else None
             derived = self.declarations.take_wire()
             self._reset()
             return Batch.build(step=step, rank=rank, world_size=world_size, seq=seq,
                                final=final, keys=keys, data=data, kinds=codes,
                                expected=expected, sketches=sketches,
                                sketch_alpha=self.sketch_spec.alpha, derived=derived,
-                               extremes=extremes)
+                               extremes=extremes, top=top)
+
+    def _top(self, keys: list[str]) -> dict[int, np.ndarray]:
+        """Each ``stat(top=k)`` key's k smallest and k largest samples over the step's calls
+        (ties to the earlier call, then row, then column), by key row: ``[n, NTOP]``; their
+        samples were copied with the step's records (``_merged``)."""
+        copied = iter(self._tops_copied)
+        row_of = {key: i for i, key in enumerate(keys)}
+        out = {}
+        for key, calls in self.tops.items():
+            k = max(c[3] for c in calls)
+            entries = []
+            for call, inner, _, _ in calls:
+                samples = np.asarray(next(copied), dtype=np.float64)
+                for side in (0, 1):
+                    got = samples[side][~np.isnan(samples[side, :, 0])]
+                    row, col = np.divmod(got[:, 1], inner)
+                    part = np.empty((len(got), NTOP))
+                    part[:, TOP_SIDE], part[:, TOP_VALUE], part[:, TOP_ID] = side, got[:, 0], \
+                        got[:, 2]
+                    part[:, TOP_CALL], part[:, TOP_ROW], part[:, TOP_COL] = call, row, col
+                    part[:, TOP_K] = k
+                    entries.append(part)
+            found = np.concatenate(entries) if entries else np.empty((0, NTOP))
+            sign = np.where(found[:, TOP_SIDE] == 0, 1.0, -1.0)
+            order = np.lexsort((found[:, TOP_COL], found[:, TOP_ROW], found[:, TOP_CALL],
+                                sign * found[:, TOP_VALUE], found[:, TOP_SIDE]))
+            found = found[order]
+            keep = np.concatenate([np.flatnonzero(found[:, TOP_SIDE] == side)[:k]
+                                   for side in (0, 1)])
+            if len(keep):
+                out[row_of[key]] = found[keep]
+        return out
 
     def _merged(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, dict, dict]:
         """Every part merged: the keys in the order first recorded, their records, kind
@@ -299,9 +357,14 @@ class RecordBuffer:
             if is_tensor(buckets):
                 dense.append(key)
                 held.append(buckets)
+        tops = [samples for calls in self.tops.values() for _, _, samples, _ in calls]
+        held.extend(tops)  # stat(top=k)'s samples, where the values were (the same copy)
         if self._on_device:  # one copy per device, of everything the step holds there
             held, copies = to_host(held)
             self.host_copies += copies
+        if tops:
+            self._tops_copied = held[len(held) - len(tops):]
+            del held[len(held) - len(tops):]
         rows = held[0] if len(parts) == 1 else np.concatenate(held[:len(parts)])
         idx = None
         data = rows
@@ -371,6 +434,8 @@ class RecordBuffer:
             self._masked = False
         self.parts, self.kinds, self.seen, self.sketches = [], {}, {}, {}
         self.timings = []
+        if self.tops:
+            self.tops, self._tops_copied = {}, []
         self._on_device = False
         if self.expected:
             self.expected = {}

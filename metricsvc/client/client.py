@@ -39,7 +39,7 @@ from metricsvc.core.keys import (
     default_namespace,
     is_int,
 )
-from metricsvc.core.limits import RETRY_S, Recent
+from metricsvc.core.limits import MAX_TOP, RETRY_S, Recent
 from metricsvc.core.records import scalar_row
 from metricsvc.core.reduce import AUTO, KINDS, ReduceType
 from metricsvc.core.sketch import SketchSpec
@@ -137,6 +137,7 @@ class Tracker:
         denominator: Any = None,
         reduce_type: ReduceType | str | None = None,
         ids: Any = None,
+        top: int | None = None,
         **values: Any,
     ) -> None:
         """Record masked summaries of tensors/arrays (AVG_MIN_MAX: mean, min and max).
@@ -151,6 +152,11 @@ class Tracker:
         the rank, the id and the position (``row``, ``col``) it came from, and ``call``:
         the key's recordings before it in that rank's step. Without ``ids`` it names the
         rank. Ids are carried as float64: integers up to 2**53 are exact.
+
+        ``top=k`` (1 to 64): the finished step's ``meta["top"]`` also lists, for each
+        exported min and max, the ``k`` smallest and largest samples of every rank (value,
+        rank, and with ``ids`` the id; row, column, call), found where the values live and
+        merged exactly: the k of the union, ties to the lower rank, call, row, column.
         """
         if isinstance(mask, str):
             mask, denominator = None, mask
@@ -171,16 +177,21 @@ class Tracker:
         if kind.__class__ is not ReduceType:
             kind = ReduceType.parse(kind)
         full = self._keys(values)
-        if ids is not None and not KINDS[kind].extremes:
+        if top is not None and (top.__class__ is not int or not 1 <= top <= MAX_TOP):
+            raise ValueError(f"stat(top=) for key {next(iter(full))!r}: top is how many of the "
+                             f"largest and smallest samples to keep, an int from 1 to "
+                             f"{MAX_TOP}; got {top!r}")
+        if (ids is not None or top is not None) and not KINDS[kind].extremes:
             raise ValueError(
-                f"stat(ids=) for key {next(iter(full))!r}: ids name where a min or max came "
-                f"from, and {kind.name} exports neither (use "
+                f"stat({'ids' if ids is not None else 'top'}=) for key {next(iter(full))!r}: "
+                f"ids and top name the samples behind a min or max, and {kind.name} exports "
+                f"neither (use "
                 f"{', '.join(k.name for k, spec in KINDS.items() if spec.extremes)})")
         if isinstance(denominator, str):
             mask = self._lookup(denominator, next(iter(full), "<none>"))
         elif denominator is not None:
             mask = denominator
-        self.buffer.record(full, mask, kind, ids)
+        self.buffer.record(full, mask, kind, ids, top=top)
 
     def stat_compact(self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX,
                      **values: Any) -> None:

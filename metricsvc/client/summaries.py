@@ -430,3 +430,65 @@ def to_host(parts: Sequence[Any]) -> tuple[list[np.ndarray], int]:
             out[i] = host[start: start + n].reshape(tuple(parts[i].shape))
             start += n
     return out, len(by_device)
+
+
+# -- the largest and smallest samples (``stat(top=k)``) --------------------------------------
+def top_samples(values: Mapping[str, Any], mask: Any, ids: Any, k: int) -> dict[str, Any]:
+    """For each of a call's values, its ``k`` smallest and ``k`` largest valid finite
+    values with their flat positions and sample ids, ``[2, k, 3]`` (side 0 the smallest,
+    1 the largest; ``(value, position, id)``; a value NaN where fewer are valid), found
+    where the value lives (a tensor on an accelerator: a stable sort there, nothing read
+    back; on the host: a partition of the valid values); ties go to the lower position.
+    Also each value's row length: ``{key: (found, inner)}``. The values were checked by
+    ``summarize_call`` (same mask, same ids)."""
+    out = {}
+    for key, value in values.items():
+        v, m = _prepare(value, mask, key)
+        v = v.tensor() if isinstance(v, Difference) else v
+        if is_tensor(v) and not on_host(v):
+            out[key] = (_device_top(v, m, ids, k, _inner(v)), _inner(v))
+            continue
+        if is_tensor(v):  # its own dtype where numpy has it (the order is float64's)
+            torch = torch_module()
+            v = v.detach()
+            v = (v if v.dtype in numpy_dtypes(torch) else v.to(torch.float64)).numpy()
+            m = None if m is None else m.numpy()
+        v = np.asarray(v)
+        inner = _inner(v)
+        x = v.reshape(-1)
+        valid = np.isfinite(x) if m is None else np.isfinite(x) & np.asarray(m).reshape(-1)
+        where = np.flatnonzero(valid)
+        vals = x[where]
+        found = np.full((2, k, 3), np.nan)
+        for side, order in ((0, vals), (1, -vals)):
+            if len(order) > k:  # the k-th of the side's order; every value tied with it
+                kth = np.partition(order, k - 1)[k - 1]
+                near = np.flatnonzero(order <= kth)
+            else:
+                near = np.arange(len(order))
+            chosen = near[np.lexsort((near, order[near]))][:k]
+            at = where[chosen]
+            found[side, :len(at), 0] = vals[chosen]
+            found[side, :len(at), 1] = at
+            if ids is not None:
+                host_ids = ids.detach().cpu().numpy() if is_tensor(ids) else np.asarray(ids)
+                found[side, :len(at), 2] = host_ids[at // inner]
+        out[key] = (found, inner)
+    return out
+
+
+def _device_top(v: Any, m: Any, ids: Any, k: int, inner: int) -> Any:
+    """``top_samples`` of a device tensor, on its device (no sync)."""
+    torch = torch_module()
+    x = v.reshape(-1).to(torch.float64)
+    valid = torch.isfinite(x) if m is None else torch.isfinite(x) & m.reshape(-1)
+    n = min(k, x.numel())
+    found = torch.full((2, k, 3), float("nan"), dtype=torch.float64, device=x.device)
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
+    for side, order in ((0, x), (1, -x)):
+        at = torch.sort(torch.where(valid, order, inf), stable=True).indices[:n]
+        found[side, :n, 0] = torch.where(valid[at], x[at], torch.nan)
+        found[side, :n, 1] = at.to(torch.float64)
+        if ids is not None:
+            found[side, :n, 2] = to_device(ids, x.device)[at // inner].to(torch.float64)
+    return found

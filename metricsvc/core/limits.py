@@ -17,6 +17,9 @@ MAX_TAG_LENGTH = 255  # the longest tag a sink is given (TensorBoard, wandb, mlf
 # -- quantiles -----------------------------------------------------------------------------
 SKETCH_ALPHA = 0.01  # the quantile sketch's relative accuracy, on ranks and in the service
 
+# -- the samples behind a number -------------------------------------------------------
+MAX_TOP = 64  # stat(top=k): the largest k a call may ask for
+
 # -- alerts --------------------------------------------------------------------------------
 MAX_ALERT_RULES = 64  # rules a run may declare (``alerts:``)
 MAX_FLAGGED_PER_STEP = 256  # samples one step's alerts may name; past it the step says so

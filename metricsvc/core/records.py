@@ -362,6 +362,13 @@ SIDES = (("min", MIN, MIN_ID), ("max", MAX, MAX_ID))  # name, record field, firs
 SIDE = {name: i for i, (name, _, _) in enumerate(SIDES)}  # the order ``winners`` answers in
 
 
+# A top sample (``stat(top=k)``): which side (SIDE: 0 the smallest, 1 the largest), its
+# value, the sample's id (NaN: none given), the call, row and column it was recorded at,
+# and the k its rank asked for.
+TOP_SIDE, TOP_VALUE, TOP_ID, TOP_CALL, TOP_ROW, TOP_COL, TOP_K = range(7)
+NTOP = 7
+
+
 def unknown_sources(n: int) -> np.ndarray:
     """Return ``n`` source rows that know nothing (every field NaN)."""
     return np.full((n, NSOURCE), np.nan)

@@ -11,12 +11,13 @@ same content (each array travels as its own out-of-band buffer), and one call pe
 per step is the product's whole budget::
 
     header  <q step, i rank, i world_size, q seq, ? final, d sketch_alpha,
-             I keys, I sketches, I buckets, I key bytes, I declaration bytes, I sources>
+             I keys, I sketches, I buckets, I key bytes, I declaration bytes, I sources,
+             I top samples>
     keys    UTF-8, separated by NUL (a valid key never contains NUL)
     derived the derived-metric declarations, UTF-8 JSON (``metricsvc.core.declare``)
     columns data f64[K*7] · kinds i8[K] · expected i32[K] · sketch_rows i32[S]
             · sketch_offsets i64[S+1] · sketch_codes i32[N] · sketch_counts f64[N]
-            · extreme_rows i32[E] · extremes f64[E*8]
+            · extreme_rows i32[E] · extremes f64[E*8] · top_rows i32[T] · top f64[T*7]
 
 ``receive`` is the service's one boundary: the bytes decoded and every rule checked once,
 each refusal a ``BatchRejected`` naming the key (or field), what was expected and what came.
@@ -32,7 +33,7 @@ import numpy as np
 
 from metricsvc.core.declare import Derived, decode_declarations
 from metricsvc.core.keys import check_key, check_rank
-from metricsvc.core.limits import LIMITS, SKETCH_ALPHA, Limits, Recent
+from metricsvc.core.limits import LIMITS, MAX_TOP, SKETCH_ALPHA, Limits, Recent
 from metricsvc.core.records import (
     COUNT,
     M2_ROOT,
@@ -43,8 +44,16 @@ from metricsvc.core.records import (
     NFIELDS,
     NONFINITE,
     NSOURCE,
+    NTOP,
     SUM,
     SUM_LO,
+    TOP_CALL,
+    TOP_COL,
+    TOP_ID,
+    TOP_K,
+    TOP_ROW,
+    TOP_SIDE,
+    TOP_VALUE,
 )
 from metricsvc.core.reduce import KINDS, VALID_CODES
 from metricsvc.core.sketch import MIN_ALPHA, SketchSpec
@@ -62,7 +71,8 @@ def _empty(dtype: type, shape: tuple = (0,)) -> np.ndarray:
 # The optional columns, empty: what a batch that carries none holds
 EMPTY = {"sketch_rows": _empty(np.int32), "sketch_offsets": _empty(np.int64, (1,)),
          "sketch_codes": _empty(np.int32), "sketch_counts": _empty(np.float64),
-         "extreme_rows": _empty(np.int32), "extremes": _empty(np.float64, (0, NSOURCE))}
+         "extreme_rows": _empty(np.int32), "extremes": _empty(np.float64, (0, NSOURCE)),
+         "top_rows": _empty(np.int32), "top": _empty(np.float64, (0, NTOP))}
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,9 @@ class Batch:
     # Where some keys' min and max came from (``core.extremes``): key rows, [E, NSOURCE]
     extreme_rows: np.ndarray = field(default_factory=lambda: EMPTY["extreme_rows"])
     extremes: np.ndarray = field(default_factory=lambda: EMPTY["extremes"])
+    # The largest and smallest samples of some keys (``stat(top=k)``): key rows, [T, NTOP]
+    top_rows: np.ndarray = field(default_factory=lambda: EMPTY["top_rows"])
+    top: np.ndarray = field(default_factory=lambda: EMPTY["top"])
 
     @classmethod
     def build(
@@ -115,11 +128,13 @@ class Batch:
         sketch_alpha: float = SKETCH_ALPHA,
         derived: bytes = b"",
         extremes: Mapping[int, np.ndarray] | None = None,
+        top: Mapping[int, np.ndarray] | None = None,
     ) -> Batch:
         """Build a batch, coercing the columns to their wire dtypes.
 
         ``sketches`` maps a key's row to its sparse ``(codes, counts)`` buckets,
-        ``extremes`` a key's row to where its min and max came from (``core.extremes``).
+        ``extremes`` a key's row to where its min and max came from (``core.extremes``),
+        ``top`` a key's row to its top samples (``[n, NTOP]``, ``records.TOP_*``).
         """
         k = len(keys)
         columns = dict(EMPTY)  # the optional columns it carries replace these
@@ -138,6 +153,12 @@ class Batch:
                 extreme_rows=np.asarray(held, dtype=np.int32),
                 extremes=np.asarray([extremes[r] for r in held],
                                     dtype=np.float64).reshape(len(held), NSOURCE))
+        if top:
+            held = sorted(top)
+            columns.update(
+                top_rows=np.concatenate([np.full(len(top[r]), r, np.int32) for r in held]),
+                top=np.concatenate([np.asarray(top[r], np.float64).reshape(-1, NTOP)
+                                    for r in held]))
         return cls(
             step=int(step),
             rank=int(rank),
@@ -163,7 +184,8 @@ class Batch:
         """Return the wire size of the numeric columns in bytes."""
         return int(self.data.nbytes + self.kinds.nbytes + self.expected.nbytes
                    + self.sketch_codes.nbytes + self.sketch_counts.nbytes + len(self.derived)
-                   + self.extreme_rows.nbytes + self.extremes.nbytes)
+                   + self.extreme_rows.nbytes + self.extremes.nbytes + self.top_rows.nbytes
+                   + self.top.nbytes)
 
     @property
     def nbytes(self) -> int:
@@ -171,25 +193,28 @@ class Batch:
         return self.nbytes_without_keys + sum(len(key) for key in self.keys)
 
 
-_HEADER = struct.Struct("<qiiq?dIIIIII")
+_HEADER = struct.Struct("<qiiq?dIIIIIII")
 # Each column: its name, dtype, and length as counts of (K keys, S sketches, N buckets,
-# E located keys) and a constant: every length is linear in them.
+# E located keys, T top samples) and a constant: every length is linear in them.
 _COLUMNS = (
-    ("data", np.float64, (NFIELDS, 0, 0, 0, 0)),
-    ("kinds", np.int8, (1, 0, 0, 0, 0)),
-    ("expected", np.int32, (1, 0, 0, 0, 0)),
-    ("sketch_rows", np.int32, (0, 1, 0, 0, 0)),
-    ("sketch_offsets", np.int64, (0, 1, 0, 0, 1)),
-    ("sketch_codes", np.int32, (0, 0, 1, 0, 0)),
-    ("sketch_counts", np.float64, (0, 0, 1, 0, 0)),
-    ("extreme_rows", np.int32, (0, 0, 0, 1, 0)),
-    ("extremes", np.float64, (0, 0, 0, NSOURCE, 0)),
+    ("data", np.float64, (NFIELDS, 0, 0, 0, 0, 0)),
+    ("kinds", np.int8, (1, 0, 0, 0, 0, 0)),
+    ("expected", np.int32, (1, 0, 0, 0, 0, 0)),
+    ("sketch_rows", np.int32, (0, 1, 0, 0, 0, 0)),
+    ("sketch_offsets", np.int64, (0, 1, 0, 0, 0, 1)),
+    ("sketch_codes", np.int32, (0, 0, 1, 0, 0, 0)),
+    ("sketch_counts", np.float64, (0, 0, 1, 0, 0, 0)),
+    ("extreme_rows", np.int32, (0, 0, 0, 1, 0, 0)),
+    ("extremes", np.float64, (0, 0, 0, NSOURCE, 0, 0)),
+    ("top_rows", np.int32, (0, 0, 0, 0, 1, 0)),
+    ("top", np.float64, (0, 0, 0, 0, NTOP, 0)),
 )
 _LAYOUT = tuple((name, np.dtype(dtype), np.dtype(dtype).itemsize, per)
                 for name, dtype, per in _COLUMNS)
-# The columns' bytes: ``_FIXED + _PER_K * K + _PER_S * S + _PER_N * N + _PER_E * E``
-_PER_K, _PER_S, _PER_N, _PER_E, _FIXED = (
-    sum(itemsize * per[i] for _, _, itemsize, per in _LAYOUT) for i in range(5))
+# The columns' bytes: ``_FIXED + _PER_K * K + _PER_S * S + _PER_N * N + _PER_E * E
+# + _PER_T * T``
+_PER_K, _PER_S, _PER_N, _PER_E, _PER_T, _FIXED = (
+    sum(itemsize * per[i] for _, _, itemsize, per in _LAYOUT) for i in range(6))
 
 
 def encode(batch: Batch) -> bytes:
@@ -198,7 +223,7 @@ def encode(batch: Batch) -> bytes:
     k, s, n = len(batch.keys), len(batch.sketch_rows), len(batch.sketch_codes)
     head = _HEADER.pack(batch.step, batch.rank, batch.world_size, batch.seq, batch.final,
                         batch.sketch_alpha, k, s, n, len(keys), len(batch.derived),
-                        len(batch.extreme_rows))
+                        len(batch.extreme_rows), len(batch.top_rows))
     parts = [head, keys, batch.derived]
     for name, dtype, _, _ in _LAYOUT:
         column = getattr(batch, name)
@@ -208,14 +233,14 @@ def encode(batch: Batch) -> bytes:
 
 
 def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, derived_len: int,
-                  e: int, limits: Limits) -> None:
+                  e: int, t: int, limits: Limits) -> None:
     """Refuse a batch by its header alone, before any per-key work or allocation."""
     if len(blob) > limits.max_batch_bytes:
         raise BatchRejected(f"batch is {len(blob)} bytes; the limit is {limits.max_batch_bytes}")
     if k > limits.max_keys_per_batch:
         raise BatchRejected(f"batch has {k} keys; the limit is {limits.max_keys_per_batch}")
     size = (_HEADER.size + key_len + derived_len + _FIXED + _PER_K * k + _PER_S * s
-            + _PER_N * n + _PER_E * e)
+            + _PER_N * n + _PER_E * e + _PER_T * t)
     if size != len(blob):
         raise BatchRejected(
             f"malformed wire batch: its header describes {size} bytes, {len(blob)} came"
@@ -237,9 +262,9 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         BatchRejected: the bytes are not a well-formed encoded batch, or exceed a limit.
     """
     try:
-        step, rank, world, seq, final, alpha, k, s, n, key_len, derived_len, e = \
+        step, rank, world, seq, final, alpha, k, s, n, key_len, derived_len, e, t = \
             _HEADER.unpack_from(blob)
-        _check_header(blob, k, s, n, key_len, derived_len, e, limits or Limits())
+        _check_header(blob, k, s, n, key_len, derived_len, e, t, limits or Limits())
         pos = _HEADER.size
         # The keys (UTF-8, separated by NUL; ``k`` of them by the header, checked below):
         # ranks send the same ones every step, decoded once into one shared tuple
@@ -253,8 +278,8 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         derived = bytes(blob[pos : pos + derived_len])
         pos += derived_len
         columns = dict(EMPTY)  # a column the batch does not carry stays the shared empty
-        for name, dtype, itemsize, (pk, ps, pn, pe, fixed) in _LAYOUT:
-            count = pk * k + ps * s + pn * n + pe * e + fixed
+        for name, dtype, itemsize, (pk, ps, pn, pe, pt, fixed) in _LAYOUT:
+            count = pk * k + ps * s + pn * n + pe * e + pt * t + fixed
             if count or name not in EMPTY:  # data, kinds and expected even for K = 0
                 columns[name] = np.frombuffer(blob, dtype=dtype, count=count, offset=pos)
                 pos += count * itemsize
@@ -268,6 +293,8 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
     columns["data"] = columns["data"].reshape(k, NFIELDS)
     if e:
         columns["extremes"] = columns["extremes"].reshape(e, NSOURCE)
+    if t:
+        columns["top"] = columns["top"].reshape(t, NTOP)
     return Batch(step=step, rank=rank, world_size=world, seq=seq, final=final, keys=keys,
                  sketch_alpha=alpha, derived=derived, **columns)
 
@@ -359,6 +386,8 @@ def check(batch: object, limits: Limits = LIMITS, cache: Recent | None = None) -
         _check_sketches(batch)
     if batch.extreme_rows.size:
         _check_sources(batch)
+    if batch.top_rows.size:
+        _check_top(batch)
     return batch
 
 
@@ -402,12 +431,19 @@ def _check_columns(batch: Batch, k: int) -> None:
     if not (isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
             and isinstance(src, np.ndarray) and src.shape == (len(rows), NSOURCE)):
         raise BatchRejected("batch extreme columns are inconsistent (rows/sources)")
+    rows, top = batch.top_rows, batch.top
+    if not (isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int32
+            and isinstance(top, np.ndarray) and top.shape == (len(rows), NTOP)
+            and top.dtype == np.float64):
+        raise BatchRejected("batch top columns are inconsistent (rows/samples)")
 
 
 _VALID_CODE = np.zeros(256, dtype=bool)  # indexed by a kind code's byte
 _VALID_CODE[[code & 0xFF for code in VALID_CODES]] = True
 _WEIGHTED_CODE = np.zeros(256, dtype=bool)  # kinds whose counts may be fractional weights
 _WEIGHTED_CODE[[int(k) for k, spec in KINDS.items() if spec.weighted]] = True
+_EXTREMES_CODE = np.zeros(256, dtype=bool)  # kinds that export a min and a max
+_EXTREMES_CODE[[int(k) & 0xFF for k, spec in KINDS.items() if spec.extremes]] = True
 _SKETCH_CODE = np.zeros(256, dtype=bool)  # kinds that merge quantile sketches
 _SKETCH_CODE[[int(k) for k, spec in KINDS.items() if spec.sketch]] = True
 
@@ -506,6 +542,35 @@ def _check_sources(batch: Batch) -> None:
                 f"key {batch.keys[int(rows[j])]!r}: where its min and max came from "
                 f"{src[j].tolist()} (call, row and column must be whole numbers >= 0, "
                 f"or all NaN; an id finite or NaN)")
+
+
+def _check_top(batch: Batch) -> None:
+    """The top samples: rows of keys whose kind exports a min and a max; a side 0 or 1; a
+    finite value; call, row and column whole numbers in [0, 2**53]; an id finite or NaN;
+    at most k (1 to ``MAX_TOP``) a key and side, each saying the same k."""
+    rows, top = batch.top_rows, batch.top
+    if rows.min() < 0 or rows.max() >= len(batch.keys):
+        raise BatchRejected("batch top rows must name keys of the batch")
+    where = top[:, [TOP_CALL, TOP_ROW, TOP_COL]]
+    whole = ((where >= 0) & (where <= MAX_COUNT) & (np.floor(where) == where)).all(1)
+    k = top[:, TOP_K]
+    ok = (whole & np.isin(top[:, TOP_SIDE], (0.0, 1.0)) & np.isfinite(top[:, TOP_VALUE])
+          & ~np.isinf(top[:, TOP_ID]) & (k >= 1) & (k <= MAX_TOP) & (np.floor(k) == k))
+    extremes = _EXTREMES_CODE[batch.kinds[rows].view(np.uint8)]
+    bad = ~(ok & extremes)
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        raise BatchRejected(
+            f"key {batch.keys[int(rows[j])]!r}: top sample {top[j].tolist()} (side 0 or 1, a "
+            f"finite value, call, row and column whole numbers >= 0, an id finite or NaN, "
+            f"k in [1, {MAX_TOP}], of a kind that exports a min and a max)")
+    sides = rows.astype(np.int64) * 2 + top[:, TOP_SIDE].astype(np.int64)
+    groups, counts = np.unique(sides, return_counts=True)
+    for group, count in zip(groups.tolist(), counts.tolist()):
+        ks = k[sides == group]
+        if count > ks[0] or (ks != ks[0]).any():
+            raise BatchRejected(f"key {batch.keys[group // 2]!r}: {count} top samples on one "
+                                f"side for k={ks.tolist()} (at most k, one k a key)")
 
 
 def _check_sketches(batch: Batch) -> None:

@@ -77,7 +77,7 @@ class Alerts:
             if fired is None:
                 continue
             key, value = fired
-            samples = _samples(key, metrics, meta.get("extremes") or {})
+            samples = _samples(key, metrics, meta.get("extremes") or {}, meta.get("top") or {})
             room = max(0, MAX_FLAGGED_PER_STEP - named)
             named += len(samples)
             out.append({"step": step, "rule": rule.name, "key": key, "value": value,
@@ -124,11 +124,12 @@ class Alerts:
 
 
 def _samples(key: str, metrics: Mapping[str, float],
-             extremes: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+             extremes: Mapping[str, Mapping[str, Any]],
+             top: Mapping[str, list[Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """The samples behind ``key``'s value: where its own min or max came from (a name
     ``meta["extremes"]`` places), else where the min and max of its family came from (the
     extremes named under it, ``kl`` -> ``kl/min``, ``kl/max``; or beside it, ``kl/mean`` ->
-    ``kl/min``, ``kl/max``)."""
+    ``kl/min``, ``kl/max``); for a name recorded with ``stat(top=k)``, its k samples."""
     if key in extremes:
         names = [key]
     else:
@@ -137,4 +138,6 @@ def _samples(key: str, metrics: Mapping[str, float],
         if not names and parent:
             names = sorted(n for n in extremes if n.rpartition("/")[0] == parent
                            and n.rpartition("/")[2] in ("min", "max"))
-    return [{"name": n, "value": metrics.get(n), **extremes[n]} for n in names]
+    return [found for n in names for found in
+            ([{"name": n, **s} for s in top[n]] if n in top
+             else [{"name": n, "value": metrics.get(n), **extremes[n]}])]

@@ -11,6 +11,7 @@ blindly (non-finite values, overflow, missing contributors, approximations, coll
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,24 @@ import numpy as np
 
 from metricsvc.core.declare import key_pattern, placeholders
 from metricsvc.core.keys import is_internal, safe_tag, tag_order
-from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SIDE, SUM, describe_source
+from metricsvc.core.records import (
+    COUNT,
+    M2_ROOT,
+    MAX,
+    MIN,
+    NONFINITE,
+    NTOP,
+    SIDE,
+    SUM,
+    TOP_CALL,
+    TOP_COL,
+    TOP_ID,
+    TOP_K,
+    TOP_ROW,
+    TOP_SIDE,
+    TOP_VALUE,
+    describe_source,
+)
 from metricsvc.core.reduce import (
     AUTO,
     KINDS,
@@ -181,6 +199,12 @@ class StepOutput:
         if self.deriver.totals:  # the running sums: a restart continues them
             meta["derived_totals"] = self.deriver.state()
         meta.update(_anomalies(p.keys, plan, merged, p.world_size))
+        if merged.tops:  # stat(top=k): the k smallest and largest samples of every rank
+            top = top_samples(plan, merged.tops, metrics)
+            if top:
+                meta["top"] = top
+                meta.setdefault("tables", {}).update(
+                    {f"top/{name}": top_table(name, rows) for name, rows in top.items()})
         if plan.extremes:  # the rank (and sample) each exported min and max came from
             sources = self.extremes(plan, merged, metrics)
             if sources:
@@ -313,6 +337,57 @@ class Tables:
                                  max(0, len(ordered) - max_rows),
                                  {"pattern": pattern.text, "values": values})
         return layout
+
+
+TOP_COLUMNS = ["value", "rank", "id", "row", "col", "call"]
+
+
+def top_samples(plan: KeyPlan, tops: Sequence[tuple[int, np.ndarray, np.ndarray]],
+                metrics: Mapping[str, float]) -> dict[str, list[dict[str, Any]]]:
+    """``meta["top"]``: for each exported min and max of a key some rank recorded with
+    ``stat(top=k)``, the k samples of the union of the ranks' (the smallest for a min, the
+    largest for a max; ties to the lower rank, call, row, column), best first."""
+    by_row: dict[int, list[np.ndarray]] = {}
+    for rank, rows, samples in tops:
+        with_rank = np.column_stack([samples, np.full(len(samples), rank, np.float64)])
+        for row in np.unique(rows).tolist():
+            by_row.setdefault(row, []).append(with_rank[rows == row])
+    out: dict[str, list[dict[str, Any]]] = {}
+    for i, sides in plan.extremes:
+        found = by_row.get(i)
+        if found is None:
+            continue
+        every = np.concatenate(found)
+        for side, name in sides:
+            if name not in metrics or name in out:
+                continue
+            mine = every[every[:, TOP_SIDE] == SIDE[side]]
+            if not len(mine):
+                continue
+            sign = 1.0 if side == "min" else -1.0
+            order = np.lexsort((mine[:, TOP_COL], mine[:, TOP_ROW], mine[:, TOP_CALL],
+                                mine[:, NTOP], sign * mine[:, TOP_VALUE]))
+            k = int(mine[:, TOP_K].max())
+            out[name] = [_top_sample(s) for s in mine[order[:k]]]
+    return out
+
+
+def _top_sample(s: np.ndarray) -> dict[str, Any]:
+    found: dict[str, Any] = {"value": float(s[TOP_VALUE]), "rank": int(s[NTOP]),
+                             "row": int(s[TOP_ROW]), "col": int(s[TOP_COL]),
+                             "call": int(s[TOP_CALL])}
+    ident = float(s[TOP_ID])
+    if not math.isnan(ident):
+        found["id"] = int(ident) if ident.is_integer() else ident
+    return found
+
+
+def top_table(name: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``meta["tables"]`` entry of a name's top samples (the sinks that draw tables show
+    it; it holds no scalar: ``series`` matches no name)."""
+    return {"columns": TOP_COLUMNS,
+            "rows": [[s.get(c) for c in TOP_COLUMNS] for s in samples],
+            "series": {"pattern": f"top/{name}/<value>", "values": []}}
 
 
 def staleness(name: str, step: int, counts: Mapping[int, int],

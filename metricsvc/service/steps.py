@@ -9,7 +9,7 @@ actor restarts.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any
 
@@ -53,6 +53,8 @@ class Merged:
     parts: list[Part]
     winners: list[tuple[np.ndarray, np.ndarray | None]]
     meta: dict[str, Any] = field(default_factory=dict)
+    # stat(top=k): each rank's samples, (rank, key rows in the step, [n, NTOP])
+    tops: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 class Collection:
@@ -214,6 +216,7 @@ class PendingStep(Collection):
         self.stream_seqs: dict[str, dict[str, int]] = {}
         # Per stream exported into this step: its records per policy version (version=)
         self.stream_versions: dict[str, dict[int, int]] = {}
+        self.tops: list[tuple[int, np.ndarray, np.ndarray]] = []  # stat(top=k)'s samples
         self.timed_out = False
         self.stream_only = stream_only  # final with its stream windows alone (no rank)
         # Until the run's world size is agreed: how to rebuild this step without the
@@ -237,6 +240,8 @@ class PendingStep(Collection):
         part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data, [], sources)
         fresh = self.add(part, batch.keys, batch.kinds, batch.expected,
                          _sketches_of(batch) if batch.sketch_rows.size else ())
+        if batch.top_rows.size:  # kept with the part (``add`` gave every key its row)
+            self.tops.append((batch.rank, idx[batch.top_rows], batch.top))
         if batch.declared or batch.about:
             self.declare(batch.declared, batch.about)
         self.digests[(batch.rank, batch.seq)] = digest
@@ -346,7 +351,7 @@ class PendingStep(Collection):
         meta["digests"] = digests
         merged = self.merged(locate=True)
         merged.meta.update(meta)
-        return merged
+        return replace(merged, tops=self.tops) if self.tops else merged
 
     def summary(self) -> dict[str, Any]:
         return {"closed": sorted(self.closed), "world_size": self.size(), "keys": len(self.keys)}

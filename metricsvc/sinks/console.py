@@ -46,6 +46,9 @@ def format_step(
                      for k in group)
     if len(keys) > max_rows:
         lines.append(f"... {len(keys) - max_rows} more")
+    for name, samples in meta.get("top", {}).items():  # stat(top=k): one line a name
+        lines.append(f"top {name}: " + "; ".join(
+            f"{s['value']:.6g}{source(s).replace('  <- ', ' (', 1)})" for s in samples))
     return "\n".join(lines) + "\n"
 
 

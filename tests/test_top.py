@@ -1,0 +1,180 @@
+"""The samples behind a number (``stat(top=k)`` -> ``meta["top"]``): the k smallest and
+largest samples of a step across every rank, against a sort of the ranks' data
+concatenated in rank order, call order, row and column."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from metricsvc.client import MetricClient
+from metricsvc.core.wire import decode, encode
+
+WORLD = 3
+
+
+def _calls(rank: int, rng: np.random.Generator) -> list[dict]:
+    """One rank's recordings of a step: two micro-batches of token values (unequal rows,
+    masks, NaN and inf, ties rounded to halves, float32 and float64 tensors and numpy),
+    each row a sample with an id."""
+    calls, first = [], 1000 * (rank + 1)
+    for micro in range(2):
+        rows, cols = 2 + rank + micro, 5 + rank
+        v = np.round(rng.normal(size=(rows, cols)) * 2) / 2 * 10.0 ** (3 * micro - 1)
+        v[rng.random((rows, cols)) < 0.05] = np.nan
+        v[rng.random((rows, cols)) < 0.03] = np.inf
+        mask = rng.random((rows, cols)) < 0.7
+        ids = np.arange(first, first + rows)
+        first += rows
+        value = (torch.tensor(v, dtype=torch.float32) if (rank + micro) % 3 == 0 else
+                 torch.tensor(v) if (rank + micro) % 3 == 1 else v)
+        calls.append({"kl": value, "mask": mask, "ids": ids, "raw": v})
+    return calls
+
+
+def _expected(per_rank: list[list[dict]], k: int) -> dict[str, list[tuple]]:
+    every = []
+    for rank, calls in enumerate(per_rank):
+        for call, c in enumerate(calls):
+            v = np.asarray(torch.as_tensor(c["kl"]).double()) if torch.is_tensor(c["kl"]) \
+                else c["raw"]
+            for row, col in zip(*np.nonzero(c["mask"] & np.isfinite(v))):
+                every.append((float(v[row, col]), rank, call, int(row), int(col),
+                              int(c["ids"][row])))
+    largest = sorted(every, key=lambda s: (-s[0], s[1], s[2], s[3], s[4]))[:k]
+    smallest = sorted(every, key=lambda s: (s[0], s[1], s[2], s[3], s[4]))[:k]
+    return {"kl/max": largest, "kl/min": smallest}
+
+
+@pytest.mark.parametrize("k", [1, 4, 64])
+def test_top_k_equals_a_sort_of_the_concatenated_data_across_ranks_and_calls(make_worker, k):
+    handle, cfg = make_worker(world_size=WORLD)
+    rng = np.random.default_rng(k)
+    per_rank = [_calls(r, rng) for r in range(WORLD)]
+    for rank, calls in enumerate(per_rank):
+        c = MetricClient(None, rank=rank, world_size=WORLD, name=cfg.name)
+        for call in calls:
+            c.stat(mask=call["mask"], ids=call["ids"], top=k, kl=call["kl"])
+        c.wait_submit(step=0, timeout_s=30)
+    got = ray.get(handle.wait_final.remote(0, 30))
+    for name, want in _expected(per_rank, k).items():
+        shown = [(s["value"], s["rank"], s["call"], s["row"], s["col"], s["id"])
+                 for s in got["meta"]["top"][name]]
+        assert shown == want, name
+        assert shown[0][0] == got["metrics"][name]  # the first is the min or max itself
+        table = got["meta"]["tables"][f"top/{name}"]
+        assert [row[0] for row in table["rows"]] == [s[0] for s in shown]
+
+
+def test_a_step_of_top_samples_crosses_the_wire_whole_and_a_bad_one_is_refused():
+    c = MetricClient(None, rank=0, world_size=1)
+    c.stat(top=2, kl=torch.tensor([[3.0, 1.0], [2.0, 5.0]]))
+    batch = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=1, final=True)
+    back = decode(encode(batch))
+    np.testing.assert_array_equal(back.top, batch.top)
+    assert back.top[:, 1].tolist() == [1.0, 2.0, 5.0, 3.0]  # smallest two, largest two
+
+
+@pytest.mark.parametrize("top, said", [(0, "from 1 to 64"), (65, "from 1 to 64"),
+                                       ("3", "an int"), (2.0, "an int")])
+def test_a_bad_top_is_refused_in_one_line_naming_the_key(top, said):
+    c = MetricClient(None, rank=0, world_size=1)
+    with pytest.raises(ValueError, match=said) as err:
+        c.stat(top=top, kl=np.ones(3))
+    assert "'kl'" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="exports neither"):
+        c.stat(top=3, reduce="sum", kl=np.ones(3))
+    assert not c.buffer.tops and not c.buffer.kinds
+
+
+def test_the_top_samples_reach_wandb_as_a_table_name_an_alert_and_survive_a_kill(make_worker):
+    """The k largest kl of two ranks: an alert on kl/max names all k (flagged for a
+    resumed run), a SIGKILL's next incarnation reads the step's top back from the journal,
+    and wandb holds them as one table a step."""
+    from pathlib import Path
+
+    import metricsvc
+    from tests import readback
+    from tests.helpers import sigkill
+
+    handle, cfg = make_worker(world_size=2, alerts=[{"key": "kl/max", "above": 5.0}],
+                              sinks={"jsonl": {}, "wandb": {"mode": "offline"},
+                                     "delivery": {"close_timeout_s": 150}})
+    for rank in range(2):
+        c = MetricClient(None, rank=rank, world_size=2, name=cfg.name)
+        kl = torch.full((3, 4), 0.5)
+        kl[1, 2] = 9.0 if rank else 7.0
+        c.stat(ids=torch.arange(10 * rank, 10 * rank + 3), top=3, kl=kl)
+        c.wait_submit(step=0, timeout_s=30)
+    first = ray.get(handle.wait_final.remote(0, 30))["meta"]
+    want = [(9.0, 1, 11), (7.0, 0, 1), (0.5, 0, 0)]
+    assert [(s["value"], s["rank"], s["id"]) for s in first["top"]["kl/max"]] == want
+    (alert,) = first["alerts"]
+    assert [s["id"] for s in alert["samples"]] == [11, 1, 0]
+    sigkill(handle)
+    assert ray.get(handle.wait_final.remote(0, 30))["meta"]["top"] == first["top"]
+    health = ray.get(handle.close.remote(), timeout=200)
+    run = Path(health["run_dir"])
+    assert metricsvc.flagged_samples(run) == [11, 1, 0]
+    columns, rows = readback.wandb_tables(run)[0]["top/kl/max"]
+    assert columns[:3] == ["value", "rank", "id"]
+    assert [tuple(r[:3]) for r in rows] == want
+
+
+def test_the_console_and_report_show_the_top_samples(tmp_path):
+    import subprocess
+    import sys
+
+    from metricsvc.sinks.console import format_step
+    from metricsvc.sinks.jsonl import JsonlSink
+
+    meta = {"top": {"kl/max": [{"value": 9.0, "rank": 1, "id": 11, "row": 1, "col": 2,
+                                "call": 0}, {"value": 7.0, "rank": 0, "row": 1, "col": 2,
+                                             "call": 0}]}}
+    assert "top kl/max: 9 (rank 1, id 11); 7 (rank 0)" in format_step(0, {"kl/max": 9.0}, meta)
+    sink = JsonlSink()
+    sink.open(tmp_path)
+    sink.write(0, {"kl/max": 9.0, "loss": 1.0}, meta)
+    sink.close()
+    out = subprocess.run([sys.executable, "-m", "metricsvc", "report", str(tmp_path), "--top",
+                          "--keys", "kl/*"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "step 0 kl/max: 9 (rank 1, id 11); 7 (rank 0)" in out.stdout
+
+
+def test_the_accelerator_path_finds_the_same_samples_and_reads_nothing_back_until_the_flush():
+    """On the accelerator path (the CPU standing in for a device) the samples are found
+    with a stable sort where the values are, read back with the step's one copy, and
+    equal the host path's: ties to the lower position included."""
+    from metricsvc.client.buffer import RecordBuffer
+    from metricsvc.client.tensors import accelerator_path_on_cpu
+    from metricsvc.core.reduce import ReduceType
+    from tests.synccount import HostTransferCounter
+
+    g = torch.Generator().manual_seed(5)
+    calls = []
+    for micro in range(3):
+        v = torch.round(torch.randn(6, 40, generator=g) * 3)  # many ties
+        v[torch.rand(6, 40, generator=g) < 0.05] = float("nan")
+        calls.append((v, torch.rand(6, 40, generator=g) > 0.3, torch.arange(6) + 10 * micro))
+    batches = []
+    for on_device in (False, True):
+        buf = RecordBuffer()
+        with (accelerator_path_on_cpu() if on_device else _nothing()), \
+                HostTransferCounter() as counter:
+            for v, mask, ids in calls:
+                buf.record({"kl": v}, mask, ReduceType.AVG_MIN_MAX, ids, top=5)
+            recorded = counter.count
+            batches.append(buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True))
+        if on_device:
+            assert recorded == 0 and counter.count == 1 and buf.host_copies == 1, counter.calls
+    np.testing.assert_array_equal(batches[0].top, batches[1].top)
+    assert len(batches[0].top) == 10
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
