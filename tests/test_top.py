@@ -48,13 +48,22 @@ def _expected(per_rank: list[list[dict]], k: int) -> dict[str, list[tuple]]:
     return {"kl/max": largest, "kl/min": smallest}
 
 
-@pytest.mark.parametrize("k", [1, 4, 64])
-def test_top_k_equals_a_sort_of_the_concatenated_data_across_ranks_and_calls(make_worker, k):
-    handle, cfg = make_worker(world_size=WORLD)
+@pytest.mark.parametrize("k, topology", [(1, "flat"), (4, "flat"), (64, "flat"),
+                                         (4, "per_node")])
+def test_top_k_equals_a_sort_of_the_concatenated_data_across_ranks_and_calls(make_worker, k,
+                                                                             topology):
+    """Through a node's combiner (``per_node``) as straight to the service."""
+    import metricsvc
+
+    handle, cfg = make_worker(world_size=WORLD, topology=topology)
+    via = None
+    if topology == "per_node":
+        metricsvc.start_combiner(cfg, "top")
+        via = "top"
     rng = np.random.default_rng(k)
     per_rank = [_calls(r, rng) for r in range(WORLD)]
     for rank, calls in enumerate(per_rank):
-        c = MetricClient(None, rank=rank, world_size=WORLD, name=cfg.name)
+        c = MetricClient(None, rank=rank, world_size=WORLD, name=cfg.name, via=via)
         for call in calls:
             c.stat(mask=call["mask"], ids=call["ids"], top=k, kl=call["kl"])
         c.wait_submit(step=0, timeout_s=30)
