@@ -117,13 +117,14 @@ def test_the_top_samples_reach_wandb_as_a_table_name_an_alert_and_survive_a_kill
         kl[1, 2] = 9.0 if rank else 7.0
         c.stat(ids=torch.arange(10 * rank, 10 * rank + 3), top=3, kl=kl)
         c.wait_submit(step=0, timeout_s=30)
-    first = ray.get(handle.wait_final.remote(0, 30))["meta"]
+    first = ray.get(handle.wait_final.remote(0, 60))["meta"]
     want = [(9.0, 1, 11), (7.0, 0, 1), (0.5, 0, 0)]
     assert [(s["value"], s["rank"], s["id"]) for s in first["top"]["kl/max"]] == want
     (alert,) = first["alerts"]
     assert [s["id"] for s in alert["samples"]] == [11, 1, 0]
+    assert ray.get(handle.flush.remote(120), timeout=150)  # journaled: the ranks forget it
     sigkill(handle)
-    assert ray.get(handle.wait_final.remote(0, 30))["meta"]["top"] == first["top"]
+    assert ray.get(handle.wait_final.remote(0, 60))["meta"]["top"] == first["top"]
     health = ray.get(handle.close.remote(), timeout=200)
     run = Path(health["run_dir"])
     assert metricsvc.flagged_samples(run) == [11, 1, 0]

@@ -45,13 +45,7 @@ from metricsvc.core.records import (
     NFIELDS,
     NTOP,
     SIDES,
-    TOP_CALL,
-    TOP_COL,
-    TOP_ID,
-    TOP_K,
-    TOP_ROW,
-    TOP_SIDE,
-    TOP_VALUE,
+    Top,
     merge_grouped,
     unknown_sources,
     winners,
@@ -315,17 +309,17 @@ class RecordBuffer:
                     got = samples[side][~np.isnan(samples[side, :, 0])]
                     row, col = np.divmod(got[:, 1], inner)
                     part = np.empty((len(got), NTOP))
-                    part[:, TOP_SIDE], part[:, TOP_VALUE], part[:, TOP_ID] = side, got[:, 0], \
+                    part[:, Top.SIDE], part[:, Top.VALUE], part[:, Top.ID] = side, got[:, 0], \
                         got[:, 2]
-                    part[:, TOP_CALL], part[:, TOP_ROW], part[:, TOP_COL] = call, row, col
-                    part[:, TOP_K] = k
+                    part[:, Top.CALL], part[:, Top.ROW], part[:, Top.COL] = call, row, col
+                    part[:, Top.K] = k
                     entries.append(part)
             found = np.concatenate(entries) if entries else np.empty((0, NTOP))
-            sign = np.where(found[:, TOP_SIDE] == 0, 1.0, -1.0)
-            order = np.lexsort((found[:, TOP_COL], found[:, TOP_ROW], found[:, TOP_CALL],
-                                sign * found[:, TOP_VALUE], found[:, TOP_SIDE]))
+            sign = np.where(found[:, Top.SIDE] == 0, 1.0, -1.0)
+            order = np.lexsort((found[:, Top.COL], found[:, Top.ROW], found[:, Top.CALL],
+                                sign * found[:, Top.VALUE], found[:, Top.SIDE]))
             found = found[order]
-            keep = np.concatenate([np.flatnonzero(found[:, TOP_SIDE] == side)[:k]
+            keep = np.concatenate([np.flatnonzero(found[:, Top.SIDE] == side)[:k]
                                    for side in (0, 1)])
             if len(keep):
                 out[row_of[key]] = found[keep]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from enum import IntEnum
 from typing import Any
 
 import numpy as np
@@ -362,11 +363,21 @@ SIDES = (("min", MIN, MIN_ID), ("max", MAX, MAX_ID))  # name, record field, firs
 SIDE = {name: i for i, (name, _, _) in enumerate(SIDES)}  # the order ``winners`` answers in
 
 
-# A top sample (``stat(top=k)``): which side (SIDE: 0 the smallest, 1 the largest), its
-# value, the sample's id (NaN: none given), the call, row and column it was recorded at,
-# and the k its rank asked for.
-TOP_SIDE, TOP_VALUE, TOP_ID, TOP_CALL, TOP_ROW, TOP_COL, TOP_K = range(7)
-NTOP = 7
+class Top(IntEnum):
+    """The fields of a top sample (``stat(top=k)``): which side (``SIDE``: 0 the smallest,
+    1 the largest), its value, the sample's id (NaN: none given), the call, row and column
+    it was recorded at, and the k its rank asked for."""
+
+    SIDE = 0
+    VALUE = 1
+    ID = 2
+    CALL = 3
+    ROW = 4
+    COL = 5
+    K = 6
+
+
+NTOP = len(Top)
 
 
 def unknown_sources(n: int) -> np.ndarray:

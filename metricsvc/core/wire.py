@@ -47,13 +47,7 @@ from metricsvc.core.records import (
     NTOP,
     SUM,
     SUM_LO,
-    TOP_CALL,
-    TOP_COL,
-    TOP_ID,
-    TOP_K,
-    TOP_ROW,
-    TOP_SIDE,
-    TOP_VALUE,
+    Top,
 )
 from metricsvc.core.reduce import KINDS, VALID_CODES
 from metricsvc.core.sketch import MIN_ALPHA, SketchSpec
@@ -533,15 +527,18 @@ def _check_sources(batch: Batch) -> None:
         raise BatchRejected("batch extreme rows must name distinct keys of the batch")
     for first in (MIN_ID, MAX_ID):
         ident, where = src[:, first], src[:, first + 1: first + 4]
-        unknown = np.isnan(where)
-        whole = (where >= 0) & (where <= MAX_COUNT) & (np.floor(where) == where)
-        bad = ~(unknown.all(1) | whole.all(1)) | np.isinf(ident)
+        bad = ~(np.isnan(where).all(1) | _whole(where)) | np.isinf(ident)
         if bad.any():
             j = int(np.flatnonzero(bad)[0])
             raise BatchRejected(
                 f"key {batch.keys[int(rows[j])]!r}: where its min and max came from "
                 f"{src[j].tolist()} (call, row and column must be whole numbers >= 0, "
                 f"or all NaN; an id finite or NaN)")
+
+
+def _whole(where: np.ndarray) -> np.ndarray:
+    """Per row: every position (call, row, column) a whole number in [0, 2**53]."""
+    return ((where >= 0) & (where <= MAX_COUNT) & (np.floor(where) == where)).all(1)
 
 
 def _check_top(batch: Batch) -> None:
@@ -551,11 +548,10 @@ def _check_top(batch: Batch) -> None:
     rows, top = batch.top_rows, batch.top
     if rows.min() < 0 or rows.max() >= len(batch.keys):
         raise BatchRejected("batch top rows must name keys of the batch")
-    where = top[:, [TOP_CALL, TOP_ROW, TOP_COL]]
-    whole = ((where >= 0) & (where <= MAX_COUNT) & (np.floor(where) == where)).all(1)
-    k = top[:, TOP_K]
-    ok = (whole & np.isin(top[:, TOP_SIDE], (0.0, 1.0)) & np.isfinite(top[:, TOP_VALUE])
-          & ~np.isinf(top[:, TOP_ID]) & (k >= 1) & (k <= MAX_TOP) & (np.floor(k) == k))
+    k = top[:, Top.K]
+    ok = (_whole(top[:, [Top.CALL, Top.ROW, Top.COL]]) & np.isin(top[:, Top.SIDE], (0.0, 1.0))
+          & np.isfinite(top[:, Top.VALUE]) & ~np.isinf(top[:, Top.ID]) & (k >= 1)
+          & (k <= MAX_TOP) & (np.floor(k) == k))
     extremes = _EXTREMES_CODE[batch.kinds[rows].view(np.uint8)]
     bad = ~(ok & extremes)
     if bad.any():
@@ -564,7 +560,7 @@ def _check_top(batch: Batch) -> None:
             f"key {batch.keys[int(rows[j])]!r}: top sample {top[j].tolist()} (side 0 or 1, a "
             f"finite value, call, row and column whole numbers >= 0, an id finite or NaN, "
             f"k in [1, {MAX_TOP}], of a kind that exports a min and a max)")
-    sides = rows.astype(np.int64) * 2 + top[:, TOP_SIDE].astype(np.int64)
+    sides = rows.astype(np.int64) * 2 + top[:, Top.SIDE].astype(np.int64)
     groups, counts = np.unique(sides, return_counts=True)
     for group, count in zip(groups.tolist(), counts.tolist()):
         ks = k[sides == group]

@@ -29,13 +29,7 @@ from metricsvc.core.records import (
     NTOP,
     SIDE,
     SUM,
-    TOP_CALL,
-    TOP_COL,
-    TOP_ID,
-    TOP_K,
-    TOP_ROW,
-    TOP_SIDE,
-    TOP_VALUE,
+    Top,
     describe_source,
 )
 from metricsvc.core.reduce import (
@@ -361,22 +355,22 @@ def top_samples(plan: KeyPlan, tops: Sequence[tuple[int, np.ndarray, np.ndarray]
         for side, name in sides:
             if name not in metrics or name in out:
                 continue
-            mine = every[every[:, TOP_SIDE] == SIDE[side]]
+            mine = every[every[:, Top.SIDE] == SIDE[side]]
             if not len(mine):
                 continue
             sign = 1.0 if side == "min" else -1.0
-            order = np.lexsort((mine[:, TOP_COL], mine[:, TOP_ROW], mine[:, TOP_CALL],
-                                mine[:, NTOP], sign * mine[:, TOP_VALUE]))
-            k = int(mine[:, TOP_K].max())
+            order = np.lexsort((mine[:, Top.COL], mine[:, Top.ROW], mine[:, Top.CALL],
+                                mine[:, NTOP], sign * mine[:, Top.VALUE]))
+            k = int(mine[:, Top.K].max())
             out[name] = [_top_sample(s) for s in mine[order[:k]]]
     return out
 
 
 def _top_sample(s: np.ndarray) -> dict[str, Any]:
-    found: dict[str, Any] = {"value": float(s[TOP_VALUE]), "rank": int(s[NTOP]),
-                             "row": int(s[TOP_ROW]), "col": int(s[TOP_COL]),
-                             "call": int(s[TOP_CALL])}
-    ident = float(s[TOP_ID])
+    found: dict[str, Any] = {"value": float(s[Top.VALUE]), "rank": int(s[NTOP]),
+                             "row": int(s[Top.ROW]), "col": int(s[Top.COL]),
+                             "call": int(s[Top.CALL])}
+    ident = float(s[Top.ID])
     if not math.isnan(ident):
         found["id"] = int(ident) if ident.is_integer() else ident
     return found
