@@ -351,8 +351,10 @@ class RecordBuffer:
             if is_tensor(buckets):
                 dense.append(key)
                 held.append(buckets)
-        tops = [samples for calls in self.tops.values() for _, _, samples, _ in calls]
-        held.extend(tops)  # stat(top=k)'s samples, where the values were (the same copy)
+        tops = []  # stat(top=k)'s samples, where the values were (the same copy)
+        for calls in self.tops.values() if self.tops else ():
+            tops.extend(samples for _, _, samples, _ in calls)
+        held.extend(tops)
         if self._on_device:  # one copy per device, of everything the step holds there
             held, copies = to_host(held)
             self.host_copies += copies
