@@ -65,6 +65,8 @@ class Alerts:
         self.rules = [Rule.of(r) for r in rules]
         self.windows: dict[str, deque[tuple[int, float]]] = {
             r.target: deque(maxlen=r.over) for r in self.rules if r.kind == "spike"}
+        # the final steps a window can hold (0: none kept)
+        self.reach = max((w.maxlen or 0 for w in self.windows.values()), default=0)
 
     def check(self, step: int, metrics: Mapping[str, float],
               meta: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int]:

@@ -528,14 +528,17 @@ class MetricWorkerImpl:
             return self.results.by_step[max(kept)].meta.get("derived_totals")
         return self.journal.totals_at(step)
 
-    def _steps_through(self, step: int) -> list[tuple[int, dict[str, float]]]:
-        """The final steps at or before ``step``, ``(step, metrics)`` in order, when the
-        alerts' windows need them: the journal's latest segment, else what readers keep."""
-        if not self.engine.alerts.windows:
-            return []
+    def _steps_through(self, step: int) -> deque[tuple[int, dict[str, float]]]:
+        """The last final steps at or before ``step``, ``(step, metrics)`` in order, as many
+        as the alerts' windows hold: the journal's latest segment, else what readers keep."""
+        reach = self.engine.alerts.reach
+        if not reach:
+            return deque()
         if self.journal.holds_steps():
-            return [(r["step"], r["metrics"]) for r in self.journal.records() if r["step"] <= step]
-        return [(s, r.metrics) for s, r in sorted(self.results.by_step.items()) if s <= step]
+            found = ((r["step"], r["metrics"]) for r in self.journal.steps())
+        else:
+            found = ((s, r.metrics) for s, r in sorted(self.results.by_step.items()))
+        return deque(((s, m) for s, m in found if s <= step), maxlen=reach)
 
     def config_dump(self) -> dict[str, Any]:
         """Return the config this service runs (secrets hidden), for ``start_metric_worker``

@@ -85,11 +85,6 @@ class Journal:
         """Return the journaled meta of ``step`` (None: not journaled, or no journal)."""
         return None if self.index is None else self.index.meta(step)
 
-    def records(self) -> Iterator[dict[str, Any]]:
-        """The latest segment's step records, in order (none: no journal)."""
-        if self.holds_steps():
-            yield from iter_journal(self.path)  # type: ignore[arg-type]
-
     def line_count(self) -> int:
         """How many lines the journal holds now (a cut last line counts)."""
         count, last = 0, b"\n"
