@@ -23,7 +23,7 @@ from metricsvc import __version__
 from metricsvc.config import load_config, presets
 from metricsvc.core.keys import DEFAULT_NAME, NAMESPACE_ENV, default_namespace
 from metricsvc.core.redaction import Redactor
-from metricsvc.sinks.console import alert_line, source
+from metricsvc.sinks.console import alert_line, top_line
 from metricsvc.storage.journal import journals_under, read_journal
 
 
@@ -122,8 +122,7 @@ def print_top(steps: list[dict[str, Any]], keys: list[str]) -> None:
         for name, samples in s["meta"].get("top", {}).items():
             if name in keys:
                 shown += 1
-                print(f"step {s['step']} {name}: " + "; ".join(
-                    f"{x['value']:.6g}{source(x).replace('  <- ', ' (', 1)})" for x in samples))
+                print(f"step {s['step']} {name}: {top_line(samples)}")
     if not shown:
         print("(none: no shown key was recorded with stat(top=k) in these steps)")
 

@@ -46,10 +46,15 @@ def format_step(
                      for k in group)
     if len(keys) > max_rows:
         lines.append(f"... {len(keys) - max_rows} more")
-    for name, samples in meta.get("top", {}).items():  # stat(top=k): one line a name
-        lines.append(f"top {name}: " + "; ".join(
-            f"{s['value']:.6g}{source(s).replace('  <- ', ' (', 1)})" for s in samples))
+    lines.extend(f"top {name}: {top_line(samples)}"  # stat(top=k): one line a name
+                 for name, samples in meta.get("top", {}).items())
     return "\n".join(lines) + "\n"
+
+
+def top_line(samples: list[Mapping[str, Any]]) -> str:
+    """``9 (rank 1, id 11); 7 (rank 0)``: a name's top samples (``meta.top``), best first."""
+    return "; ".join(f"{s['value']:.6g}{source(s).replace('  <- ', ' (', 1)})"
+                     for s in samples)
 
 
 def source(where: Mapping[str, Any] | None) -> str:
