@@ -26,7 +26,7 @@ each refusal a ``BatchRejected`` naming the key (or field), what was expected an
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -527,13 +527,19 @@ def _check_sources(batch: Batch) -> None:
         raise BatchRejected("batch extreme rows must name distinct keys of the batch")
     for first in (MIN_ID, MAX_ID):
         ident, where = src[:, first], src[:, first + 1: first + 4]
-        bad = ~(np.isnan(where).all(1) | _whole(where)) | np.isinf(ident)
-        if bad.any():
-            j = int(np.flatnonzero(bad)[0])
-            raise BatchRejected(
-                f"key {batch.keys[int(rows[j])]!r}: where its min and max came from "
-                f"{src[j].tolist()} (call, row and column must be whole numbers >= 0, "
-                f"or all NaN; an id finite or NaN)")
+        _refuse_first(~(np.isnan(where).all(1) | _whole(where)) | np.isinf(ident), batch, rows,
+                      lambda j: f"where its min and max came from {src[j].tolist()} (call, "
+                                f"row and column must be whole numbers >= 0, or all NaN; an "
+                                f"id finite or NaN)")
+
+
+def _refuse_first(bad: np.ndarray, batch: Batch, rows: np.ndarray,
+                  rule: Callable[[int], str]) -> None:
+    """Refuse ``batch`` if any entry is ``bad``, naming the first one's key and the rule
+    it breaks (``rule(j)``: what entry ``j`` holds and what it must be)."""
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        raise BatchRejected(f"key {batch.keys[int(rows[j])]!r}: {rule(j)}")
 
 
 def _whole(where: np.ndarray) -> np.ndarray:
@@ -552,14 +558,10 @@ def _check_top(batch: Batch) -> None:
     ok = (_whole(top[:, [Top.CALL, Top.ROW, Top.COL]]) & np.isin(top[:, Top.SIDE], (0.0, 1.0))
           & np.isfinite(top[:, Top.VALUE]) & ~np.isinf(top[:, Top.ID]) & (k >= 1)
           & (k <= MAX_TOP) & (np.floor(k) == k))
-    extremes = _EXTREMES_CODE[batch.kinds[rows].view(np.uint8)]
-    bad = ~(ok & extremes)
-    if bad.any():
-        j = int(np.flatnonzero(bad)[0])
-        raise BatchRejected(
-            f"key {batch.keys[int(rows[j])]!r}: top sample {top[j].tolist()} (side 0 or 1, a "
-            f"finite value, call, row and column whole numbers >= 0, an id finite or NaN, "
-            f"k in [1, {MAX_TOP}], of a kind that exports a min and a max)")
+    _refuse_first(~(ok & _EXTREMES_CODE[batch.kinds[rows].view(np.uint8)]), batch, rows,
+                  lambda j: f"top sample {top[j].tolist()} (side 0 or 1, a finite value, "
+                            f"call, row and column whole numbers >= 0, an id finite or NaN, k "
+                            f"in [1, {MAX_TOP}], of a kind that exports a min and a max)")
     sides = rows.astype(np.int64) * 2 + top[:, Top.SIDE].astype(np.int64)
     groups, counts = np.unique(sides, return_counts=True)
     for group, count in zip(groups.tolist(), counts.tolist()):
