@@ -442,11 +442,13 @@ def top_samples(values: Mapping[str, Any], mask: Any, ids: Any, k: int) -> dict[
     Also each value's row length: ``{key: (found, inner)}``. The values were checked by
     ``summarize_call`` (same mask, same ids)."""
     out = {}
+    host_ids = None  # the ids on the host, once a host value needs them
     for key, value in values.items():
         v, m = _prepare(value, mask, key)
         v = v.tensor() if isinstance(v, Difference) else v
         if is_tensor(v) and not on_host(v):
-            out[key] = (_device_top(v, m, ids, k, _inner(v)), _inner(v))
+            at_device = None if ids is None else to_device(ids, v.device)
+            out[key] = (_device_top(v, m, at_device, k, _inner(v)), _inner(v))
             continue
         if is_tensor(v):  # its own dtype where numpy has it (the order is float64's)
             torch = torch_module()
@@ -471,7 +473,8 @@ def top_samples(values: Mapping[str, Any], mask: Any, ids: Any, k: int) -> dict[
             found[side, :len(at), 0] = vals[chosen]
             found[side, :len(at), 1] = at
             if ids is not None:
-                host_ids = ids.detach().cpu().numpy() if is_tensor(ids) else np.asarray(ids)
+                if host_ids is None:
+                    host_ids = ids.detach().cpu().numpy() if is_tensor(ids) else np.asarray(ids)
                 found[side, :len(at), 2] = host_ids[at // inner]
         out[key] = (found, inner)
     return out
@@ -489,6 +492,6 @@ def _device_top(v: Any, m: Any, ids: Any, k: int, inner: int) -> Any:
         at = torch.sort(torch.where(valid, order, inf), stable=True).indices[:n]
         found[side, :n, 0] = torch.where(valid[at], x[at], torch.nan)
         found[side, :n, 1] = at.to(torch.float64)
-        if ids is not None:
-            found[side, :n, 2] = to_device(ids, x.device)[at // inner].to(torch.float64)
+        if ids is not None:  # on the value's device
+            found[side, :n, 2] = ids[at // inner].to(torch.float64)
     return found
