@@ -19,7 +19,6 @@ journal before anything else is rewound.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import math
 import queue
@@ -439,10 +438,10 @@ class SinkDelivery:
         """``visible`` without the names a step's tables carry (worked out once while the
         steps export the same names and tables); a table cut at its ``max_rows`` leaves its
         scalars in (the rows past the cut are nowhere else)."""
-        whole = [t for t in tables.values() if not t.get("cut")]
-        held = (tuple(visible), tuple(json.dumps(t["series"], sort_keys=True) for t in whole))
+        whole = [name for name, t in tables.items() if not t.get("cut")]
+        held = (tuple(visible), tuple(whole))  # a table's series is fixed by its name
         if self._tabled[0] != held:
-            carried = [table_series(t["series"]) for t in whole]
+            carried = [table_series(tables[name]["series"]) for name in whole]
             self._tabled = (held, frozenset(n for n in visible if any(c(n) for c in carried)))
         drop = self._tabled[1]
         return {k: v for k, v in visible.items() if k not in drop}
