@@ -67,14 +67,28 @@ class SlowSink:
         self._note("close")
 
 
-def steps_past(path, after) -> set[int]:
-    """The steps a sink's own file (one JSON line per step) holds past ``after``."""
+def folded(path) -> tuple[dict[int, dict], list[int]]:
+    """A sink's own file (a JSON line per step, and ``{"rewind": k}`` per rewind) as the
+    run's current segment holds it, ``{step: metrics}``, and the steps it was given twice
+    in one segment."""
     import json
 
-    if not path.exists():
-        return set()
-    steps = (json.loads(line)["step"] for line in path.read_text().splitlines())
-    return {step for step in steps if after is None or step > after}
+    current: dict[int, dict] = {}
+    twice: list[int] = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        record = json.loads(line)
+        if "rewind" in record:
+            current = {s: m for s, m in current.items() if s <= record["rewind"]}
+        else:
+            if record["step"] in current:
+                twice.append(record["step"])
+            current[record["step"]] = record["metrics"]
+    return current, twice
+
+
+def steps_past(path, after) -> set[int]:
+    """The steps a sink's own file holds past ``after`` in the run's current segment."""
+    return {step for step in folded(path)[0] if after is None or step > after}
 
 
 class StallingSink:
@@ -118,42 +132,49 @@ class StallingSink:
         pass
 
 
-class GatedSink:
-    """A custom sink with a file of its own (one JSON line per step it is given), exactly
-    once across restarts (``resume`` reads its file), whose reopening after a restart waits
-    until the test creates the file ``gate``: everything the service journals meanwhile is
-    already there when it replays."""
+class ReopeningSink:
+    """A custom sink with a file of its own (one JSON line per step it is given, one per
+    rewind it is given), exactly once across restarts (``resume`` reads its file back as
+    the run's current segment holds it), whose reopening after a restart takes
+    ``reopen_s``, or waits until the test creates the file ``gate``: what the service
+    journals meanwhile is already there when it replays."""
 
-    name = "gated"
+    name = "reopening"
 
     def __init__(self, options: dict) -> None:
-        self.gate = options["gate"]
+        self.gate = options.get("gate")
+        self.reopen_s = float(options.get("reopen_s", 0))
         self.path = None
         self.held: set[int] = set()
 
     def open(self, run_dir) -> None:
-        self.path = run_dir / "gated.jsonl"
+        self.path = run_dir / "reopening.jsonl"
 
     def resume(self, after) -> None:
         import os
         import time
 
+        time.sleep(self.reopen_s)
         give_up = time.monotonic() + 120
-        while not os.path.exists(self.gate) and time.monotonic() < give_up:
+        while self.gate and not os.path.exists(self.gate) and time.monotonic() < give_up:
             time.sleep(0.05)
         self.held = steps_past(self.path, after)
 
     def write(self, step, metrics, meta) -> None:
-        import json
-
         if step in self.held:
             self.held.discard(step)
             return
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"step": step, "metrics": dict(metrics)}) + "\n")
+        self._line({"step": step, "metrics": dict(metrics)})
 
     def rewind(self, to_step) -> None:
         self.held = {s for s in self.held if s <= to_step}
+        self._line({"rewind": to_step})
+
+    def _line(self, record: dict) -> None:
+        import json
+
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         pass

@@ -7,8 +7,9 @@ SIGKILL of the actor (Ray restarts it), a crash and a new driver resuming the fo
 of a rewind and the other sinks' turn, ``close`` then a resume,
 ``stop_metric_worker`` then a new run of the same name (a folder of its own), and a
 stream window recorded, flushed (across a SIGKILL, too) and exported. After each check
-the journal's latest segment, ``metricsvc report``, TensorBoard (its own reader) and
-``wait_final`` equal the model: every published step once, with the values recorded for
+the journal's latest segment, ``metricsvc report``, TensorBoard (its own reader), a custom
+sink slow to reopen after each restart (each step of a segment once) and ``wait_final``
+equal the model: every published step once, with the values recorded for
 it. ``METRICSVC_MODEL_EXAMPLES`` draws more runs (default 3, about a minute).
 """
 
@@ -46,7 +47,9 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.tmp = tempfile.TemporaryDirectory(prefix="metricsvc-model-")
         self.name = f"model-{os.getpid()}-{next(_services)}"
         self.cfg = {"name": self.name, "world_size": 1, "max_restarts": 1000,
-                    "sinks": {"console": None, "jsonl": {}, "tensorboard": {}},
+                    "sinks": {"console": None, "jsonl": {}, "tensorboard": {},
+                              "custom": [{"target": "tests.sink_fixtures:ReopeningSink",
+                                          "options": {"reopen_s": 0.5}}]},
                     "run": {"root": self.tmp.name, "experiment": "m", "trial": "t"}}
         self.model: dict[int, dict[str, float]] = {}
         self.extremes: dict[int, dict[str, dict]] = {}  # step -> what meta.extremes names
@@ -225,6 +228,13 @@ class RunHistoryMachine(RuleBasedStateMachine):
         assert sources == self.extremes
         _same(report, self.model, 1e-9, "report")
         _same(board, self.model, 1e-6, "tensorboard")
+        # A sink slow to reopen after a restart: each step of each segment once, whatever
+        # the run journals while it reopens (a rewind, its rerun)
+        from tests.sink_fixtures import folded
+
+        held, twice = folded(run / "reopening.jsonl")
+        assert not twice, ("a step given twice in one segment", twice)
+        _same(held, self.model, 1e-9, "a sink slow to reopen")
 
     def teardown(self) -> None:
         from metricsvc.service.combiner import stop_combiners

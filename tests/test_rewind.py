@@ -99,7 +99,7 @@ def test_a_sink_reopening_after_a_restart_gets_a_rewinds_rerun_once(make_worker,
 
     gate = tmp_path / "gate"
     handle, cfg = make_worker(world_size=1, sinks={"jsonl": {}, "custom": [
-        {"target": "tests.sink_fixtures:GatedSink", "options": {"gate": str(gate)}}]})
+        {"target": "tests.sink_fixtures:ReopeningSink", "options": {"gate": str(gate)}}]})
     _steps(cfg.name, [float(s) for s in range(4)], 0)
     ray.get(handle.flush.remote(30), timeout=60)
     sigkill(handle)  # the next incarnation's gated sink waits to reopen
@@ -110,8 +110,9 @@ def test_a_sink_reopening_after_a_restart_gets_a_rewinds_rerun_once(make_worker,
     gate.write_text("open")
     health = ray.get(handle.close.remote(), timeout=120)
     assert not health["sink_errors"], health["sink_errors"]
-    lines = [json.loads(line) for line in
-             (Path(health["run_dir"]) / "gated.jsonl").read_text().splitlines()]
+    lines = [record for line in
+             (Path(health["run_dir"]) / "reopening.jsonl").read_text().splitlines()
+             if "step" in (record := json.loads(line))]  # its rewind lines aside
     seen = [(r["step"], r["metrics"]["x"]) for r in lines]
     # each step of each segment once, in order: 0-4, the superseded 5 and 6 if the sink
     # took them before the rewind reached it, then the rerun
