@@ -68,6 +68,9 @@ def _step(rng: np.random.Generator) -> tuple[dict, dict]:
                          "kl/min": {"rank": 0}}}
     if rng.random() < 0.2:
         meta["nonfinite"] = {"actor/kl": int(rng.integers(1, 5)), "critic/v": 1}
+        meta["nonfinite_first"] = {"actor/kl": {"rank": 1, "row": 0, "col": 2, "call": 1,
+                                                "kind": "nan", "id": int(rng.integers(0, 99))},
+                                   "critic/v": {"rank": 0}}
     return metrics, meta
 
 
@@ -105,6 +108,9 @@ def test_alerts_fire_where_the_rules_say_once_across_restarts_and_rewinds(seed):
             if a["key"] == "kl/max":  # the samples behind it: where its max came from
                 assert a["samples"] == [{"name": "kl/max", "value": metrics["kl/max"],
                                          **meta["extremes"]["kl/max"]}]
+            if a["rule"] == "nonfinite actor/*":  # where its first non-finite value was
+                assert a["samples"] == [{"name": "actor/kl",
+                                         **meta["nonfinite_first"]["actor/kl"]}]
         journal.append((step, metrics, meta, found))
         step += 1
 
@@ -171,7 +177,7 @@ def test_alerts_name_the_samples_behind_them_everywhere_once_across_a_kill_and_a
             if step == 4 and r == 1:
                 actor[0] = float("nan")
             c.stat(ids=ids, kl=kl)
-            c.stat(**{"actor/entropy": actor})
+            c.stat(ids=ids, **{"actor/entropy": actor})
             if step != 2:
                 c.scalar(lr=1e-5)
             c.wait_submit(step=step, timeout_s=30)
@@ -203,6 +209,9 @@ def test_alerts_name_the_samples_behind_them_everywhere_once_across_a_kill_and_a
     (kl,) = by_step[3]["meta"]["alerts"]
     assert kl["samples"] == [{"name": "kl/max", "value": 9.0, "rank": 1, "id": 4711, "row": 1,
                               "col": 2, "call": 0}]
+    (nan,) = by_step[4]["meta"]["alerts"]  # the NaN's sample, named by the alert
+    assert nan["samples"] == [{"name": "actor/entropy", "rank": 1, "row": 0, "col": 0,
+                               "call": 0, "kind": "nan", "id": 100}]
     # each alert an event line too, once: the kill did not repeat any; the superseded
     # step 5's alert stays in the file, archived with its step
     events = [json.loads(line)["event"]["alert"]
@@ -211,7 +220,7 @@ def test_alerts_name_the_samples_behind_them_everywhere_once_across_a_kill_and_a
     assert [(e["step"], e["rule"]) for e in events] == [
         (2, "missing lr"), (3, "kl too high"), (4, "nonfinite actor/*"), (5, "kl too high")]
     # the samples with ids, each once, in the order flagged: what a resumed run skips
-    assert metricsvc.flagged_samples(run) == [4711, 17]
+    assert metricsvc.flagged_samples(run) == [4711, 100, 17]
     assert metricsvc.flagged_samples(run / "no-such-run") == []
     # Trackio: each alert once; the superseded step 5's, if its sink wrote the step before
     # the rewind came (a sink's queue past the rewind is dropped)
@@ -234,7 +243,7 @@ def test_alerts_name_the_samples_behind_them_everywhere_once_across_a_kill_and_a
                for line in (run / "metrics.jsonl").read_text().splitlines()
                if line.startswith('{"event": {"alert"')]
     assert alerted == [2, 3, 4, 5, 7]
-    assert metricsvc.flagged_samples(run) == [4711, 17, 99]
+    assert metricsvc.flagged_samples(run) == [4711, 100, 17, 99]
 
 
 def test_the_alerts_are_counted_in_rays_metrics_by_rule(make_worker):

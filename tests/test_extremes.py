@@ -196,7 +196,8 @@ def test_a_flush_with_sources_on_the_accelerator_path_is_still_one_host_copy():
         recorded = counter.count
         batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
     assert recorded == 0 and counter.count == 1 and buf.host_copies == 1, counter.calls
-    assert batch.extreme_rows.tolist() == [0, 1] and not np.isnan(batch.extremes).any()
+    assert batch.extreme_rows.tolist() == [0, 1] and not np.isnan(batch.extremes[:, :8]).any()
+    assert np.isnan(batch.extremes[:, 8:]).all()  # no non-finite value: none located
 
 
 def test_micro_batches_keep_the_first_extreme_and_count_calls_on_the_rank():
@@ -208,17 +209,22 @@ def test_micro_batches_keep_the_first_extreme_and_count_calls_on_the_rank():
                torch.tensor([5, 6]))
     batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
     # min 0.5: call 2, row 1, id 6; max 9.0 first in call 1, row 1, id 8
-    assert batch.extremes.tolist() == [[6.0, 2.0, 1.0, 0.0, 8.0, 1.0, 1.0, 0.0]]
+    assert batch.extremes[:, :8].tolist() == [[6.0, 2.0, 1.0, 0.0, 8.0, 1.0, 1.0, 0.0]]
     back = check_batch(decode(encode(batch)))
-    assert back.extremes.tolist() == batch.extremes.tolist()
+    np.testing.assert_array_equal(back.extremes, batch.extremes)
     assert back.extreme_rows.tolist() == [0]
 
 
+_NO_NONFINITE = [np.nan] * 5
+
+
 @pytest.mark.parametrize("sources", [
-    [1.0, 0.0, -1.0, 0.0, 1.0, 0.0, 0.0, 0.0],  # a negative row
-    [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0],  # a fractional row
-    [np.inf, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0],  # an infinite id
-    [1.0, np.nan, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0],  # a position partly known
+    [1.0, 0.0, -1.0, 0.0, 1.0, 0.0, 0.0, 0.0, *_NO_NONFINITE],  # a negative row
+    [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0, *_NO_NONFINITE],  # a fractional row
+    [np.inf, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, *_NO_NONFINITE],  # an infinite id
+    [1.0, np.nan, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, *_NO_NONFINITE],  # a position partly known
+    [*[np.nan] * 8, 1.0, 0.0, 0.0, 2.5, np.nan],  # a fractional column of the first NaN
+    [*[np.nan] * 8, 1.0, 0.0, 0.0, 2.0, 3.0],  # a first non-finite value that is finite
 ])
 def test_a_malformed_source_is_refused_naming_the_key(sources):
     good = Batch.build(step=0, rank=0, world_size=1, seq=0, final=True, keys=("k",),
@@ -228,7 +234,8 @@ def test_a_malformed_source_is_refused_naming_the_key(sources):
     bad = Batch.build(step=0, rank=0, world_size=1, seq=0, final=True, keys=("k",),
                       data=good.data, kinds=[1], expected=[0],
                       extremes={0: np.asarray(sources)})
-    with pytest.raises(BatchRejected, match=r"key 'k': where its min and max came from"):
+    with pytest.raises(BatchRejected,
+                       match=r"key 'k': where its min, max and first non-finite value came"):
         check_batch(bad)
 
 
@@ -260,7 +267,7 @@ def test_a_call_number_counts_plain_recordings_merged_before_it():
     x = list(batch.keys).index("x")
     assert batch.extreme_rows.tolist() == [x]
     # min 0.5 and max 9.0 both from the third recording (call 2), rows 0 and 1
-    assert batch.extremes.tolist() == [[7.0, 2.0, 0.0, 0.0, 8.0, 2.0, 1.0, 0.0]]
+    assert batch.extremes[:, :8].tolist() == [[7.0, 2.0, 0.0, 0.0, 8.0, 2.0, 1.0, 0.0]]
 
 
 @pytest.mark.parametrize("accelerator", [False, True])
@@ -294,3 +301,114 @@ def test_plain_lists_with_ids_name_their_samples_as_arrays_do():
 
     assert describe_source(as_lists["kl"], "max") == {"row": 1, "col": 0, "call": 0, "id": 1003}
     assert describe_source(as_lists["kl"], "min")["col"] == 1
+
+
+def _nonfinite_calls(rank: int, rng: np.random.Generator) -> list[dict]:
+    """One rank's two micro-batches of ``kl``: rare NaN, +inf and -inf (some masked out:
+    they never count), unequal rows, float32 and float64 tensors and numpy, ids; and a
+    call whose valid values are all NaN (a record with no value at all)."""
+    calls = []
+    for micro in range(2):
+        b, t = 2 + rank + micro, 4 + rank
+        v = rng.normal(size=(b, t)) * 10.0 ** rng.integers(-6, 7)
+        for bad in (np.nan, np.inf, -np.inf):
+            v[rng.random((b, t)) < 0.04] = bad
+        value = (torch.tensor(v, dtype=torch.float32) if micro == 0
+                 else torch.tensor(v) if rank % 2 else v)
+        calls.append({"key": "kl", "value": value, "raw": v, "mask": rng.random((b, t)) < 0.6,
+                      "ids": 100 * rank + 10 * micro + np.arange(b)})
+    empty = np.full((2, 3), np.nan)
+    calls.insert(1, {"key": "kl", "value": empty, "raw": empty,
+                     "mask": rng.random((2, 3)) < 0.3, "ids": np.array([7, 8]) + 100 * rank})
+    return calls
+
+
+def _first_nonfinite_of(per_rank: list[list[dict]]) -> dict | None:
+    """The first non-finite value at a valid position of the ranks' data concatenated in
+    rank order, call order, row-major: numpy on the concatenation."""
+    for rank, calls in enumerate(per_rank):
+        for call, c in enumerate(calls):
+            v = c["raw"].astype(np.float32) if c["value"].dtype == torch.float32 else c["raw"]
+            bad = c["mask"] & ~np.isfinite(v)
+            if bad.any():
+                row, col = np.argwhere(bad)[0]
+                x = v[row, col]
+                return {"rank": rank, "row": int(row), "col": int(col), "call": call,
+                        "id": int(c["ids"][row]),
+                        "kind": "nan" if np.isnan(x) else "+inf" if x > 0 else "-inf"}
+    return None
+
+
+def test_the_first_nonfinite_value_of_a_step_names_its_rank_sample_position_and_kind(
+        make_worker):
+    """``meta["nonfinite_first"]`` equals the first non-finite value of the concatenated
+    data over seeds (rank 2 on the accelerator path); a key recorded without ids names its
+    rank; and it is journaled, on the console and in ``metricsvc report``."""
+    world = 3
+    handle, cfg = make_worker(world_size=world)
+    clients = [MetricClient(None, rank=r, world_size=world, name=cfg.name) for r in range(world)]
+    wanted = []
+    for step, seed in enumerate((1, 2, 3, 4, 5, 6)):
+        rng = np.random.default_rng(seed)
+        per_rank = [_nonfinite_calls(r, rng) for r in range(world)]
+        wanted.append(_first_nonfinite_of(per_rank))
+        for rank, calls in enumerate(per_rank):
+            with accelerator_path_on_cpu() if rank == 2 else contextlib.nullcontext():
+                for c in calls:
+                    clients[rank].stat(mask=c["mask"], ids=c["ids"], **{c["key"]: c["value"]})
+            # no ids: the rank is known, not the sample
+            clients[rank].stat(loss=torch.tensor([1.0, np.nan if rank else 2.0]))
+            clients[rank].wait_submit(step=step, timeout_s=60)
+    for step, want in enumerate(wanted):
+        meta = ray.get(handle.wait_final.remote(step, 60))["meta"]
+        first = meta["nonfinite_first"]
+        assert first.get("kl") == want, (step, first)
+        assert first["loss"] == {"rank": 1}
+        assert set(first) == set(meta["nonfinite"])
+    assert sum(w is not None for w in wanted) >= 4  # the seeds give origins to check
+    health = ray.get(handle.close.remote(), timeout=120)
+    path = Path(health["run_dir"]) / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["meta"]["nonfinite_first"].get("kl") for line in lines] == wanted
+    shown = format_step(0, lines[0]["metrics"], lines[0]["meta"])
+    assert "first non-finite loss: at rank 1\n" in shown
+    out = subprocess.run([sys.executable, "-m", "metricsvc", "report", str(path),
+                          "--last", "6", "--nonfinite"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    step, w = next((s, w) for s, w in enumerate(wanted) if w)
+    line = (f"step {step} kl: {w['kind']} at rank {w['rank']}, id {w['id']} (row {w['row']}, "
+            f"col {w['col']}, call {w['call']})")
+    assert line in out.stdout.splitlines()
+    assert f"first non-finite {line.split(' ', 2)[2]}" in format_step(
+        step, lines[step]["metrics"], lines[step]["meta"])
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_a_step_keeps_the_first_nonfinite_call_and_position_on_the_rank(accelerator):
+    """Across micro-batches the first call counting a non-finite value wins; within it, the
+    first flat position; a key with no valid finite value still names it; one host copy."""
+    buf = RecordBuffer()
+    nan, inf = float("nan"), float("inf")
+    with accelerator_path_on_cpu() if accelerator else contextlib.nullcontext(), \
+            HostTransferCounter() as counter:
+        buf.record({"x": torch.tensor([[3.0, 1.0], [2.0, 4.0]])}, None, ReduceType.AVG_MIN_MAX,
+                   torch.tensor([70, 80]))
+        buf.record({"x": torch.tensor([[nan, 2.0], [1.0, -inf]]),
+                    "y": torch.tensor([[nan], [inf]])},
+                   None,
+                   ReduceType.AVG_MIN_MAX, torch.tensor([5, 6]))
+        buf.record({"x": torch.tensor([[inf, 2.0]])}, None, ReduceType.AVG_MIN_MAX,
+                   torch.tensor([9]))
+        recorded = counter.count
+        batch = buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    if accelerator:
+        assert recorded == 0 and counter.count == 1, counter.calls
+    from metricsvc.core.records import describe_source
+
+    src = dict(zip(np.asarray(batch.keys)[batch.extreme_rows], batch.extremes))
+    assert describe_source(src["x"], "nonfinite") == {"row": 0, "col": 0, "call": 1,
+                                                      "id": 5, "kind": "nan"}
+    assert describe_source(src["y"], "nonfinite") == {"row": 0, "col": 0, "call": 0,
+                                                      "id": 5, "kind": "nan"}
+    np.testing.assert_array_equal(check_batch(decode(encode(batch))).extremes, batch.extremes)

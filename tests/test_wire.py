@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from metricsvc.core.records import NFIELDS
+from metricsvc.core.records import NFIELDS, NSOURCE
 from metricsvc.core.sketch import SketchSpec, sparse_counts
 from metricsvc.core.wire import Batch, decode, encode
 from metricsvc.errors import BatchRejected
@@ -46,7 +46,8 @@ def _batch(sketch: bool, located: bool, derived: bytes = b"") -> Batch:
         data=np.random.default_rng(1).normal(size=(4, NFIELDS)), kinds=[0, 8, 2, 0],
         expected=[0, 0, 3, 1], derived=derived, sketch_alpha=0.01,
         sketches={1: sparse_counts(np.array([0.5, 2.0]), spec)} if sketch else None,
-        extremes={0: np.arange(8.0), 2: np.full(8, np.nan)} if located else None)
+        extremes={0: np.r_[np.arange(8.0), 0, 0, 1, 2, np.inf],
+                  2: np.full(NSOURCE, np.nan)} if located else None)
 
 
 @pytest.mark.parametrize("sketch, located", [(False, False), (True, False), (False, True),

@@ -23,7 +23,7 @@ from metricsvc import __version__
 from metricsvc.config import load_config, presets
 from metricsvc.core.keys import DEFAULT_NAME, NAMESPACE_ENV, default_namespace
 from metricsvc.core.redaction import Redactor
-from metricsvc.sinks.console import alert_line, top_line
+from metricsvc.sinks.console import alert_line, nonfinite_text, top_line, where_text
 from metricsvc.storage.journal import journals_under, read_journal
 
 
@@ -106,6 +106,8 @@ def cmd_report(args: argparse.Namespace) -> None:
         print_extremes(steps, keys, width)
     if args.top:
         print_top(steps, keys)
+    if args.nonfinite:
+        print_nonfinite(steps, args.keys)
     if args.alerts:
         print_alerts(every)
     if len(steps) < len(every):
@@ -125,6 +127,20 @@ def print_top(steps: list[dict[str, Any]], keys: list[str]) -> None:
                 print(f"step {s['step']} {name}: {top_line(samples)}")
     if not shown:
         print("(none: no shown key was recorded with stat(top=k) in these steps)")
+
+
+def print_nonfinite(steps: list[dict[str, Any]], patterns: Sequence[str] | None) -> None:
+    """Where each key's first non-finite value came from (``meta.nonfinite_first``)."""
+    print("\nwhere each key's first non-finite value came from (stat(ids=) names the "
+          "sample):")
+    shown = 0
+    for s in steps:
+        for key, where in s["meta"].get("nonfinite_first", {}).items():
+            if not patterns or any(fnmatch.fnmatchcase(key, p) for p in patterns):
+                shown += 1
+                print(f"step {s['step']} {key}: {nonfinite_text(where)}")
+    if not shown:
+        print("(none: no non-finite value in a valid position in these steps)")
 
 
 def print_alerts(steps: list[dict[str, Any]]) -> None:
@@ -148,13 +164,7 @@ def print_extremes(steps: list[dict[str, Any]], keys: list[str], width: int) -> 
             if where is None:
                 continue
             shown += 1
-            text = (f"rank {where['rank']}" if "rank" in where
-                    else f"stream {where.get('stream')}")
-            if "id" in where:
-                text += f", id {where['id']}"
-            if "row" in where:
-                text += f" (row {where['row']}, col {where['col']}, call {where['call']})"
-            print(f"{key:<{width}}  step {s['step']}: {text}")
+            print(f"{key:<{width}}  step {s['step']}: {where_text(where)}")
     if not shown:
         print("(none: the journal names no min or max source for these keys and steps)")
 
@@ -359,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--top", action="store_true",
                         help="also print the k smallest and largest samples of each shown "
                              "min and max recorded with stat(top=k)")
+    report.add_argument("--nonfinite", action="store_true",
+                        help="also print where each key's first non-finite value (NaN, inf) "
+                             "came from")
     report.add_argument("--alerts", action="store_true",
                         help="also print every alert of the run and the samples it names")
     plot = sub.add_parser("plot", help="line plots of chosen keys over steps")

@@ -40,11 +40,10 @@ from metricsvc.core.declare import Derived, Metric, encode_derived
 from metricsvc.core.keys import check_key, is_int, is_internal, safe_tag
 from metricsvc.core.limits import Recent
 from metricsvc.core.records import (
-    MAX_CALL,
-    MIN_CALL,
+    CALLS,
+    LOCATED,
     NFIELDS,
     NTOP,
-    SIDES,
     Top,
     merge_grouped,
     unknown_sources,
@@ -231,7 +230,7 @@ class RecordBuffer:
             if is_tensor(sources):
                 calls_of = to_device(calls_of, sources.device)
             sources = sources.clone() if is_tensor(sources) else sources.copy()
-            sources[:, [MIN_CALL, MAX_CALL]] = calls_of
+            sources[:, CALLS] = calls_of
         return sources
 
     @contextlib.contextmanager
@@ -375,8 +374,9 @@ class RecordBuffer:
 
     def _sources(self, parts: list[Part], located: list[Part], held: list, rows: np.ndarray,
                  idx: np.ndarray | None, data: np.ndarray) -> dict[int, np.ndarray]:
-        """Where the merged min and max of each located key came from: the first recording
-        holding the merged value wins (unknown where that one was not located)."""
+        """Where the merged min, max and first non-finite value of each located key came
+        from: the first recording holding the merged value (the first counting a non-finite
+        one) wins (unknown where that one was not located)."""
         if not located:
             return {}
         copies = iter(held[len(parts):len(parts) + len(located)])
@@ -389,9 +389,9 @@ class RecordBuffer:
         out = {}
         for i in np.unique(idx[carried]).tolist():
             found = unknown_sources(1)[0]
-            for (_, _, first), side in zip(SIDES, won):
+            for (first, end), side in zip(LOCATED, won):
                 if side[i] >= 0:
-                    found[first:first + 4] = src[side[i], first:first + 4]
+                    found[first:end] = src[side[i], first:end]
             out[i] = found
         return out
 

@@ -69,8 +69,8 @@ def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
     NaN for NaN/inf); ``nan_to_num`` turns excluded positions into values that cannot win a
     sum, min or max. The deviations from the pivot (the mean, a device scalar per value)
     count at valid positions only. ``locate``: return ``(row, where)`` too, ``where`` the
-    flat positions of the min and the max (``[2]``, or ``[K, 2]``; ``argmin`` / ``argmax``
-    in place of ``amin`` / ``amax``; still no sync).
+    flat positions of the min, the max and the first non-finite value (``[3]``, or
+    ``[K, 3]``; ``argmin`` / ``argmax`` in place of ``amin`` / ``amax``; still no sync).
     """
     torch = torch_module()
     s = p.scratch
@@ -79,6 +79,7 @@ def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
     if p.weight is not None:
         s.mul_(p.weight)
     nonfinite = s.sum(-1, dtype=torch.float64)
+    at_bad = s.argmax(-1) if locate else None  # the first 1
     count = p.count - nonfinite
     if p.weight is None:
         s.copy_(x)
@@ -104,7 +105,7 @@ def _eager_row(x: Any, p: _MaskPack, locate: bool = False) -> Any:
                                        centred_exactly(low, high, pivot))
     row = row_of(x.device, sum=total, count=count, min=low, max=high, m2_root=root,
                   nonfinite=nonfinite, sum_lo=low_part)
-    return (row, torch.stack([at_low, at_high], -1)) if locate else row
+    return (row, torch.stack([at_low, at_high, at_bad], -1)) if locate else row
 
 
 def _extreme(s: Any, arg: Any, plain: Any) -> tuple[Any, Any]:
@@ -157,16 +158,18 @@ def _kernel(x: Any, m: Any) -> Any:
 
 
 def _kernel_located(x: Any, m: Any) -> tuple[Any, Any]:
-    """``_kernel``'s rows, and the flat positions of each min and max ``[K, 2]``, found in
-    the pass that finds them (``argmin`` / ``argmax``, then a gather). A kernel of its own:
-    an argmin over a long row parallelises less well than a min."""
+    """``_kernel``'s rows, and the flat positions of each min, max and first non-finite
+    value ``[K, 3]``, found in the pass that finds them (``argmin`` / ``argmax``, then a
+    gather). A kernel of its own: an argmin over a long row parallelises less well than a
+    min."""
     torch = torch_module()
     finite = torch.isfinite(x)
     use = m & finite
     lows, highs = torch.where(use, x, INF), torch.where(use, x, -INF)
-    at = torch.stack([lows.argmin(-1), highs.argmax(-1)], -1)
+    bad = (m & ~finite).to(torch.uint8)
+    at = torch.stack([lows.argmin(-1), highs.argmax(-1), bad.argmax(-1)], -1)
     low = lows.gather(-1, at[:, :1]).squeeze(-1).to(torch.float64)
-    high = highs.gather(-1, at[:, 1:]).squeeze(-1).to(torch.float64)
+    high = highs.gather(-1, at[:, 1:2]).squeeze(-1).to(torch.float64)
     return _fused_rows(x, m, finite, use, low, high), at
 
 
@@ -251,8 +254,9 @@ def device_rows(values: list[tuple[str, Any]], mask: Any, compile: bool | None, 
                 found = _MaskPack(m, x).row(x, locate)
             rows, where = found if locate else (found, None)
             out.update(zip((key for key, _ in chunk), rows.unbind(0)))
-            if locate:
-                at.update(zip((key for key, _ in chunk), where.unbind(0)))
+            if locate:  # each value's positions, and its value at the first non-finite one
+                bad = x.gather(-1, where[:, 2:]).squeeze(-1)
+                at.update(zip((key for key, _ in chunk), zip(where.unbind(0), bad.unbind(0))))
 
 
 def number_rows(x: Any, m: Any, locate: bool) -> Any:
@@ -272,7 +276,7 @@ def number_rows(x: Any, m: Any, locate: bool) -> Any:
     cols[MIN], cols[MAX] = torch.where(valid, v, INF), torch.where(valid, v, -INF)
     cols[NONFINITE] = bad.to(torch.float64)
     rows = torch.stack(cols, -1)
-    return (rows, torch.zeros((len(v), 2), dtype=torch.int64, device=v.device)) if locate \
+    return (rows, torch.zeros((len(v), 3), dtype=torch.int64, device=v.device)) if locate \
         else rows
 
 

@@ -38,8 +38,10 @@ from metricsvc.core.records import (
     COUNT,
     MAX_ID,
     MIN_ID,
+    NF_ID,
+    NF_VALUE,
     NFIELDS,
-    NSOURCE,
+    NONFINITE,
     scalar_row,
     scalar_rows,
     summarize_array,
@@ -147,9 +149,10 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
         sources = None
         if locate:
             sources = unknown_sources(len(order))
-            for i, k in enumerate(order):
-                if k in at:
-                    sources[i] = _host_sources(at[k], _inner(prepared[k][0]), ids)
+            for i, k in enumerate(order):  # a non-finite value is rare: then looked for
+                bad = _first_nonfinite(*prepared[k]) if rows[i, NONFINITE] > 0 else None
+                if k in at or bad is not None:
+                    sources[i] = _host_sources(at.get(k), _inner(prepared[k][0]), ids, bad)
         out.append(Rows(tuple(order), rows, sources))
     for group in device.values():
         out.append(_device_group(group, values, ids, compile, masks is not None))
@@ -276,10 +279,12 @@ def _device_group(group: list[tuple[str, Any, Any]], values: Mapping[str, Any], 
     sources = None
     if ids is not None:
         inner = {_inner(values[k]) for k in keys}
-        where = torch.stack([at[k] for k in keys])
-        sources = torch.cat([_device_sources(where[i:i + 1], _inner(values[k]), ids)
+        where = torch.stack([at[k][0] for k in keys])
+        bad = torch.stack([at[k][1] for k in keys])
+        sources = torch.cat([_device_sources(where[i:i + 1], bad[i:i + 1], _inner(values[k]),
+                                             ids)
                              for i, k in enumerate(keys)]) if len(inner) > 1 else \
-            _device_sources(where, inner.pop(), ids)
+            _device_sources(where, bad, inner.pop(), ids)
     return Rows(keys, rows, sources)
 
 
@@ -319,9 +324,16 @@ def _inner(value: Any) -> int:
     return int(np.prod(shape[1:])) if len(shape) > 1 else 1
 
 
-def _host_sources(where: tuple[int, int], inner: int, ids: Any) -> np.ndarray:
+def _host_sources(where: tuple[int, int] | None, inner: int, ids: Any,
+                  bad: tuple[int, float] | None) -> np.ndarray:
+    """A located host value's sources: its min and max flat positions (``where``; None:
+    it has no valid finite value), its first non-finite one's and that value (``bad``)."""
     src = unknown_sources(1)[0]
-    for first, flat in ((MIN_ID, where[0]), (MAX_ID, where[1])):
+    found = [] if where is None else [(MIN_ID, where[0]), (MAX_ID, where[1])]
+    if bad is not None:
+        found.append((NF_ID, bad[0]))
+        src[NF_VALUE] = bad[1]
+    for first, flat in found:
         row, col = divmod(int(flat), inner)
         src[first + 1: first + 4] = (0.0, row, col)
         if ids is not None:
@@ -329,15 +341,29 @@ def _host_sources(where: tuple[int, int], inner: int, ids: Any) -> np.ndarray:
     return src
 
 
-def _device_sources(where: Any, inner: int, ids: Any) -> Any:
-    """The sources rows ``[K, NSOURCE]`` on the device of ``where`` (each value's flat min
-    and max positions, ``[K, 2]``): a gather of the ids, nothing read back."""
+def _first_nonfinite(v: Any, m: Any) -> tuple[int, float]:
+    """The flat position and value of a host value's first non-finite value at a valid
+    position (it has one: its record counts it)."""
+    v = v.tensor() if isinstance(v, Difference) else v
+    if is_tensor(v):
+        v = v.detach().to(torch_module().float64).numpy()
+        m = None if m is None else m.numpy()
+    x = np.asarray(v, dtype=np.float64).reshape(-1)
+    bad = ~np.isfinite(x) if m is None else ~np.isfinite(x) & np.asarray(m).reshape(-1)
+    at = int(bad.argmax())
+    return at, float(x[at])
+
+
+def _device_sources(where: Any, bad: Any, inner: int, ids: Any) -> Any:
+    """The sources rows ``[K, NSOURCE]`` on the device of ``where`` (each value's flat min,
+    max and first non-finite positions, ``[K, 3]``; ``bad`` the value at the last, ``[K]``):
+    a gather of the ids, nothing read back."""
     torch = torch_module()
     rows, cols = torch.div(where, inner, rounding_mode="floor"), where % inner
     ident = to_device(ids, where.device)[rows].to(torch.float64)  # host -> device: no sync
     zero = torch.zeros(where.shape, dtype=torch.float64, device=where.device)
     fields = torch.stack([ident, zero, rows.to(torch.float64), cols.to(torch.float64)], -1)
-    return fields.flatten(-2).reshape(-1, NSOURCE)
+    return torch.cat([fields.flatten(-2), bad.to(torch.float64).unsqueeze(-1)], -1)
 
 
 # -- elements, sketches and the one host copy ---------------------------------------------

@@ -21,15 +21,17 @@ The algebra is written in plain arithmetic plus ``where/isfinite/sqrt/hypot`` of
 array namespace ``xp`` (numpy, or torch on a client's device, or ``SCALARS`` for plain
 floats): one formula serves every place a record is built or merged.
 
-Beside a record a client may carry its *sources*: where its min and max came from, one
-float64 row per key, ``(min_id, min_call, min_row, min_col, max_id, max_call, max_row,
-max_col)``. ``row`` and ``col`` are the value's position in the tensor it was recorded
-from (first dimension, and the flat position within that row), ``call`` the number of
-earlier recordings of the key in the batch, ``id`` the caller's sample id of that row
-(``stat(ids=...)``); NaN where unknown. Sources merge as min and max do, with one rule for
-ties that never depends on arrival order: the earliest contribution wins, in the order
-rank, batch, call, row, column (``np.argmin`` / ``np.argmax`` on the ranks' data
-concatenated in rank order).
+Beside a record a client may carry its *sources*: where its min, its max and its first
+non-finite value came from, one float64 row per key, ``(min_id, min_call, min_row, min_col,
+max_id, max_call, max_row, max_col, nf_id, nf_call, nf_row, nf_col, nf_value)``. ``row``
+and ``col`` are the value's position in the tensor it was recorded from (first dimension,
+and the flat position within that row), ``call`` the number of earlier recordings of the
+key in the batch, ``id`` the caller's sample id of that row (``stat(ids=...)``),
+``nf_value`` the non-finite value itself (NaN, +inf or -inf); NaN where unknown. Sources
+merge as min and max do, with one rule for ties that never depends on arrival order: the
+earliest contribution wins, in the order rank, batch, call, row, column (``np.argmin`` /
+``np.argmax`` on the ranks' data concatenated in rank order; the first non-finite value
+of that data).
 """
 
 from __future__ import annotations
@@ -357,10 +359,16 @@ def scalar_rows(values: np.ndarray) -> np.ndarray:
 
 
 # -- where each min and max came from ----------------------------------------------------
-MIN_ID, MIN_CALL, MIN_ROW, MIN_COL, MAX_ID, MAX_CALL, MAX_ROW, MAX_COL = range(8)
-NSOURCE = 8
+(MIN_ID, MIN_CALL, MIN_ROW, MIN_COL, MAX_ID, MAX_CALL, MAX_ROW, MAX_COL,
+ NF_ID, NF_CALL, NF_ROW, NF_COL, NF_VALUE) = range(13)
+NSOURCE = 13
 SIDES = (("min", MIN, MIN_ID), ("max", MAX, MAX_ID))  # name, record field, first source field
 SIDE = {name: i for i, (name, _, _) in enumerate(SIDES)}  # the order ``winners`` answers in
+# The source fields of each thing located, in the order ``winners`` answers: the min, the
+# max, the first non-finite value
+LOCATED = ((MIN_ID, MAX_ID), (MAX_ID, NF_ID), (NF_ID, NSOURCE))
+CALLS = [MIN_CALL, MAX_CALL, NF_CALL]  # each one's call number
+KINDS_NONFINITE = ("nan", "+inf", "-inf")
 
 
 class Top(IntEnum):
@@ -385,31 +393,22 @@ def unknown_sources(n: int) -> np.ndarray:
     return np.full((n, NSOURCE), np.nan)
 
 
-def merge_sources(a_row: Any, b_row: Any, a_src: Any, b_src: Any, xp: Any = np) -> Any:
-    """Return the sources of the merge of record ``a_row`` (earlier) with ``b_row`` (later):
-    each side keeps ``a``'s source unless ``b``'s value is strictly better. Works for numpy
-    and for torch (``xp=torch``) alike; nothing is read back."""
-    low = b_row[..., MIN] < a_row[..., MIN]
-    high = b_row[..., MAX] > a_row[..., MAX]
-    lows = xp.where(low[..., None], b_src[..., :MAX_ID], a_src[..., :MAX_ID])
-    highs = xp.where(high[..., None], b_src[..., MAX_ID:], a_src[..., MAX_ID:])
-    return xp.concatenate([lows, highs], -1)
-
-
 _NONE = np.iinfo(np.int64).max  # no candidate (yet): above every position
 
 
 def winners(rows: np.ndarray, idx: np.ndarray, merged: np.ndarray) -> list[np.ndarray]:
-    """Return, for the min and for the max, the position in ``rows`` of each key's winning
-    contribution (-1 for a key without values). ``rows`` are the contributions in merge
-    order (``idx[i]``: the key of ``rows[i]``), ``merged`` the merged records: the winner
-    is the first contribution holding the merged value."""
+    """Return, for the min, the max and the first non-finite value (``LOCATED``), the
+    position in ``rows`` of each key's winning contribution (-1 for a key without one).
+    ``rows`` are the contributions in merge order (``idx[i]``: the key of ``rows[i]``),
+    ``merged`` the merged records: the winner is the first contribution holding the merged
+    value (the first that counts a non-finite value)."""
     n = len(merged)
     out = []
     has = rows[:, COUNT] > 0
-    for _, field, _ in SIDES:
+    for held in (*(has & (rows[:, field] == merged[idx, field]) for _, field, _ in SIDES),
+                 rows[:, NONFINITE] > 0):
         won = np.full(n, _NONE, dtype=np.int64)
-        cand = np.flatnonzero(has & (rows[:, field] == merged[idx, field]))
+        cand = np.flatnonzero(held)
         np.minimum.at(won, idx[cand], cand)  # each key's first candidate
         won[won == _NONE] = -1
         out.append(won)
@@ -417,13 +416,21 @@ def winners(rows: np.ndarray, idx: np.ndarray, merged: np.ndarray) -> list[np.nd
 
 
 def describe_source(sources: Sequence[float], side: str) -> dict[str, Any]:
-    """Return the fields of one side (``"min"`` or ``"max"``) of a key's sources as shown in
-    ``meta["extremes"]`` (the known ones only)."""
-    first = SIDES[SIDE[side]][2]
-    ident, call, row, col = (float(x) for x in sources[first:first + MAX_ID - MIN_ID])
+    """Return the fields of one side (``"min"``, ``"max"`` or ``"nonfinite"``) of a key's
+    sources as shown in ``meta["extremes"]`` and ``meta["nonfinite_first"]`` (the known
+    ones only; the non-finite value's ``kind``: ``nan``, ``+inf`` or ``-inf``)."""
+    first = NF_ID if side == "nonfinite" else SIDES[SIDE[side]][2]
+    ident, call, row, col = (float(x) for x in sources[first:first + 4])
     out: dict[str, Any] = {}
     if not math.isnan(row):
         out.update(row=int(row), col=int(col), call=int(call))
+        if side == "nonfinite":
+            out["kind"] = nonfinite_kind(float(sources[NF_VALUE]))
     if not math.isnan(ident):
         out["id"] = int(ident) if ident.is_integer() else ident
     return out
+
+
+def nonfinite_kind(value: float) -> str:
+    """``nan``, ``+inf`` or ``-inf``: the kind of a non-finite value."""
+    return KINDS_NONFINITE[0 if math.isnan(value) else 1 if value > 0 else 2]

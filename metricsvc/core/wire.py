@@ -17,7 +17,7 @@ per step is the product's whole budget::
     derived the derived-metric declarations, UTF-8 JSON (``metricsvc.core.declare``)
     columns data f64[K*7] · kinds i8[K] · expected i32[K] · sketch_rows i32[S]
             · sketch_offsets i64[S+1] · sketch_codes i32[N] · sketch_counts f64[N]
-            · extreme_rows i32[E] · extremes f64[E*8] · top_rows i32[T] · top f64[T*7]
+            · extreme_rows i32[E] · extremes f64[E*13] · top_rows i32[T] · top f64[T*7]
 
 ``receive`` is the service's one boundary: the bytes decoded and every rule checked once,
 each refusal a ``BatchRejected`` naming the key (or field), what was expected and what came.
@@ -36,11 +36,11 @@ from metricsvc.core.keys import check_key, check_rank
 from metricsvc.core.limits import LIMITS, MAX_TOP, SKETCH_ALPHA, Limits, Recent
 from metricsvc.core.records import (
     COUNT,
+    LOCATED,
     M2_ROOT,
     MAX,
-    MAX_ID,
     MIN,
-    MIN_ID,
+    NF_VALUE,
     NFIELDS,
     NONFINITE,
     NSOURCE,
@@ -520,17 +520,20 @@ _WHOLE_FIELDS = slice(COUNT, NONFINITE + 1, NONFINITE - COUNT)  # COUNT and NONF
 
 
 def _check_sources(batch: Batch) -> None:
-    """Where a min and max came from: distinct key rows; positions and call numbers whole
-    numbers in [0, 2**53] (or NaN: unknown, all three together); ids finite or NaN."""
+    """Where a min, max and first non-finite value came from: distinct key rows; positions
+    and call numbers whole numbers in [0, 2**53] (or NaN: unknown, all three together); ids
+    finite or NaN; the non-finite value not finite."""
     rows, src = batch.extreme_rows, batch.extremes
     if rows.min() < 0 or rows.max() >= len(batch.keys) or len(np.unique(rows)) != len(rows):
         raise BatchRejected("batch extreme rows must name distinct keys of the batch")
-    for first in (MIN_ID, MAX_ID):
+    for first, _ in LOCATED:
         ident, where = src[:, first], src[:, first + 1: first + 4]
-        _refuse_first(~(np.isnan(where).all(1) | _whole(where)) | np.isinf(ident), batch, rows,
-                      lambda j: f"where its min and max came from {src[j].tolist()} (call, "
-                                f"row and column must be whole numbers >= 0, or all NaN; an "
-                                f"id finite or NaN)")
+        _refuse_first(~(np.isnan(where).all(1) | _whole(where)) | np.isinf(ident)
+                      | np.isfinite(src[:, NF_VALUE]), batch, rows,
+                      lambda j: f"where its min, max and first non-finite value came from "
+                                f"{src[j].tolist()} (call, row and column must be whole "
+                                f"numbers >= 0, or all NaN; an id finite or NaN; the value "
+                                f"NaN or infinite)")
 
 
 def _refuse_first(bad: np.ndarray, batch: Batch, rows: np.ndarray,

@@ -1,10 +1,11 @@
 """Alerts: the config's rules (``alerts:``), evaluated once when a step is final, in step
 order, from its merged values. Each alert names the samples behind its value: where the
 step's extremes of its key came from (``meta["extremes"]``: rank, and with ``stat(ids=)``
-the sample's id, row, column and call). The step carries them (``meta["alerts"]``), so an
-alert is journaled with its step, once: a restart reloads the step and never alerts again;
-a rewind forgets what the rerun replaces (the windows are refilled from the history at or
-before its step), and the rerun is evaluated afresh.
+the sample's id, row, column and call; its top samples where ``stat(top=k)`` kept them; for
+a non-finite rule, each matching key's first non-finite value). The step carries them
+(``meta["alerts"]``), so an alert is journaled with its step, once: a restart reloads the
+step and never alerts again; a rewind forgets what the rerun replaces (the windows are
+refilled from the history at or before its step), and the rerun is evaluated afresh.
 
 A rule is one of (``key`` an exported name)::
 
@@ -79,7 +80,8 @@ class Alerts:
             if fired is None:
                 continue
             key, value = fired
-            samples = _samples(key, metrics, meta.get("extremes") or {}, meta.get("top") or {})
+            samples = (_nonfinite_samples(rule.target, meta) if rule.kind == "nonfinite" else
+                       _samples(key, metrics, meta.get("extremes") or {}, meta.get("top") or {}))
             room = max(0, MAX_FLAGGED_PER_STEP - named)
             named += len(samples)
             out.append({"step": step, "rule": rule.name, "key": key, "value": value,
@@ -123,6 +125,13 @@ class Alerts:
             window.clear()
         for step, metrics in steps:
             self.remember(step, metrics)
+
+
+def _nonfinite_samples(pattern: str, meta: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Where the first non-finite value of each key matching ``pattern`` came from
+    (``meta["nonfinite_first"]``: rank, and with ``stat(ids=)`` the sample and its kind)."""
+    first = meta.get("nonfinite_first") or {}
+    return [{"name": k, **first[k]} for k in sorted(first) if fnmatch.fnmatchcase(k, pattern)]
 
 
 def _samples(key: str, metrics: Mapping[str, float],

@@ -247,12 +247,7 @@ class StepOutput:
                 part_of, src = found[side]
                 if part_of[i] < 0 or name in out or name not in metrics:
                     continue
-                part = merged.parts[part_of[i]]
-                where: dict[str, Any] = ({"rank": part.rank} if part.rank is not None
-                                         else {"stream": part.order[1]})
-                if src is not None:  # some client gave ids: the sample, where known
-                    where.update(describe_source(src[i], side))
-                out[name] = where
+                out[name] = _source(merged, part_of[i], src, i, side)
         return out
 
     def histograms(self, keys: list[str], kinds: list[ReduceType],
@@ -411,6 +406,19 @@ def internal_rows(keys: list[str]) -> list[int]:
     return [i for i, key in enumerate(keys) if is_internal(key)]
 
 
+def _source(merged: Merged, part: int, src: np.ndarray | None, i: int,
+            side: str) -> dict[str, Any]:
+    """Where key row ``i``'s ``side`` (``min``, ``max``, ``nonfinite``) came from: the rank
+    (or the stream) of part ``part``, and, where its client was given ``ids=``, the sample's
+    id, its position (``row``, ``col``), the ``call`` (and a non-finite value's ``kind``)."""
+    of = merged.parts[part]
+    where: dict[str, Any] = ({"rank": of.rank} if of.rank is not None
+                             else {"stream": of.order[1]})
+    if src is not None:  # some client gave ids: the sample, where known
+        where.update(describe_source(src[i], side))
+    return where
+
+
 def _anomalies(keys: list[str], plan: KeyPlan, merged: Merged,
                world_size: int | None) -> dict[str, Any]:
     """Return the meta entries that flag values a user should not trust blindly."""
@@ -420,6 +428,9 @@ def _anomalies(keys: list[str], plan: KeyPlan, merged: Merged,
     nonfinite = np.flatnonzero(data[:, NONFINITE] > 0)
     if nonfinite.size:
         out["nonfinite"] = {keys[i]: int(data[i, NONFINITE]) for i in nonfinite}
+        part_of, src = merged.winners[2]  # where each key's first one came from
+        out["nonfinite_first"] = {keys[i]: _source(merged, int(part_of[i]), src, i, "nonfinite")
+                                  for i in nonfinite.tolist() if part_of[i] >= 0}
     overflow = np.flatnonzero((data[:, COUNT] > 0) & ~np.isfinite(data[:, [SUM, M2_ROOT]]).all(1))
     if overflow.size:  # finite values whose sum (or spread) left float64's range
         out["overflow"] = [keys[i] for i in overflow]

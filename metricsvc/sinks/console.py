@@ -48,6 +48,8 @@ def format_step(
         lines.append(f"... {len(keys) - max_rows} more")
     lines.extend(f"top {name}: {top_line(samples)}"  # stat(top=k): one line a name
                  for name, samples in meta.get("top", {}).items())
+    lines.extend(f"first non-finite {key}: {nonfinite_text(where)}"
+                 for key, where in meta.get("nonfinite_first", {}).items())
     return "\n".join(lines) + "\n"
 
 
@@ -55,6 +57,20 @@ def top_line(samples: list[Mapping[str, Any]]) -> str:
     """``9 (rank 1, id 11); 7 (rank 0)``: a name's top samples (``meta.top``), best first."""
     return "; ".join(f"{s['value']:.6g}{source(s).replace('  <- ', ' (', 1)})"
                      for s in samples)
+
+
+def nonfinite_text(where: Mapping[str, Any]) -> str:
+    """``nan at rank 2, id 214 (row 0, col 1, call 1)``: where a key's first non-finite
+    value came from (``meta.nonfinite_first``; without ``ids=``, the rank alone)."""
+    return f"{where['kind'] + ' ' if 'kind' in where else ''}at {where_text(where)}"
+
+
+def where_text(where: Mapping[str, Any]) -> str:
+    """``rank 2, id 1017 (row 3, col 0, call 1)``: a sample's place, as far as known."""
+    text = source(where).removeprefix("  <- ")
+    if "row" in where:
+        text += f" (row {where['row']}, col {where['col']}, call {where['call']})"
+    return text
 
 
 def source(where: Mapping[str, Any] | None) -> str:
