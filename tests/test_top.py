@@ -30,8 +30,26 @@ def _calls(rank: int, rng: np.random.Generator) -> list[dict]:
         first += rows
         value = (torch.tensor(v, dtype=torch.float32) if (rank + micro) % 3 == 0 else
                  torch.tensor(v) if (rank + micro) % 3 == 1 else v)
-        calls.append({"kl": value, "mask": mask, "ids": ids, "raw": v})
+        # each row's payload: a string, a dict of fields, or none (rank 2's second call)
+        said = [f"rank {rank} call {micro} row {r} " + "é" * (r * 300) for r in range(rows)]
+        text = (said if micro == 0 else None if rank == 2 else
+                {"prompt": [f"p{r}" for r in range(rows)], "response": said})
+        calls.append({"kl": value, "mask": mask, "ids": ids, "raw": v, "text": text})
     return calls
+
+
+def _payload(text, row: int) -> tuple:
+    """What a sample's payload is: its row's text cut to 1024 UTF-8 bytes (a 2-byte
+    character the cut splits left out), and the bytes left out."""
+    if text is None:
+        return (None, None)
+    fields = text if isinstance(text, dict) else {"": text}
+    room, out, cut = 1024, {}, 0
+    for name, strings in fields.items():
+        raw = strings[row].encode()
+        keep = raw[:room].decode(errors="ignore").encode()
+        out[name], cut, room = keep.decode(), cut + len(raw) - len(keep), room - len(keep)
+    return (out[""] if "" in out else out, cut or None)
 
 
 def _expected(per_rank: list[list[dict]], k: int) -> dict[str, list[tuple]]:
@@ -42,7 +60,7 @@ def _expected(per_rank: list[list[dict]], k: int) -> dict[str, list[tuple]]:
                 else c["raw"]
             for row, col in zip(*np.nonzero(c["mask"] & np.isfinite(v))):
                 every.append((float(v[row, col]), rank, call, int(row), int(col),
-                              int(c["ids"][row])))
+                              int(c["ids"][row]), *_payload(c["text"], row)))
     largest = sorted(every, key=lambda s: (-s[0], s[1], s[2], s[3], s[4]))[:k]
     smallest = sorted(every, key=lambda s: (s[0], s[1], s[2], s[3], s[4]))[:k]
     return {"kl/max": largest, "kl/min": smallest}
@@ -65,16 +83,17 @@ def test_top_k_equals_a_sort_of_the_concatenated_data_across_ranks_and_calls(mak
     for rank, calls in enumerate(per_rank):
         c = MetricClient(None, rank=rank, world_size=WORLD, name=cfg.name, via=via)
         for call in calls:
-            c.stat(mask=call["mask"], ids=call["ids"], top=k, kl=call["kl"])
+            c.stat(mask=call["mask"], ids=call["ids"], top=k, kl=call["kl"], text=call["text"])
         c.wait_submit(step=0, timeout_s=30)
     got = ray.get(handle.wait_final.remote(0, 30))
     for name, want in _expected(per_rank, k).items():
-        shown = [(s["value"], s["rank"], s["call"], s["row"], s["col"], s["id"])
-                 for s in got["meta"]["top"][name]]
+        shown = [(s["value"], s["rank"], s["call"], s["row"], s["col"], s["id"], s.get("text"),
+                  s.get("text_cut")) for s in got["meta"]["top"][name]]
         assert shown == want, name
         assert shown[0][0] == got["metrics"][name]  # the first is the min or max itself
         table = got["meta"]["tables"][f"top/{name}"]
         assert [row[0] for row in table["rows"]] == [s[0] for s in shown]
+        assert any(s[7] for s in shown) or k < 64  # k = 64 keeps a cut payload
 
 
 def test_a_step_of_top_samples_crosses_the_wire_whole_and_a_bad_one_is_refused():
@@ -110,18 +129,21 @@ def test_the_top_samples_reach_wandb_as_a_table_name_an_alert_and_survive_a_kill
 
     handle, cfg = make_worker(world_size=2, alerts=[{"key": "kl/max", "above": 5.0}],
                               sinks={"jsonl": {}, "wandb": {"mode": "offline"},
+                                     "tensorboard": {},
                                      "delivery": {"close_timeout_s": 150}})
     for rank in range(2):
         c = MetricClient(None, rank=rank, world_size=2, name=cfg.name)
         kl = torch.full((3, 4), 0.5)
         kl[1, 2] = 9.0 if rank else 7.0
-        c.stat(ids=torch.arange(10 * rank, 10 * rank + 3), top=3, kl=kl)
+        c.stat(ids=torch.arange(10 * rank, 10 * rank + 3), top=3, kl=kl,
+               text=[f"answer {rank}.{row} | x" for row in range(3)])
         c.wait_submit(step=0, timeout_s=30)
     first = ray.get(handle.wait_final.remote(0, 60))["meta"]
-    want = [(9.0, 1, 11), (7.0, 0, 1), (0.5, 0, 0)]
-    assert [(s["value"], s["rank"], s["id"]) for s in first["top"]["kl/max"]] == want
+    want = [(9.0, 1, 11, "answer 1.1 | x"), (7.0, 0, 1, "answer 0.1 | x"),
+            (0.5, 0, 0, "answer 0.0 | x")]
+    assert [(s["value"], s["rank"], s["id"], s["text"]) for s in first["top"]["kl/max"]] == want
     (alert,) = first["alerts"]
-    assert [s["id"] for s in alert["samples"]] == [11, 1, 0]
+    assert [(s["id"], s["text"]) for s in alert["samples"]] == [(w[2], w[3]) for w in want]
     assert ray.get(handle.flush.remote(120), timeout=150)  # journaled: the ranks forget it
     sigkill(handle)
     assert ray.get(handle.wait_final.remote(0, 60))["meta"]["top"] == first["top"]
@@ -129,8 +151,10 @@ def test_the_top_samples_reach_wandb_as_a_table_name_an_alert_and_survive_a_kill
     run = Path(health["run_dir"])
     assert metricsvc.flagged_samples(run) == [11, 1, 0]
     columns, rows = readback.wandb_tables(run)[0]["top/kl/max"]
-    assert columns[:3] == ["value", "rank", "id"]
-    assert [tuple(r[:3]) for r in rows] == want
+    assert columns[:3] == ["value", "rank", "id"] and columns[-1] == "text"
+    assert [(*r[:3], r[-1]) for r in rows] == want
+    panel = readback.tensorboard_texts(run / "tensorboard")[0]["top/kl/max"]
+    assert "| 9 | 1 | 11 | 1 | 2 | 0 | answer 1.1 \\| x |" in panel.splitlines(), panel
 
 
 def test_the_console_and_report_show_the_top_samples(tmp_path):
@@ -141,8 +165,9 @@ def test_the_console_and_report_show_the_top_samples(tmp_path):
     from metricsvc.sinks.jsonl import JsonlSink
 
     meta = {"top": {"kl/max": [{"value": 9.0, "rank": 1, "id": 11, "row": 1, "col": 2,
-                                "call": 0}, {"value": 7.0, "rank": 0, "row": 1, "col": 2,
-                                             "call": 0}]}}
+                                "call": 0, "text": {"prompt": "2+2?", "response": "5\nno"}},
+                               {"value": 7.0, "rank": 0, "row": 1, "col": 2, "call": 0,
+                                "text": "y" * 150}]}}
     assert "top kl/max: 9 (rank 1, id 11); 7 (rank 0)" in format_step(0, {"kl/max": 9.0}, meta)
     sink = JsonlSink()
     sink.open(tmp_path)
@@ -152,6 +177,9 @@ def test_the_console_and_report_show_the_top_samples(tmp_path):
                           "--keys", "kl/*"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "step 0 kl/max: 9 (rank 1, id 11); 7 (rank 0)" in out.stdout
+    # each sample's payload on a line of its own, cut at 100 characters
+    assert '    9: {"prompt": "2+2?", "response": "5\\nno"}\n' in out.stdout
+    assert f"    7: {'y' * 100}…\n" in out.stdout
 
 
 def test_the_accelerator_path_finds_the_same_samples_and_reads_nothing_back_until_the_flush():
@@ -188,3 +216,40 @@ def _nothing():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("text, said", [
+    (["a", "b"], "pass top= too"),
+    ("ab", "one string per row"),
+    (["a", 3, "c"], r"text\[1\] is a int, not a string"),
+    (["a", "b"], "2 strings, one per row, but the value has shape \\(3,\\)"),
+    ({f"f{i}": ["a"] * 3 for i in range(17)}, "at most 16 fields"),
+    ({"": ["a"] * 3}, "at most 16 fields"),
+    ({"response": np.array(["a"] * 3)}, r"text\['response'\] for key 'kl': one string per row"),
+])
+def test_a_bad_text_is_refused_in_one_line_naming_the_key_and_nothing_is_kept(text, said):
+    c = MetricClient(None, rank=0, world_size=1)
+    top = None if said == "pass top= too" else 2
+    with pytest.raises((TypeError, ValueError), match=said) as err:
+        c.stat(top=top, text=text, kl=np.ones(3))
+    assert "'kl'" in str(err.value) and "\n" not in str(err.value)
+    assert not c.buffer.tops and not c.buffer.kinds
+
+
+def test_the_service_refuses_a_payload_past_the_bound_or_of_another_shape():
+    from metricsvc.core.wire import check
+    from metricsvc.errors import BatchRejected
+
+    c = MetricClient(None, rank=0, world_size=1)
+    c.stat(top=1, text=["x" * 5000], kl=torch.tensor([[3.0, 1.0]]))
+    batch = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=1, final=True)
+    assert [len(t[0]) for t in batch.top_text] == [1024, 1024]  # cut by the rank, marked
+    assert [t[1] for t in batch.top_text] == [3976, 3976]
+    check(decode(encode(batch)))
+    from dataclasses import replace
+
+    for bad in ([["x" * 1025, 0]] * 2, [["x", -1]] * 2, [["x", 0]], [[{"a": 3}, 0]] * 2,
+                [[{"b" * 65: "x"}, 0]] * 2, [["\ud800", 0]] * 2):
+        with pytest.raises(BatchRejected, match="payload") as err:
+            check(replace(batch, top_text=tuple(bad)))  # as a hostile sender's bytes decode
+        assert "\n" not in str(err.value)

@@ -125,6 +125,13 @@ def print_top(steps: list[dict[str, Any]], keys: list[str]) -> None:
             if name in keys:
                 shown += 1
                 print(f"step {s['step']} {name}: {top_line(samples)}")
+                for sample in samples:  # stat(text=): each payload, on one line
+                    if "text" in sample:
+                        said = sample["text"]
+                        said = said if isinstance(said, str) else json.dumps(said)
+                        said = " ".join(said.splitlines())
+                        print(f"    {sample['value']:.6g}: "
+                              f"{said[:100] + '…' if len(said) > 100 else said}")
     if not shown:
         print("(none: no shown key was recorded with stat(top=k) in these steps)")
 

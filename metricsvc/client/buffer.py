@@ -30,6 +30,7 @@ from metricsvc.client.host import MaskCache
 from metricsvc.client.summaries import (
     Rows,
     add_sketches,
+    sample_text,
     sketch,
     summarize_call,
     to_host,
@@ -96,8 +97,8 @@ class RecordBuffer:
         # the close (``_read_timings``), one wait per device
         self.timings: list[tuple[str, int, Any, Any, Any]] = []
         self.device_waits = 0
-        # stat(top=k): key -> each call's (call, row length, samples [2, k, 3], k)
-        self.tops: dict[str, list[tuple[int, int, Any, int]]] = {}
+        # stat(top=k): key -> each call's (call, row length, samples [2, k, 3], k, text)
+        self.tops: dict[str, list[tuple[int, int, Any, int, Any]]] = {}
         self._tops_copied: list[np.ndarray] = []  # their samples, on the host (``_merged``)
         self.label = label
         self.on_record = on_record
@@ -137,10 +138,12 @@ class RecordBuffer:
     def record(self, values: Mapping[str, Any], mask: Any,
                kinds: ReduceType | int | Mapping[str, ReduceType | int], ids: Any = None,
                expected: int = 0, masks: Mapping[str, Any] | None = None,
-               top: int | None = None) -> None:
+               top: int | None = None, text: Any = None) -> None:
         """Summarise ``{full key: value}`` (under ``mask``, or each under its own: ``masks``;
-        with ``ids``, where each min and max lies) and keep the records as ``kinds`` (one
-        for every key, or one per key; ``AUTO``: a plain dict's, chosen by the service)."""
+        with ``ids``, where each min and max lies; with ``top``, the k smallest and largest
+        samples, and ``text`` their payloads, ``checked_text``) and keep the records as
+        ``kinds`` (one for every key, or one per key; ``AUTO``: a plain dict's, chosen by
+        the service)."""
         if kinds.__class__ is dict or isinstance(kinds, Mapping):
             each: Mapping[str, int] | None = kinds  # IntEnum codes are the ints
             code = None
@@ -162,7 +165,7 @@ class RecordBuffer:
                           expected, sketches)
             if top is not None:  # kept with the records: a refused call keeps neither
                 for key, (call, held, inner) in samples.items():
-                    self.tops.setdefault(key, []).append((call, inner, held, top))
+                    self.tops.setdefault(key, []).append((call, inner, held, top, text))
         if self.on_record is not None:
             self.on_record()
 
@@ -283,26 +286,27 @@ class RecordBuffer:
             if self.timings:
                 self._read_timings()
             keys, data, codes, expected, extremes, sketches = self._merged()
-            top = self._top(keys) if self.tops else None
+            top, text = self._top(keys) if self.tops else (None, None)
             derived = self.declarations.take_wire()
             self._reset()
             return Batch.build(step=step, rank=rank, world_size=world_size, seq=seq,
                                final=final, keys=keys, data=data, kinds=codes,
                                expected=expected, sketches=sketches,
                                sketch_alpha=self.sketch_spec.alpha, derived=derived,
-                               extremes=extremes, top=top)
+                               extremes=extremes, top=top, top_text=text)
 
-    def _top(self, keys: list[str]) -> dict[int, np.ndarray]:
+    def _top(self, keys: list[str]) -> tuple[dict[int, np.ndarray], dict[int, list]]:
         """Each ``stat(top=k)`` key's k smallest and k largest samples over the step's calls
         (ties to the earlier call, then row, then column), by key row: ``[n, NTOP]``; their
-        samples were copied with the step's records (``_merged``)."""
+        samples were copied with the step's records (``_merged``). And, by key row, the
+        kept samples' payloads where their call gave ``text`` (``sample_text``; else None)."""
         copied = iter(self._tops_copied)
         row_of = {key: i for i, key in enumerate(keys)}
-        out = {}
+        out, texts = {}, {}
         for key, calls in self.tops.items():
             k = max(c[3] for c in calls)
-            entries = []
-            for call, inner, _, _ in calls:
+            entries, owners = [], []
+            for j, (call, inner, _, _, _) in enumerate(calls):
                 samples = np.asarray(next(copied), dtype=np.float64)
                 for side in (0, 1):
                     got = samples[side][~np.isnan(samples[side, :, 0])]
@@ -313,6 +317,7 @@ class RecordBuffer:
                     part[:, Top.CALL], part[:, Top.ROW], part[:, Top.COL] = call, row, col
                     part[:, Top.K] = k
                     entries.append(part)
+                    owners.append(np.full(len(got), j))
             found = np.concatenate(entries) if entries else np.empty((0, NTOP))
             sign = np.where(found[:, Top.SIDE] == 0, 1.0, -1.0)
             order = np.lexsort((found[:, Top.COL], found[:, Top.ROW], found[:, Top.CALL],
@@ -322,7 +327,12 @@ class RecordBuffer:
                                    for side in (0, 1)])
             if len(keep):
                 out[row_of[key]] = found[keep]
-        return out
+                if any(c[4] is not None for c in calls):  # their payloads: these samples' only
+                    owner = np.concatenate(owners)[order][keep].tolist()
+                    texts[row_of[key]] = [
+                        None if calls[j][4] is None else sample_text(calls[j][4], int(row))
+                        for j, row in zip(owner, found[keep][:, Top.ROW].tolist())]
+        return out, texts
 
     def _merged(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, dict, dict]:
         """Every part merged: the keys in the order first recorded, their records, kind
@@ -352,7 +362,7 @@ class RecordBuffer:
                 held.append(buckets)
         tops = []  # stat(top=k)'s samples, where the values were (the same copy)
         for calls in self.tops.values() if self.tops else ():
-            tops.extend(samples for _, _, samples, _ in calls)
+            tops.extend(samples for _, _, samples, _, _ in calls)
         held.extend(tops)
         if self._on_device:  # one copy per device, of everything the step holds there
             held, copies = to_host(held)

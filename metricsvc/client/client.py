@@ -28,7 +28,7 @@ import ray
 
 from metricsvc.client import metrics as families
 from metricsvc.client.buffer import RecordBuffer, StepCursor
-from metricsvc.client.summaries import Rows, element_rows
+from metricsvc.client.summaries import Rows, checked_text, element_rows
 from metricsvc.client.tensors import is_tensor
 from metricsvc.core.declare import Derived
 from metricsvc.core.keys import (
@@ -138,6 +138,7 @@ class Tracker:
         reduce_type: ReduceType | str | None = None,
         ids: Any = None,
         top: int | None = None,
+        text: Any = None,
         **values: Any,
     ) -> None:
         """Record masked summaries of tensors/arrays (AVG_MIN_MAX: mean, min and max).
@@ -157,6 +158,13 @@ class Tracker:
         exported min and max, the ``k`` smallest and largest samples of every rank (value,
         rank, and with ``ids`` the id; row, column, call), found where the values live and
         merged exactly: the k of the union, ties to the lower rank, call, row, column.
+
+        ``text`` (with ``top``): each row's payload, one string per row (e.g. the decoded
+        response) or a dict of such lists by field (``{"prompt": [...], "response":
+        [...]}``); the samples ``top`` keeps carry theirs (``"text"``), cut to 1024 UTF-8
+        bytes a sample (``"text_cut"``: the bytes left out). Only the rank's own k a side
+        travel. ``mask``, ``denominator``, ``ids``, ``top`` and ``text`` are argument
+        names, never keys.
         """
         if isinstance(mask, str):
             mask, denominator = None, mask
@@ -187,11 +195,16 @@ class Tracker:
                 f"ids and top name the samples behind a min or max, and {kind.name} exports "
                 f"neither (use "
                 f"{', '.join(k.name for k, spec in KINDS.items() if spec.extremes)})")
+        if text is not None:
+            if top is None:
+                raise ValueError(f"stat(text=) for key {next(iter(full))!r}: text is the "
+                                 f"payload of the samples top=k keeps; pass top= too")
+            text = checked_text(text, full)
         if isinstance(denominator, str):
             mask = self._lookup(denominator, next(iter(full), "<none>"))
         elif denominator is not None:
             mask = denominator
-        self.buffer.record(full, mask, kind, ids, top=top)
+        self.buffer.record(full, mask, kind, ids, top=top, text=text)
 
     def stat_compact(self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX,
                      **values: Any) -> None:

@@ -34,6 +34,7 @@ from metricsvc.client.tensors import (
     to_device,
     torch_module,
 )
+from metricsvc.core.limits import MAX_TEXT_BYTES, MAX_TEXT_FIELDS
 from metricsvc.core.records import (
     COUNT,
     MAX_ID,
@@ -459,6 +460,55 @@ def to_host(parts: Sequence[Any]) -> tuple[list[np.ndarray], int]:
 
 
 # -- the largest and smallest samples (``stat(top=k)``) --------------------------------------
+def checked_text(text: Any, values: Mapping[str, Any]) -> list[str] | dict[str, list[str]]:
+    """``stat(text=)``: one string per row of every value (a list), or a dict of such lists
+    by field name (at most ``MAX_TEXT_FIELDS``), copied (the caller may reuse its lists; the
+    strings are not copied). Only the samples ``top=k`` keeps take their text along.
+
+    Raises:
+        TypeError: not a list of strings or a dict of them (the key is named).
+        ValueError: another number of strings than the values have rows.
+    """
+    first = next(iter(values))
+    fields = text if isinstance(text, Mapping) else {"": text}
+    if isinstance(text, Mapping) and (len(fields) > MAX_TEXT_FIELDS or not all(
+            isinstance(f, str) and 0 < len(f) <= 64 for f in fields)):
+        raise TypeError(f"text for key {first!r}: a dict of at most {MAX_TEXT_FIELDS} fields "
+                        f"named by strings of at most 64 characters, got {list(fields)[:20]}")
+    out = {}
+    for name, strings in fields.items():
+        what = f"text[{name!r}]" if name else "text"
+        if not isinstance(strings, (list, tuple)):
+            raise TypeError(f"{what} for key {first!r}: one string per row (a list, or a dict "
+                            f"of lists by field name), got {type(strings).__name__}")
+        bad = next((i for i, x in enumerate(strings) if x.__class__ is not str), None)
+        if bad is not None:
+            raise TypeError(f"{what} for key {first!r}: {what}[{bad}] is a "
+                            f"{type(strings[bad]).__name__}, not a string")
+        for key, value in values.items():
+            v = value.a if isinstance(value, Difference) else value
+            rows = len(v) if isinstance(v, (list, tuple)) else tuple(getattr(v, "shape", ()))[:1]
+            if rows not in (len(strings), (len(strings),)):
+                raise ValueError(f"{what} for key {key!r}: {len(strings)} strings, one per row, "
+                                 f"but the value has shape {tuple(np.shape(v))}")
+        out[name] = list(strings)
+    return out[""] if "" in out else out
+
+
+def sample_text(text: list[str] | dict[str, list[str]], row: int) -> list[Any]:
+    """Row ``row``'s payload of a call's ``text``, cut to ``MAX_TEXT_BYTES`` UTF-8 bytes
+    (the fields in order, each what the bound leaves it): ``[payload, bytes left out]``."""
+    room = MAX_TEXT_BYTES
+    fields = text.items() if isinstance(text, dict) else (("", text),)
+    out, dropped = {}, 0
+    for name, strings in fields:
+        raw = strings[row].encode("utf-8", "replace")  # a lone surrogate: "?"
+        out[name] = raw[:room].decode("utf-8", "ignore")  # a character cut through: out
+        used = len(out[name].encode("utf-8"))
+        dropped += len(raw) - used
+        room -= used
+    return [out[""] if "" in out else out, dropped]
+
 def top_samples(values: Mapping[str, Any], mask: Any, ids: Any, k: int) -> dict[str, Any]:
     """For each of a call's values, its ``k`` smallest and ``k`` largest valid finite
     values with their flat positions and sample ids, ``[2, k, 3]`` (side 0 the smallest,

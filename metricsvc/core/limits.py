@@ -19,6 +19,8 @@ SKETCH_ALPHA = 0.01  # the quantile sketch's relative accuracy, on ranks and in 
 
 # -- the samples behind a number -------------------------------------------------------
 MAX_TOP = 64  # stat(top=k): the largest k a call may ask for
+MAX_TEXT_BYTES = 1024  # stat(text=): a top sample's payload, UTF-8 bytes (cut past it, marked)
+MAX_TEXT_FIELDS = 16  # stat(text={field: [...]}): fields a payload may have
 
 # -- alerts --------------------------------------------------------------------------------
 MAX_ALERT_RULES = 64  # rules a run may declare (``alerts:``)

@@ -25,15 +25,25 @@ each refusal a ``BatchRejected`` naming the key (or field), what was expected an
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from metricsvc.core.declare import Derived, decode_declarations
 from metricsvc.core.keys import check_key, check_rank
-from metricsvc.core.limits import LIMITS, MAX_TOP, SKETCH_ALPHA, Limits, Recent
+from metricsvc.core.limits import (
+    LIMITS,
+    MAX_TEXT_BYTES,
+    MAX_TEXT_FIELDS,
+    MAX_TOP,
+    SKETCH_ALPHA,
+    Limits,
+    Recent,
+)
 from metricsvc.core.records import (
     COUNT,
     LOCATED,
@@ -104,6 +114,9 @@ class Batch:
     # The largest and smallest samples of some keys (``stat(top=k)``): key rows, [T, NTOP]
     top_rows: np.ndarray = field(default_factory=lambda: EMPTY["top_rows"])
     top: np.ndarray = field(default_factory=lambda: EMPTY["top"])
+    # Their payloads (``stat(text=)``), one per top sample or none at all: None, or
+    # ``[text or {field: text}, UTF-8 bytes cut off]``
+    top_text: tuple[Any, ...] = ()
 
     @classmethod
     def build(
@@ -123,12 +136,14 @@ class Batch:
         derived: bytes = b"",
         extremes: Mapping[int, np.ndarray] | None = None,
         top: Mapping[int, np.ndarray] | None = None,
+        top_text: Mapping[int, Sequence[Any]] | None = None,
     ) -> Batch:
         """Build a batch, coercing the columns to their wire dtypes.
 
         ``sketches`` maps a key's row to its sparse ``(codes, counts)`` buckets,
         ``extremes`` a key's row to where its min and max came from (``core.extremes``),
-        ``top`` a key's row to its top samples (``[n, NTOP]``, ``records.TOP_*``).
+        ``top`` a key's row to its top samples (``[n, NTOP]``, ``records.TOP_*``),
+        ``top_text`` a key's row to their payloads (``Batch.top_text``).
         """
         k = len(keys)
         columns = dict(EMPTY)  # the optional columns it carries replace these
@@ -153,6 +168,9 @@ class Batch:
                 top_rows=np.concatenate([np.full(len(top[r]), r, np.int32) for r in held]),
                 top=np.concatenate([np.asarray(top[r], np.float64).reshape(-1, NTOP)
                                     for r in held]))
+            if top_text:
+                columns["top_text"] = tuple(t for r in held
+                                            for t in top_text.get(r) or [None] * len(top[r]))
         return cls(
             step=int(step),
             rank=int(rank),
@@ -179,7 +197,7 @@ class Batch:
         return int(self.data.nbytes + self.kinds.nbytes + self.expected.nbytes
                    + self.sketch_codes.nbytes + self.sketch_counts.nbytes + len(self.derived)
                    + self.extreme_rows.nbytes + self.extremes.nbytes + self.top_rows.nbytes
-                   + self.top.nbytes)
+                   + self.top.nbytes + MAX_TEXT_BYTES * len(self.top_text))
 
     @property
     def nbytes(self) -> int:
@@ -187,7 +205,7 @@ class Batch:
         return self.nbytes_without_keys + sum(len(key) for key in self.keys)
 
 
-_HEADER = struct.Struct("<qiiq?dIIIIIII")
+_HEADER = struct.Struct("<qiiq?dIIIIIIII")
 # Each column: its name, dtype, and length as counts of (K keys, S sketches, N buckets,
 # E located keys, T top samples) and a constant: every length is linear in them.
 _COLUMNS = (
@@ -215,10 +233,12 @@ def encode(batch: Batch) -> bytes:
     """Return ``batch`` as one bytes object."""
     keys = "\x00".join(batch.keys).encode("utf-8")
     k, s, n = len(batch.keys), len(batch.sketch_rows), len(batch.sketch_codes)
+    text = json.dumps(batch.top_text, ensure_ascii=False).encode("utf-8") \
+        if batch.top_text else b""
     head = _HEADER.pack(batch.step, batch.rank, batch.world_size, batch.seq, batch.final,
                         batch.sketch_alpha, k, s, n, len(keys), len(batch.derived),
-                        len(batch.extreme_rows), len(batch.top_rows))
-    parts = [head, keys, batch.derived]
+                        len(batch.extreme_rows), len(batch.top_rows), len(text))
+    parts = [head, keys, batch.derived, text]
     for name, dtype, _, _ in _LAYOUT:
         column = getattr(batch, name)
         if len(column):  # most batches carry no sketch and no located extremes
@@ -227,14 +247,14 @@ def encode(batch: Batch) -> bytes:
 
 
 def _check_header(blob: bytes, k: int, s: int, n: int, key_len: int, derived_len: int,
-                  e: int, t: int, limits: Limits) -> None:
+                  e: int, t: int, text_len: int, limits: Limits) -> None:
     """Refuse a batch by its header alone, before any per-key work or allocation."""
     if len(blob) > limits.max_batch_bytes:
         raise BatchRejected(f"batch is {len(blob)} bytes; the limit is {limits.max_batch_bytes}")
     if k > limits.max_keys_per_batch:
         raise BatchRejected(f"batch has {k} keys; the limit is {limits.max_keys_per_batch}")
-    size = (_HEADER.size + key_len + derived_len + _FIXED + _PER_K * k + _PER_S * s
-            + _PER_N * n + _PER_E * e + _PER_T * t)
+    size = (_HEADER.size + key_len + derived_len + text_len + _FIXED + _PER_K * k
+            + _PER_S * s + _PER_N * n + _PER_E * e + _PER_T * t)
     if size != len(blob):
         raise BatchRejected(
             f"malformed wire batch: its header describes {size} bytes, {len(blob)} came"
@@ -256,9 +276,9 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         BatchRejected: the bytes are not a well-formed encoded batch, or exceed a limit.
     """
     try:
-        step, rank, world, seq, final, alpha, k, s, n, key_len, derived_len, e, t = \
+        step, rank, world, seq, final, alpha, k, s, n, key_len, derived_len, e, t, text_len = \
             _HEADER.unpack_from(blob)
-        _check_header(blob, k, s, n, key_len, derived_len, e, t, limits or Limits())
+        _check_header(blob, k, s, n, key_len, derived_len, e, t, text_len, limits or Limits())
         pos = _HEADER.size
         # The keys (UTF-8, separated by NUL; ``k`` of them by the header, checked below):
         # ranks send the same ones every step, decoded once into one shared tuple
@@ -271,6 +291,10 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
         pos += key_len
         derived = bytes(blob[pos : pos + derived_len])
         pos += derived_len
+        text = json.loads(bytes(blob[pos : pos + text_len])) if text_len else []
+        if not isinstance(text, list):
+            raise ValueError("the top samples' payloads are not a list")
+        pos += text_len
         columns = dict(EMPTY)  # a column the batch does not carry stays the shared empty
         for name, dtype, itemsize, (pk, ps, pn, pe, pt, fixed) in _LAYOUT:
             count = pk * k + ps * s + pn * n + pe * e + pt * t + fixed
@@ -279,7 +303,7 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
                 pos += count * itemsize
     except BatchRejected:
         raise
-    except (struct.error, ValueError, UnicodeDecodeError) as err:
+    except (struct.error, ValueError, UnicodeDecodeError, RecursionError) as err:
         raise BatchRejected(f"malformed wire batch: {err}") from None
     if len(keys) != k or pos != len(blob):
         raise BatchRejected(f"malformed wire batch: {len(keys)} keys for {k}, "
@@ -290,7 +314,7 @@ def decode(blob: bytes, limits: Limits | None = None) -> Batch:
     if t:
         columns["top"] = columns["top"].reshape(t, NTOP)
     return Batch(step=step, rank=rank, world_size=world, seq=seq, final=final, keys=keys,
-                 sketch_alpha=alpha, derived=derived, **columns)
+                 sketch_alpha=alpha, derived=derived, top_text=tuple(text), **columns)
 
 
 
@@ -380,7 +404,7 @@ def check(batch: object, limits: Limits = LIMITS, cache: Recent | None = None) -
         _check_sketches(batch)
     if batch.extreme_rows.size:
         _check_sources(batch)
-    if batch.top_rows.size:
+    if batch.top_rows.size or batch.top_text:
         _check_top(batch)
     return batch
 
@@ -545,6 +569,25 @@ def _refuse_first(bad: np.ndarray, batch: Batch, rows: np.ndarray,
         raise BatchRejected(f"key {batch.keys[int(rows[j])]!r}: {rule(j)}")
 
 
+def _text_ok(entry: Any) -> bool:
+    """Whether ``entry`` is a top sample's payload as a rank sends it (``Batch.top_text``)."""
+    if entry is None:
+        return True
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[1].__class__ is int
+            and entry[1] >= 0):
+        return False
+    text = entry[0]
+    fields = text.values() if isinstance(text, dict) else (text,)
+    if not (len(fields) <= MAX_TEXT_FIELDS and all(f.__class__ is str for f in fields)
+            and (not isinstance(text, dict)
+                 or all(k.__class__ is str and len(k) <= 64 for k in text))):
+        return False
+    try:
+        return sum(len(f.encode("utf-8")) for f in fields) <= MAX_TEXT_BYTES
+    except UnicodeEncodeError:  # a lone surrogate: no text a sink could write
+        return False
+
+
 def _whole(where: np.ndarray) -> np.ndarray:
     """Per row: every position (call, row, column) a whole number in [0, 2**53]."""
     return ((where >= 0) & (where <= MAX_COUNT) & (np.floor(where) == where)).all(1)
@@ -553,8 +596,18 @@ def _whole(where: np.ndarray) -> np.ndarray:
 def _check_top(batch: Batch) -> None:
     """The top samples: rows of keys whose kind exports a min and a max; a side 0 or 1; a
     finite value; call, row and column whole numbers in [0, 2**53]; an id finite or NaN;
-    at most k (1 to ``MAX_TOP``) a key and side, each saying the same k."""
+    at most k (1 to ``MAX_TOP``) a key and side, each saying the same k; payloads, if any,
+    one per sample (``_check_text``)."""
     rows, top = batch.top_rows, batch.top
+    if batch.top_text:
+        if len(batch.top_text) != len(rows):
+            raise BatchRejected(f"batch has {len(batch.top_text)} top sample payloads for "
+                                f"{len(rows)} top samples (one each, or none)")
+        _refuse_first(np.array([not _text_ok(t) for t in batch.top_text]), batch, rows,
+                      lambda j: f"top sample payload {str(batch.top_text[j])[:80]!r}... (None, "
+                                f"or [a string or a dict of at most {MAX_TEXT_FIELDS} strings "
+                                f"by names of at most 64 characters, at most {MAX_TEXT_BYTES} "
+                                f"UTF-8 bytes in all; the bytes cut off, a whole number >= 0])")
     if rows.min() < 0 or rows.max() >= len(batch.keys):
         raise BatchRejected("batch top rows must name keys of the batch")
     k = top[:, Top.K]

@@ -10,6 +10,7 @@ blindly (non-finite values, overflow, missing contributors, approximations, coll
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -331,14 +332,19 @@ class Tables:
 TOP_COLUMNS = ["value", "rank", "id", "row", "col", "call"]
 
 
-def top_samples(plan: KeyPlan, tops: Sequence[tuple[int, np.ndarray, np.ndarray]],
+def top_samples(plan: KeyPlan, tops: Sequence[tuple[int, np.ndarray, np.ndarray, tuple]],
                 metrics: Mapping[str, float]) -> dict[str, list[dict[str, Any]]]:
     """``meta["top"]``: for each exported min and max of a key some rank recorded with
     ``stat(top=k)``, the k samples of the union of the ranks' (the smallest for a min, the
-    largest for a max; ties to the lower rank, call, row, column), best first."""
+    largest for a max; ties to the lower rank, call, row, column), best first, each with
+    its payload where its rank sent one (``text``, and ``text_cut`` where it was cut)."""
     by_row: dict[int, list[np.ndarray]] = {}
-    for rank, rows, samples in tops:
-        with_rank = np.column_stack([samples, np.full(len(samples), rank, np.float64)])
+    texts: list[Any] = []  # every rank's payloads, in turn (a sample's column NTOP + 1)
+    for rank, rows, samples, text in tops:
+        at = np.arange(len(texts), len(texts) + len(samples)) if text else \
+            np.full(len(samples), -1)
+        texts.extend(text)
+        with_rank = np.column_stack([samples, np.full(len(samples), rank, np.float64), at])
         for row in np.unique(rows).tolist():
             by_row.setdefault(row, []).append(with_rank[rows == row])
     out: dict[str, list[dict[str, Any]]] = {}
@@ -357,25 +363,34 @@ def top_samples(plan: KeyPlan, tops: Sequence[tuple[int, np.ndarray, np.ndarray]
             order = np.lexsort((mine[:, Top.COL], mine[:, Top.ROW], mine[:, Top.CALL],
                                 mine[:, NTOP], sign * mine[:, Top.VALUE]))
             k = int(mine[:, Top.K].max())
-            out[name] = [_top_sample(s) for s in mine[order[:k]]]
+            out[name] = [_top_sample(s, texts) for s in mine[order[:k]]]
     return out
 
 
-def _top_sample(s: np.ndarray) -> dict[str, Any]:
+def _top_sample(s: np.ndarray, texts: list[Any]) -> dict[str, Any]:
     found: dict[str, Any] = {"value": float(s[Top.VALUE]), "rank": int(s[NTOP]),
                              "row": int(s[Top.ROW]), "col": int(s[Top.COL]),
                              "call": int(s[Top.CALL])}
     ident = float(s[Top.ID])
     if not math.isnan(ident):
         found["id"] = int(ident) if ident.is_integer() else ident
+    text = texts[int(s[NTOP + 1])] if s[NTOP + 1] >= 0 else None
+    if text is not None:
+        found["text"] = text[0]
+        if text[1]:
+            found["text_cut"] = text[1]
     return found
 
 
 def top_table(name: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """A ``meta["tables"]`` entry of a name's top samples (the sinks that draw tables show
+    """A ``meta["tables"]`` entry of a name's top samples, with a ``text`` column where
+    some sample has a payload (a dict's fields as JSON) (the sinks that draw tables show
     it; it holds no scalar: ``series`` matches no name)."""
-    return {"columns": TOP_COLUMNS,
-            "rows": [[s.get(c) for c in TOP_COLUMNS] for s in samples],
+    columns = TOP_COLUMNS + ["text"] * any("text" in s for s in samples)
+    return {"columns": columns,
+            "rows": [[s.get(c) if c != "text" or not isinstance(s.get(c), dict)
+                      else json.dumps(s[c], ensure_ascii=False) for c in columns]
+                     for s in samples],
             "series": {"pattern": f"top/{name}/<value>", "values": []}}
 
 

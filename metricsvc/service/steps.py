@@ -53,8 +53,8 @@ class Merged:
     parts: list[Part]
     winners: list[tuple[np.ndarray, np.ndarray | None]]
     meta: dict[str, Any] = field(default_factory=dict)
-    # stat(top=k): each rank's samples, (rank, key rows in the step, [n, NTOP])
-    tops: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
+    # stat(top=k): each rank's samples, (rank, key rows in the step, [n, NTOP], payloads)
+    tops: list[tuple[int, np.ndarray, np.ndarray, tuple]] = field(default_factory=list)
 
 
 class Collection:
@@ -216,7 +216,7 @@ class PendingStep(Collection):
         self.stream_seqs: dict[str, dict[str, int]] = {}
         # Per stream exported into this step: its records per policy version (version=)
         self.stream_versions: dict[str, dict[int, int]] = {}
-        self.tops: list[tuple[int, np.ndarray, np.ndarray]] = []  # stat(top=k)'s samples
+        self.tops: list[tuple[int, np.ndarray, np.ndarray, tuple]] = []  # stat(top=k)'s
         self.timed_out = False
         self.stream_only = stream_only  # final with its stream windows alone (no rank)
         # Until the run's world size is agreed: how to rebuild this step without the
@@ -241,7 +241,7 @@ class PendingStep(Collection):
         fresh = self.add(part, batch.keys, batch.kinds, batch.expected,
                          _sketches_of(batch) if batch.sketch_rows.size else ())
         if batch.top_rows.size:  # kept with the part (``add`` gave every key its row)
-            self.tops.append((batch.rank, idx[batch.top_rows], batch.top))
+            self.tops.append((batch.rank, idx[batch.top_rows], batch.top, batch.top_text))
         if batch.declared or batch.about:
             self.declare(batch.declared, batch.about)
         self.digests[(batch.rank, batch.seq)] = digest

@@ -85,11 +85,20 @@ def markdown(table: Mapping[str, Any]) -> str:
     """A step's table as the markdown TensorBoard's text panel draws."""
     lines = ["| " + " | ".join(map(str, table["columns"])) + " |",
              "|" + "---|" * len(table["columns"])]
-    lines += ["| " + " | ".join("" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
-                                for v in row) + " |" for row in table["rows"]]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in table["rows"]]
     if table.get("cut"):
         lines.append(f"({table['cut']} more rows not shown)")
     return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    """A table cell in markdown: a number as ``%g``, text on one line with its bars escaped
+    (a sample's payload may hold either)."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return " ".join(str(value).replace("|", "\\|").splitlines())
 
 
 class TensorboardSink:
