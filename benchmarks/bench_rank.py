@@ -390,7 +390,8 @@ def main() -> list[dict]:
         rows.append({"workload": "extremes", "pattern": "stat_ids", **c})
         print_extremes_cost(c, args.rows, args.cols)
         args.workload = [w for w in args.workload if w != "extremes"]
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
+    if args.workload:  # the others run rank actors
+        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
     for workload in args.workload:
         ranks = [Rank.remote(r, args.ranks, args.rows, args.cols, workload)
                  for r in range(args.ranks)]

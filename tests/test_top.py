@@ -253,3 +253,30 @@ def test_the_service_refuses_a_payload_past_the_bound_or_of_another_shape():
         with pytest.raises(BatchRejected, match="payload") as err:
             check(replace(batch, top_text=tuple(bad)))  # as a hostile sender's bytes decode
         assert "\n" not in str(err.value)
+
+
+def test_the_host_search_equals_a_sort_of_every_finite_value():
+    """``smallest_largest`` (a stable sort of a few values; for many, groups' min and max
+    bound where the k lie) against a sort of the finite values, ties to the lower
+    position: sizes on both sides of each threshold, k from 1 to 64, ties, constants,
+    ints, float32 past 1e30, NaN and inf."""
+    from metricsvc.client.host import smallest_largest
+
+    rng = np.random.default_rng(71)
+    for trial in range(300):
+        n = int(rng.choice([1, 3, 100, 4096, 4097, 8192, 30000, 300001]))
+        k = int(rng.integers(1, 65))
+        kind = trial % 5
+        x = (rng.normal(size=n) if kind == 0 else np.round(rng.normal(size=n) * 2) / 2
+             if kind == 1 else rng.integers(0, 3, size=n) if kind == 2
+             else np.full(n, 1.5, np.float32) if kind == 3
+             else (rng.normal(size=n) * 1e30).astype(np.float32))
+        if x.dtype.kind == "f" and trial % 3 == 0:
+            x[rng.random(n) < rng.choice([0.001, 0.3])] = rng.choice([np.nan, np.inf, -np.inf])
+        finite = np.flatnonzero(np.isfinite(x)) if x.dtype.kind == "f" else np.arange(n)
+        v = x[finite].astype(np.float64)
+        want = np.full((2, k, 3), np.nan)
+        for side, order in ((0, np.lexsort((finite, v))), (1, np.lexsort((finite, -v)))):
+            at = finite[order][:k]
+            want[side, : at.size, 0], want[side, : at.size, 1] = x[at], at
+        np.testing.assert_array_equal(smallest_largest(x, k), want, err_msg=f"{trial}")

@@ -34,7 +34,6 @@ from metricsvc.client.summaries import (
     sketch,
     summarize_call,
     to_host,
-    top_samples,
 )
 from metricsvc.client.tensors import is_tensor, to_device, torch_module
 from metricsvc.core.declare import Derived, Metric, encode_derived
@@ -154,18 +153,16 @@ class RecordBuffer:
         with self.lock:  # the mask cache's scratch buffers serve one summary at a time
             if mask is not None or masks is not None:
                 self._masked = True
+            samples: dict[str, Any] = {}  # with top: key -> (samples, row length)
             found = summarize_call(values, mask, masks=masks, ids=ids, compile=self.compile,
-                                   cache=self.masks)
+                                   cache=self.masks, top=top, tops=samples)
             sketches = self._sketches(values, mask, masks, each, code) if sketched else None
-            if top is not None:  # with the call's number of each key: its recordings before
-                samples = {key: (self.seen.get(key, 0), *found_top) for key, found_top
-                           in top_samples(values, mask, ids, top).items()}
+            calls = {key: self.seen.get(key, 0) for key in samples}  # recordings before
             for rows in found:
                 self.keep(rows, code if each is None else tuple(map(each.__getitem__, rows.keys)),
                           expected, sketches)
-            if top is not None:  # kept with the records: a refused call keeps neither
-                for key, (call, held, inner) in samples.items():
-                    self.tops.setdefault(key, []).append((call, inner, held, top, text))
+            for key, (held, inner) in samples.items():  # kept with the records: a refused
+                self.tops.setdefault(key, []).append((calls[key], inner, held, top, text))
         if self.on_record is not None:
             self.on_record()
 
@@ -308,30 +305,34 @@ class RecordBuffer:
             entries, owners = [], []
             for j, (call, inner, _, _, _) in enumerate(calls):
                 samples = np.asarray(next(copied), dtype=np.float64)
-                for side in (0, 1):
-                    got = samples[side][~np.isnan(samples[side, :, 0])]
-                    row, col = np.divmod(got[:, 1], inner)
-                    part = np.empty((len(got), NTOP))
-                    part[:, Top.SIDE], part[:, Top.VALUE], part[:, Top.ID] = side, got[:, 0], \
-                        got[:, 2]
-                    part[:, Top.CALL], part[:, Top.ROW], part[:, Top.COL] = call, row, col
-                    part[:, Top.K] = k
-                    entries.append(part)
-                    owners.append(np.full(len(got), j))
-            found = np.concatenate(entries) if entries else np.empty((0, NTOP))
-            sign = np.where(found[:, Top.SIDE] == 0, 1.0, -1.0)
-            order = np.lexsort((found[:, Top.COL], found[:, Top.ROW], found[:, Top.CALL],
-                                sign * found[:, Top.VALUE], found[:, Top.SIDE]))
-            found = found[order]
-            keep = np.concatenate([np.flatnonzero(found[:, Top.SIDE] == side)[:k]
-                                   for side in (0, 1)])
-            if len(keep):
-                out[row_of[key]] = found[keep]
+                side = np.repeat([0.0, 1.0], samples.shape[1])
+                samples = samples.reshape(-1, 3)
+                held = ~np.isnan(samples[:, 0])
+                got = samples[held]
+                part = np.empty((len(got), NTOP))
+                part[:, Top.SIDE], part[:, Top.VALUE], part[:, Top.ID] = side[held], got[:, 0], \
+                    got[:, 2]
+                part[:, Top.ROW], part[:, Top.COL] = np.divmod(got[:, 1], inner)
+                part[:, Top.CALL], part[:, Top.K] = call, k
+                entries.append(part)
+                owners.append(np.full(len(got), j))
+            if len(entries) == 1:  # one call: its samples are the key's, in order
+                found, owner = entries[0], owners[0]
+            else:  # the k a side of the union, ties to the earlier call, row, column
+                found = np.concatenate(entries)
+                sign = np.where(found[:, Top.SIDE] == 0, 1.0, -1.0)
+                order = np.lexsort((found[:, Top.COL], found[:, Top.ROW], found[:, Top.CALL],
+                                    sign * found[:, Top.VALUE], found[:, Top.SIDE]))
+                found = found[order]
+                keep = np.concatenate([np.flatnonzero(found[:, Top.SIDE] == side)[:k]
+                                       for side in (0, 1)])
+                found, owner = found[keep], np.concatenate(owners)[order][keep]
+            if len(found):
+                out[row_of[key]] = found
                 if any(c[4] is not None for c in calls):  # their payloads: these samples' only
-                    owner = np.concatenate(owners)[order][keep].tolist()
                     texts[row_of[key]] = [
                         None if calls[j][4] is None else sample_text(calls[j][4], int(row))
-                        for j, row in zip(owner, found[keep][:, Top.ROW].tolist())]
+                        for j, row in zip(owner.tolist(), found[:, Top.ROW].tolist())]
         return out, texts
 
     def _merged(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, dict, dict]:

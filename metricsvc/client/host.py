@@ -130,6 +130,68 @@ def _min_max(v: Any, locate: bool) -> tuple[float, float, tuple[int, int] | None
     return v[at[0]].item(), v[at[1]].item(), at
 
 
+_GROUP = 256  # values per group whose min and max bound where the k smallest (largest) lie
+_SORTED = 4096  # at most this many values: a stable sort of all is the fastest way
+
+
+def smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` smallest and ``k`` largest finite values of flat ``x`` with their
+    positions, ``[2, k, 3]`` (side 0 the smallest, ascending; 1 the largest, descending;
+    ``(value, position, NaN)``, the last for the sample's id; NaN where fewer are finite);
+    ties go to the lower position.
+
+    A few values are sorted. Many are dealt into ``m`` groups of 256 (``x[j::m]``: the
+    rows of ``x`` as ``[256, m]``, so each group's min and max is one SIMD pass over ``x``
+    for all groups): if the k-th largest group max is ``t``, k groups hold a value of at
+    least ``t``, so each of the k largest values is at least ``t`` and lies in a group
+    whose max is (or past the last whole row); those few groups are searched (the smallest
+    likewise). A NaN or inf shows in a group's min or max: then all the finite values are
+    searched."""
+    out = np.full((2, k, 3), np.nan)
+    n = x.size
+    float_kind = x.dtype.kind == "f"
+    if n <= _SORTED:  # a few values (one a sequence): sorted, stably
+        for side, order in ((0, np.argsort(x, kind="stable")),
+                            (1, np.argsort(-x if float_kind else -x.astype(np.float64),
+                                           kind="stable"))):
+            if float_kind:
+                order = order[np.isfinite(x[order])]
+            order = order[:k]
+            out[side, : order.size, 0] = x[order]
+            out[side, : order.size, 1] = order
+        return out
+    m = n // _GROUP
+    cut = m * _GROUP
+    if m >= 4 * k:
+        rows = x[:cut].reshape(_GROUP, m)
+        low, high = rows.min(0), rows.max(0)
+        if not float_kind or np.isfinite(low.sum(dtype=np.float64) + high.sum(dtype=np.float64)
+                                         + x[cut:].sum(dtype=np.float64)):
+            # the groups that may hold one of the k of either side (their positions)
+            groups = np.flatnonzero((low <= np.partition(low, k - 1)[k - 1])
+                                    | (high >= np.partition(high, m - k)[m - k]))
+            where = (groups + np.arange(_GROUP)[:, None] * m).ravel()
+            if cut < n:
+                where = np.concatenate([where, np.arange(cut, n)])
+        else:  # a NaN or inf somewhere (or values past 1e300: rare): every finite value
+            where = np.flatnonzero(np.isfinite(x))
+    else:
+        where = np.flatnonzero(np.isfinite(x)) if float_kind else np.arange(n)
+    got = x[where]
+    for side in (0, 1):
+        if got.size > k:  # the k-th value: what passes it, and the first of those tied
+            at = k - 1 if side == 0 else got.size - k
+            kth = np.partition(got, at)[at]
+            keep = np.flatnonzero(got <= kth if side == 0 else got >= kth)
+        else:
+            keep = np.arange(got.size)
+        values = got[keep].astype(np.float64)  # in order, ties to the lower position
+        keep = keep[np.lexsort((where[keep], values if side == 0 else -values))][:k]
+        out[side, : keep.size, 0] = got[keep]
+        out[side, : keep.size, 1] = where[keep]
+    return out
+
+
 def _host_row(total: float, n: float, low: float, high: float, root: float,
               total_lo: float) -> Any:
     """The record row of finite values (no non-finite count) as a CPU tensor."""
@@ -203,7 +265,8 @@ class HostPass:
     passes that count and exclude them. Reading the CPU is not a device sync.
     """
 
-    def __init__(self, mask: Any, cache: MaskCache, locate: bool = False) -> None:
+    def __init__(self, mask: Any, cache: MaskCache, locate: bool = False,
+                 top: int | None = None) -> None:
         self.cache = cache
         self.mask = mask
         # the mask's valid positions: flat bool and their count (found once per step)
@@ -212,6 +275,10 @@ class HostPass:
         # With ``locate``: each key's min and max positions, flat in its value
         self.locate = locate
         self.at: dict[str, tuple[int, int]] = {}
+        # With ``top``: each key's k smallest and largest values and their flat positions,
+        # found from the values gathered for its row (``smallest_largest``)
+        self.top = top
+        self.tops: dict[str, np.ndarray] = {}
 
     def rows(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Return ``{key: row}`` for CPU tensors and differences of CPU tensors (with
@@ -228,12 +295,13 @@ class HostPass:
         for key, v in values.items():
             if isinstance(v, Difference):
                 g = self._difference(v)  # a shared buffer: summarised before the next one
+                known = self._top(key, g, v.a.numel()) if self.top else None
                 if 0 < g.numel() <= _TINY:
                     out[key], found[key] = self._tiny_row(g)
                 elif 0 < g.numel() < _SMALL:
                     small.setdefault(g.numel(), {})[key] = g.numpy().copy()
                 elif g.numel():
-                    out[key], found[key] = self._row(g)
+                    out[key], found[key] = self._row(g, known=known)
                 else:
                     out[key] = identity_row()
                 continue
@@ -243,6 +311,7 @@ class HostPass:
                 continue
             done[where] = key
             g = self._gather(v, where, where in keep)
+            known = self._top(key, g, v.numel()) if self.top else None
             n = g.numel()
             if n == 0:
                 out[key] = identity_row()
@@ -251,13 +320,15 @@ class HostPass:
             elif n < _SMALL and g.dtype in numpy_dtypes(torch_module()):
                 small.setdefault(n, {})[key] = g.numpy()
             else:
-                out[key], found[key] = self._row(g)
+                out[key], found[key] = self._row(g, known=known)
         for group in small.values():
             for key, (row, at) in self._small_rows(group).items():
                 out[key], found[key] = row, at
         for key, first in same.items():
             out[key] = out[first].clone()
             found[key] = found.get(first)
+            if self.top:
+                self.tops[key] = self.tops[first]
         if self.locate:
             for key, at in found.items():
                 if at is not None:
@@ -269,6 +340,25 @@ class HostPass:
                         index = self.cache.index(self.mask)
                         self.at[key] = (int(index[at[0]]), int(index[at[1]]))
         return out
+
+    def _top(self, key: str, g: Any, size: int) -> tuple[float, float, tuple[int, int]] | None:
+        """Keep in ``tops`` the ``smallest_largest`` of ``key``'s gathered values ``g`` (of
+        a value of ``size`` positions), positions flat in the value (the mask's, made once
+        per step). Return the first of each side, ``(min, max, their positions in g)``, what
+        the record's min and max are when every value is finite (None: no finite value)."""
+        torch = torch_module()
+        if g.dtype not in numpy_dtypes(torch):
+            g = g.to(torch.float64)
+        found = smallest_largest(g.numpy(), self.top)
+        first = None
+        if not np.isnan(found[0, 0, 0]):
+            first = (found[0, 0, 0], found[1, 0, 0], (int(found[0, 0, 1]), int(found[1, 0, 1])))
+        if self.valid is not None and self.n != size:  # gathered -> the value's positions
+            at = found[..., 1]
+            held = ~np.isnan(at)
+            at[held] = self.cache.index(self.mask).numpy()[at[held].astype(np.int64)]
+        self.tops[key] = found
+        return first
 
     def _gather(self, x: Any, where: tuple, keep: bool) -> Any:
         """The valid values of ``x``, flat: a view when all are valid; else picked by the
@@ -330,7 +420,8 @@ class HostPass:
                 else self._row_nonfinite(torch.from_numpy(stacked[i]))
                 for i, key in enumerate(group)}
 
-    def _row(self, v: Any, clean: bool = False) -> tuple[Any, tuple[int, int] | None]:
+    def _row(self, v: Any, clean: bool = False, known: tuple | None = None
+             ) -> tuple[Any, tuple[int, int] | None]:
         """The summary row of flat ``v`` (every position valid, not empty; ``clean``: every
         value finite, so a non-finite sum is an overflow to report, not values to drop).
 
@@ -340,7 +431,8 @@ class HostPass:
         row. Otherwise (a large offset: timestamps, byte counts) a second pass centres each
         chunk on the mean and sums the deviations and their squares: the mean becomes a
         double-double and M2 loses nothing to cancellation. When locating, the min and
-        max come from ``argmin`` / ``argmax`` (their first positions, returned too).
+        max come from ``argmin`` / ``argmax`` (their first positions, returned too), or
+        from ``known``: what ``stat(top=)`` found of them (``_top``).
         """
         torch = torch_module()
         n = v.numel()
@@ -355,7 +447,10 @@ class HostPass:
                 x = v.numpy()
                 at = (int(np.argmin(x)), int(np.argmax(x)))
             return torch.from_numpy(summarize_array(v.numpy())), at  # finite, past 1e308
-        low, high, at = _min_max(v, self.locate)
+        if known is None:
+            low, high, at = _min_max(v, self.locate)
+        else:  # the min and max ``top`` found (every value finite: the first of each side)
+            low, high, at = known[0], known[1], known[2] if self.locate else None
         m2 = squares - total * total / n
         if _SAFE_SQUARES[0] < squares < _SAFE_SQUARES[1] and 100.0 * m2 >= squares:
             total_lo, root = 0.0, math.sqrt(m2)

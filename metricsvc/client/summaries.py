@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.device import device_rows, flat_value, number_rows
-from metricsvc.client.host import HostPass, MaskCache, stacked_rows
+from metricsvc.client.host import HostPass, MaskCache, smallest_largest, stacked_rows
 from metricsvc.client.tensors import (
     Difference,
     check_mask,
@@ -79,18 +79,23 @@ def plain_rows(values: Sequence[Any]) -> np.ndarray | None:
 
 def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
                    masks: Mapping[str, Any] | None = None, ids: Any = None,
-                   compile: bool | None = None, cache: MaskCache | None = None) -> list[Rows]:
+                   compile: bool | None = None, cache: MaskCache | None = None,
+                   top: int | None = None, tops: dict[str, Any] | None = None) -> list[Rows]:
     """Return the records of a call's ``{key: value}``, grouped by where they live: every
     value under ``mask``, or each under its own (``masks``: ``{key: mask or None}``). A value
     may be a ``Difference`` of two tensors. With ``ids`` (one per row of every value), where
-    each min and max lies too.
+    each min and max lies too. With ``top``, each value's ``top`` smallest and largest valid
+    finite values into ``tops``: ``{key: (found [2, top, 3], row length)}`` (side 0 the
+    smallest; ``(value, flat position, id)``; NaN where fewer are valid; ties to the lower
+    position), found in the same pass: from the values gathered for the record on the
+    host (``smallest_largest``), by a stable sort on a device (nothing read back).
 
     Raises:
         TypeError: a non-numeric value, a mask that is not bool, bad ``ids``.
         ValueError: a mask or ``ids`` of another shape than the value's (the key is named).
     """
     keys = tuple(values)
-    if mask is None and masks is None and ids is None:
+    if mask is None and masks is None and ids is None and top is None:
         block = plain_rows(list(values.values()))
         if block is not None:  # plain numbers only (timings, counters): the common call
             return [Rows(keys, block)]
@@ -100,6 +105,9 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
     if ids is not None:
         ids = _checked_ids(ids, prepared)
     locate = ids is not None
+    every = locate or top is not None  # each value on its own (no short vectors stacked)
+    found: dict[str, np.ndarray] = {}  # with top: key -> [2, top, 3], host values'
+    on_device: dict[Any, Any] = {}  # with top and ids: the ids on each device
     host: dict[str, Any] = {}  # key -> numpy row
     at: dict[str, Any] = {}  # key -> its min and max flat positions (located)
     passes: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(mask) -> (mask, CPU values)
@@ -107,16 +115,20 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
     device: dict[tuple, list[tuple[str, Any, Any]]] = {}  # (kind, id(mask)) -> values
     for key, (v, m) in prepared.items():
         if v.__class__ is np.ndarray:
-            if masks is not None and not locate and v.ndim == 1 and 0 < v.size <= _VECTOR:
+            if masks is not None and not every and v.ndim == 1 and 0 < v.size <= _VECTOR:
                 vectors.setdefault(v.size, {})[key] = (v, m)  # a value per sequence
                 continue
             host[key] = summarize_array(v, m)
             if locate and host[key][COUNT] > 0:
                 at[key] = _array_extremes(v, m)
+            if top is not None:
+                found[key] = _array_top(v, m, top)
         elif v.__class__ is not Difference and not is_tensor(v):  # a plain number
             host[key] = _number_row(key, v)
+            if top is not None:
+                found[key] = _array_top(np.asarray(v, dtype=np.float64), None, top)
         elif on_host(v.a if isinstance(v, Difference) else v, compile):
-            pair = None if (locate or masks is None) else _host_vector(v, m)
+            pair = None if (every or masks is None) else _host_vector(v, m)
             if pair is not None:
                 vectors.setdefault(pair[0].size, {})[key] = pair
             else:  # grouped by the mask the caller gave: one pass gathers it once
@@ -129,13 +141,29 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
                 continue
             kind, x = flat_value(v)
             device.setdefault((kind, 0 if masks else id(mask)), []).append((key, x, m))
+            if top is not None:  # the ids on the value's device, once a call
+                if ids is not None and v.device not in on_device:
+                    on_device[v.device] = to_device(ids, v.device)
+                tops[key] = (_device_top(v, m, on_device.get(v.device), top, _inner(v)),
+                             _inner(v))
     for group in vectors.values():
         host.update(_vector_rows(group))
     for m, group in passes.values():
-        hosted = HostPass(m, MaskCache() if cache is None else cache, locate)
+        hosted = HostPass(m, MaskCache() if cache is None else cache, locate, top)
         for key, row in hosted.rows(group).items():
             host[key] = row.numpy()
         at.update(hosted.at)
+        found.update(hosted.tops)
+    if found:  # the host values' samples: their ids, their rows' length
+        host_ids = None if ids is None else (
+            ids.detach().cpu().numpy() if is_tensor(ids) else np.asarray(ids))
+        for key, samples in found.items():
+            inner = _inner(prepared[key][0]) if hasattr(prepared[key][0], "shape") else 1
+            if host_ids is not None:
+                known = ~np.isnan(samples[..., 1])
+                samples[..., 2][known] = host_ids[samples[..., 1][known].astype(np.int64)
+                                                  // inner]
+            tops[key] = (samples, inner)
     out = []
     if host:
         order, found = [], []  # the caller's order
@@ -509,55 +537,22 @@ def sample_text(text: list[str] | dict[str, list[str]], row: int) -> list[Any]:
         room -= used
     return [out[""] if "" in out else out, dropped]
 
-def top_samples(values: Mapping[str, Any], mask: Any, ids: Any, k: int) -> dict[str, Any]:
-    """For each of a call's values, its ``k`` smallest and ``k`` largest valid finite
-    values with their flat positions and sample ids, ``[2, k, 3]`` (side 0 the smallest,
-    1 the largest; ``(value, position, id)``; a value NaN where fewer are valid), found
-    where the value lives (a tensor on an accelerator: a stable sort there, nothing read
-    back; on the host: a partition of the valid values); ties go to the lower position.
-    Also each value's row length: ``{key: (found, inner)}``. The values were checked by
-    ``summarize_call`` (same mask, same ids)."""
-    out = {}
-    host_ids = None  # the ids on the host, once a host value needs them
-    for key, value in values.items():
-        v, m = _prepare(value, mask, key)
-        v = v.tensor() if isinstance(v, Difference) else v
-        if is_tensor(v) and not on_host(v):
-            at_device = None if ids is None else to_device(ids, v.device)
-            out[key] = (_device_top(v, m, at_device, k, _inner(v)), _inner(v))
-            continue
-        if is_tensor(v):  # its own dtype where numpy has it (the order is float64's)
-            torch = torch_module()
-            v = v.detach()
-            v = (v if v.dtype in numpy_dtypes(torch) else v.to(torch.float64)).numpy()
-            m = None if m is None else m.numpy()
-        v = np.asarray(v)
-        inner = _inner(v)
-        x = v.reshape(-1)
-        valid = np.isfinite(x) if m is None else np.isfinite(x) & np.asarray(m).reshape(-1)
-        where = np.flatnonzero(valid)
-        vals = x[where]
-        found = np.full((2, k, 3), np.nan)
-        for side, order in ((0, vals), (1, -vals)):
-            if len(order) > k:  # the k-th of the side's order; every value tied with it
-                kth = np.partition(order, k - 1)[k - 1]
-                near = np.flatnonzero(order <= kth)
-            else:
-                near = np.arange(len(order))
-            chosen = near[np.lexsort((near, order[near]))][:k]
-            at = where[chosen]
-            found[side, :len(at), 0] = vals[chosen]
-            found[side, :len(at), 1] = at
-            if ids is not None:
-                if host_ids is None:
-                    host_ids = ids.detach().cpu().numpy() if is_tensor(ids) else np.asarray(ids)
-                found[side, :len(at), 2] = host_ids[at // inner]
-        out[key] = (found, inner)
-    return out
+def _array_top(v: np.ndarray, m: Any, k: int) -> np.ndarray:
+    """``smallest_largest`` of a numpy value's valid values, positions flat in the value."""
+    x = v.reshape(-1)
+    if m is None:
+        return smallest_largest(x, k)
+    where = np.flatnonzero(np.asarray(m).reshape(-1))
+    found = smallest_largest(x[where], k)
+    at = found[..., 1]
+    known = ~np.isnan(at)
+    at[known] = where[at[known].astype(np.int64)]
+    return found
 
 
 def _device_top(v: Any, m: Any, ids: Any, k: int, inner: int) -> Any:
-    """``top_samples`` of a device tensor, on its device (no sync)."""
+    """The ``[2, k, 3]`` top samples (``summarize_call``) of a device tensor, found on its
+    device by a stable sort (ties to the lower position), nothing read back."""
     torch = torch_module()
     x = v.reshape(-1).to(torch.float64)
     valid = torch.isfinite(x) if m is None else torch.isfinite(x) & m.reshape(-1)
