@@ -287,3 +287,30 @@ def test_a_masks_positions_are_the_same_whether_picked_from_a_kept_arange_or_cou
             assert math.isclose(row[SUM] + row[SUM_LO], math.fsum(kept), rel_tol=1e-15)
             mask[: n // 2] = ~mask[: n // 2]
     assert cache._arange.size == tensors._ARANGE_MAX  # grown to the largest mask under it
+
+
+@pytest.mark.parametrize("numpy_1", [False, True])
+def test_a_few_valid_positions_found_by_span_equal_the_masks_every_position(numpy_1,
+                                                                            monkeypatch):
+    """``MaskCache.positions`` (the mask counted per span of 64, a span's positions made
+    when asked for) gives what the index of every valid position gives: masks of sizes
+    around the span, dense, sparse, with empty spans, changed in place; and with numpy 1's
+    count (no ``bitwise_count``)."""
+    from metricsvc.client import host
+
+    if numpy_1:
+        monkeypatch.delattr(np, "bitwise_count")
+    rng = np.random.default_rng(11)
+    cache = host.MaskCache()
+    for n in (1, 63, 64, 65, 1000, 3 * 1024 + 5, 100_003):
+        for density in (0.001, 0.5, 0.999):
+            mask = torch.tensor(rng.random(n) < density)
+            if n > 3 * 1024:
+                mask[1024:2 * 1024] = False  # a span with none
+            for _ in range(2):  # the second time: changed in place, read again
+                every = np.flatnonzero(mask.numpy())
+                if every.size:
+                    at = rng.integers(0, every.size, size=min(50, every.size))
+                    np.testing.assert_array_equal(cache.positions(mask, at), every[at])
+                mask[: n // 2] = ~mask[: n // 2]
+            cache.clear()

@@ -41,6 +41,25 @@ from metricsvc.core.records import (
 log = logging.getLogger(__name__)
 
 _ARANGE_MAX = 1 << 20  # masks up to this size pick their positions from a kept arange
+_SPAN = 64  # a mask's positions counted per span of this many (``MaskCache.positions``)
+
+
+def _span_starts(flat: np.ndarray) -> np.ndarray:
+    """How many of ``flat``'s positions are True before each span of ``_SPAN`` (64): the
+    True bytes of each 8-byte word counted (``bitwise_count``, numpy 2), and the eight
+    counts of a span added by one multiply of the word they make."""
+    n = flat.size
+    cut = n - n % _SPAN
+    whole = flat[:cut]
+    if hasattr(np, "bitwise_count"):
+        per_word = np.bitwise_count(whole.view(np.uint64))  # 0-8 each, 8 a span
+        counts = ((per_word.view(np.uint64) * np.uint64(0x0101010101010101))
+                  >> np.uint64(56)).astype(np.int64)
+    else:  # numpy 1: a sum of the bytes
+        counts = whole.view(np.uint8).reshape(-1, _SPAN).sum(1, dtype=np.int64)
+    if cut < n:
+        counts = np.append(counts, np.count_nonzero(flat[cut:]))
+    return np.concatenate([[0], np.cumsum(counts)[:-1]])
 
 
 class MaskCache:
@@ -80,13 +99,39 @@ class MaskCache:
                 entry[2] = torch_module().from_numpy(np.flatnonzero(flat))
         return entry[2]
 
+    def positions(self, mask: Any, at: np.ndarray) -> np.ndarray:
+        """Return the flat positions of the ``at``-th valid positions of ``mask`` (a CPU
+        bool tensor; ``at`` int64): each found in its span of 64 positions (a running
+        count of the span's), from the mask's counts per span (made once per mask and step:
+        a few of its positions are asked for, the min's, the max's, the top samples', never
+        all of them)."""
+        entry = self._entry(mask)
+        if entry[2] is not None:  # every valid position is made already
+            return entry[2].numpy()[at]
+        flat = entry[0]
+        if entry[3] is None:
+            entry[3] = _span_starts(flat)
+        starts = entry[3]
+        span = np.searchsorted(starts, at, side="right") - 1
+        nth = at - starts[span]  # which valid position of its span
+        whole = flat.size // _SPAN
+        out = np.empty(at.shape, np.int64)
+        inside = span < whole
+        if inside.any():
+            counted = np.cumsum(flat[: whole * _SPAN].reshape(whole, _SPAN)[span[inside]], 1,
+                                dtype=np.int16)
+            out[inside] = span[inside] * _SPAN + (counted > nth[inside, None]).argmax(1)
+        if not inside.all():  # in the part past the last whole span
+            out[~inside] = whole * _SPAN + np.flatnonzero(flat[whole * _SPAN:])[nth[~inside]]
+        return out
+
     def _entry(self, mask: Any) -> list:
         for held, version, entry in self._entries:
             if (held.data_ptr() == mask.data_ptr() and held.shape == mask.shape
                     and held.stride() == mask.stride() and mask._version == version):
                 return entry
         flat = mask.numpy().reshape(-1)
-        entry = [flat, int(np.count_nonzero(flat)), None]
+        entry = [flat, int(np.count_nonzero(flat)), None, None]
         self._entries = [(mask, mask._version, entry), *self._entries][: self.size]
         return entry
 
@@ -180,8 +225,8 @@ def smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
     got = x[where]
     for side in (0, 1):
         if got.size > k:  # the k-th value: what passes it, and the first of those tied
-            at = k - 1 if side == 0 else got.size - k
-            kth = np.partition(got, at)[at]
+            at = k - 1 if side == 0 else got.size - k  # (numpy partitions at one k-th
+            kth = np.partition(got, at)[at]  # faster than at two)
             keep = np.flatnonzero(got <= kth if side == 0 else got >= kth)
         else:
             keep = np.arange(got.size)
@@ -295,7 +340,7 @@ class HostPass:
         for key, v in values.items():
             if isinstance(v, Difference):
                 g = self._difference(v)  # a shared buffer: summarised before the next one
-                known = self._top(key, g, v.a.numel()) if self.top else None
+                known = self._top(key, g) if self.top else None
                 if 0 < g.numel() <= _TINY:
                     out[key], found[key] = self._tiny_row(g)
                 elif 0 < g.numel() < _SMALL:
@@ -311,7 +356,7 @@ class HostPass:
                 continue
             done[where] = key
             g = self._gather(v, where, where in keep)
-            known = self._top(key, g, v.numel()) if self.top else None
+            known = self._top(key, g) if self.top else None
             n = g.numel()
             if n == 0:
                 out[key] = identity_row()
@@ -330,21 +375,29 @@ class HostPass:
             if self.top:
                 self.tops[key] = self.tops[first]
         if self.locate:
-            for key, at in found.items():
-                if at is not None:
-                    n = (values[key].a if isinstance(values[key], Difference)
-                         else values[key]).numel()
-                    if self.valid is None or self.n == n:  # gathered = flat positions
-                        self.at[key] = at
-                    else:  # the mask's positions, made once per step on first ask
-                        index = self.cache.index(self.mask)
-                        self.at[key] = (int(index[at[0]]), int(index[at[1]]))
+            self.at = {key: at for key, at in found.items() if at is not None}
+        if self.valid is not None and self.n != self.valid.size:
+            self._place()
         return out
 
-    def _top(self, key: str, g: Any, size: int) -> tuple[float, float, tuple[int, int]] | None:
-        """Keep in ``tops`` the ``smallest_largest`` of ``key``'s gathered values ``g`` (of
-        a value of ``size`` positions), positions flat in the value (the mask's, made once
-        per step). Return the first of each side, ``(min, max, their positions in g)``, what
+    def _place(self) -> None:
+        """The positions found among the gathered values (``at``, ``tops``) made the
+        values' own flat positions: the mask's, all in one lookup."""
+        tops = list({id(t): t for t in self.tops.values()}.values())  # a tensor twice: once
+        held = [~np.isnan(t[..., 1]) for t in tops]
+        asked = [np.array(list(self.at.values()), np.int64).reshape(-1),
+                 *(t[..., 1][h].astype(np.int64) for t, h in zip(tops, held))]
+        placed = self.cache.positions(self.mask, np.concatenate(asked))
+        start = asked[0].size
+        self.at = {key: (int(placed[2 * i]), int(placed[2 * i + 1]))
+                   for i, key in enumerate(self.at)}
+        for t, h in zip(tops, held):
+            t[..., 1][h] = placed[start:start + np.count_nonzero(h)]
+            start += np.count_nonzero(h)
+
+    def _top(self, key: str, g: Any) -> tuple[float, float, tuple[int, int]] | None:
+        """Keep in ``tops`` the ``smallest_largest`` of ``key``'s gathered values ``g``.
+        Return the first of each side, ``(min, max, their positions in g)``, what
         the record's min and max are when every value is finite (None: no finite value)."""
         torch = torch_module()
         if g.dtype not in numpy_dtypes(torch):
@@ -353,11 +406,7 @@ class HostPass:
         first = None
         if not np.isnan(found[0, 0, 0]):
             first = (found[0, 0, 0], found[1, 0, 0], (int(found[0, 0, 1]), int(found[1, 0, 1])))
-        if self.valid is not None and self.n != size:  # gathered -> the value's positions
-            at = found[..., 1]
-            held = ~np.isnan(at)
-            at[held] = self.cache.index(self.mask).numpy()[at[held].astype(np.int64)]
-        self.tops[key] = found
+        self.tops[key] = found  # positions among the gathered values, until ``_place``
         return first
 
     def _gather(self, x: Any, where: tuple, keep: bool) -> Any:
