@@ -297,42 +297,48 @@ class RecordBuffer:
         (ties to the earlier call, then row, then column), by key row: ``[n, NTOP]``; their
         samples were copied with the step's records (``_merged``). And, by key row, the
         kept samples' payloads where their call gave ``text`` (``sample_text``; else None)."""
-        copied = iter(self._tops_copied)
-        row_of = {key: i for i, key in enumerate(keys)}
+        names = list(self.tops)
+        calls = [(n, j, *c) for n, key in enumerate(names) for j, c in enumerate(self.tops[key])]
+        # every call's samples ([2, its k, 3] each) as rows, with what each row belongs to
+        samples = np.concatenate([np.asarray(s, dtype=np.float64).reshape(-1, 3)
+                                  for s in self._tops_copied])
+        sizes = [2 * c[5] for c in calls]
+        of = np.repeat(np.arange(len(calls)), sizes)  # each row's call, in ``calls``
+        first = np.repeat(np.cumsum([0, *sizes[:-1]]), sizes)
+        side = (np.arange(len(samples)) - first >= np.repeat([c[5] for c in calls], sizes))
+        held = ~np.isnan(samples[:, 0])
+        samples, of, side = samples[held], of[held], side[held]
+        name = np.array([c[0] for c in calls], np.int64)[of]
+        k = np.zeros(len(names))  # a key's k: the largest its calls asked for
+        np.maximum.at(k, [c[0] for c in calls], [c[5] for c in calls])
+        with_text = {c[0] for c in calls if c[6] is not None}
+        found = np.empty((len(samples), NTOP))
+        found[:, Top.SIDE], found[:, Top.VALUE], found[:, Top.ID] = side, samples[:, 0], \
+            samples[:, 2]
+        found[:, Top.ROW], found[:, Top.COL] = np.divmod(
+            samples[:, 1], np.array([c[3] for c in calls], np.float64)[of])
+        found[:, Top.CALL] = np.array([c[2] for c in calls], np.float64)[of]
+        found[:, Top.K] = k[name]
+        # by key and side, best first: ties to the earlier call, row, column; k of each
+        order = np.lexsort((found[:, Top.COL], found[:, Top.ROW], found[:, Top.CALL],
+                           np.where(side, -1.0, 1.0) * found[:, Top.VALUE], side, name))
+        found, of, group = found[order], of[order], (2 * name + side)[order]
+        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+        rank = np.arange(len(group)) - np.repeat(starts, np.diff(np.r_[starts, len(group)]))
+        keep = rank < found[:, Top.K]
+        found, of, name = found[keep], of[keep], group[keep] // 2
         out, texts = {}, {}
-        for key, calls in self.tops.items():
-            k = max(c[3] for c in calls)
-            entries, owners = [], []
-            for j, (call, inner, _, _, _) in enumerate(calls):
-                samples = np.asarray(next(copied), dtype=np.float64)
-                side = np.repeat([0.0, 1.0], samples.shape[1])
-                samples = samples.reshape(-1, 3)
-                held = ~np.isnan(samples[:, 0])
-                got = samples[held]
-                part = np.empty((len(got), NTOP))
-                part[:, Top.SIDE], part[:, Top.VALUE], part[:, Top.ID] = side[held], got[:, 0], \
-                    got[:, 2]
-                part[:, Top.ROW], part[:, Top.COL] = np.divmod(got[:, 1], inner)
-                part[:, Top.CALL], part[:, Top.K] = call, k
-                entries.append(part)
-                owners.append(np.full(len(got), j))
-            if len(entries) == 1:  # one call: its samples are the key's, in order
-                found, owner = entries[0], owners[0]
-            else:  # the k a side of the union, ties to the earlier call, row, column
-                found = np.concatenate(entries)
-                sign = np.where(found[:, Top.SIDE] == 0, 1.0, -1.0)
-                order = np.lexsort((found[:, Top.COL], found[:, Top.ROW], found[:, Top.CALL],
-                                    sign * found[:, Top.VALUE], found[:, Top.SIDE]))
-                found = found[order]
-                keep = np.concatenate([np.flatnonzero(found[:, Top.SIDE] == side)[:k]
-                                       for side in (0, 1)])
-                found, owner = found[keep], np.concatenate(owners)[order][keep]
-            if len(found):
-                out[row_of[key]] = found
-                if any(c[4] is not None for c in calls):  # their payloads: these samples' only
-                    texts[row_of[key]] = [
-                        None if calls[j][4] is None else sample_text(calls[j][4], int(row))
-                        for j, row in zip(owner.tolist(), found[:, Top.ROW].tolist())]
+        row_of = {key: i for i, key in enumerate(keys)}
+        bounds = np.searchsorted(name, np.arange(len(names) + 1))
+        for n, key in enumerate(names):
+            a, b = bounds[n], bounds[n + 1]
+            if a == b:
+                continue
+            out[row_of[key]] = found[a:b]
+            if n in with_text:  # these samples' payloads
+                texts[row_of[key]] = [
+                    None if calls[c][6] is None else sample_text(calls[c][6], int(row))
+                    for c, row in zip(of[a:b].tolist(), found[a:b, Top.ROW].tolist())]
         return out, texts
 
     def _merged(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, dict, dict]:
