@@ -280,3 +280,18 @@ def test_the_host_search_equals_a_sort_of_every_finite_value():
             at = finite[order][:k]
             want[side, : at.size, 0], want[side, : at.size, 1] = x[at], at
         np.testing.assert_array_equal(smallest_largest(x, k), want, err_msg=f"{trial}")
+
+
+def test_a_stream_refuses_top_samples_in_one_line_and_keeps_nothing_of_the_call():
+    """A stream's window names the stream, never samples: ``top=`` / ``text=`` there would
+    be dropped unseen, so the call is refused before anything is kept."""
+    c = MetricClient(None, rank=0, world_size=1)
+    rec = c.stream("rollout", flush_every=10**9, flush_interval_s=1e9)
+    for bad in ({"top": 2}, {"top": 2, "text": ["a", "b"]}, {"text": ["a", "b"]}):
+        with pytest.raises(ValueError, match="stream 'rollout': .* keeps no samples") as err:
+            rec.stat(ids=[1, 2], kl=np.array([0.5, 9.0]), **bad)
+        assert "\n" not in str(err.value)
+    assert len(rec.buffer) == 0
+    rec.stat(ids=[1, 2], kl=np.array([0.5, 9.0]))  # without them: recorded
+    assert len(rec.buffer) == 1
+    rec.buffer.discard()  # no service here to send it to

@@ -676,8 +676,13 @@ class StreamRecorder(Tracker):
 
     def stat(self, mask: Any = None, reduce: ReduceType | str = ReduceType.AVG_MIN_MAX, *,
              version: int | None = None, **kwargs: Any) -> None:
-        """``Tracker.stat``; ``version`` as in ``scalar`` (one record per call)."""
+        """``Tracker.stat``; ``version`` as in ``scalar`` (one record per call). A stream's
+        window names the stream, not samples: ``top=`` and ``text=`` are refused."""
         checked = self._version(version)
+        if kwargs.get("top") is not None or kwargs.get("text") is not None:
+            raise ValueError(f"stream {self.name!r}: a stream's records merge into a window "
+                             f"that keeps no samples (its min and max name the stream); "
+                             f"record top=/text= with the rank's client, client.stat(...)")
         super().stat(mask, reduce, **kwargs)
         self._count_version(checked)
 
