@@ -157,12 +157,14 @@ class RecordBuffer:
             found = summarize_call(values, mask, masks=masks, ids=ids, compile=self.compile,
                                    cache=self.masks, top=top, tops=samples)
             sketches = self._sketches(values, mask, masks, each, code) if sketched else None
-            calls = {key: self.seen.get(key, 0) for key in samples}  # recordings before
+            # each top key's call number: its recordings before this one
+            calls = [self.seen.get(key, 0) for key in samples] if samples else []
             for rows in found:
                 self.keep(rows, code if each is None else tuple(map(each.__getitem__, rows.keys)),
                           expected, sketches)
-            for key, (held, inner) in samples.items():  # kept with the records: a refused
-                self.tops.setdefault(key, []).append((calls[key], inner, held, top, text))
+            # the samples kept with the records (a call ``keep`` refused keeps neither)
+            for call, (key, (held, inner)) in zip(calls, samples.items()):
+                self.tops.setdefault(key, []).append((call, inner, held, top, text))
         if self.on_record is not None:
             self.on_record()
 

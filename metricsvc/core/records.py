@@ -405,8 +405,9 @@ def winners(rows: np.ndarray, idx: np.ndarray, merged: np.ndarray) -> list[np.nd
     n = len(merged)
     out = []
     has = rows[:, COUNT] > 0
-    for held in (*(has & (rows[:, field] == merged[idx, field]) for _, field, _ in SIDES),
-                 rows[:, NONFINITE] > 0):
+    for field in (MIN, MAX, NONFINITE):
+        held = (rows[:, NONFINITE] > 0 if field == NONFINITE
+                else has & (rows[:, field] == merged[idx, field]))
         won = np.full(n, _NONE, dtype=np.int64)
         cand = np.flatnonzero(held)
         np.minimum.at(won, idx[cand], cand)  # each key's first candidate

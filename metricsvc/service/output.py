@@ -200,10 +200,12 @@ class StepOutput:
                 meta["top"] = top
                 meta.setdefault("tables", {}).update(
                     {f"top/{name}": top_table(name, rows) for name, rows in top.items()})
-        if plan.extremes:  # the rank (and sample) each exported min and max came from
-            sources = self.extremes(plan, merged, metrics)
+        if merged.winners:  # the rank (and sample) each exported min and max came from,
+            sources, first = self.extremes(p.keys, plan, merged, metrics)  # each first NaN's
             if sources:
                 meta["extremes"] = sources
+            if first:
+                meta["nonfinite_first"] = first
         if merged.sketches and self.output.histogram_bins:
             histograms = self.histograms(p.keys, plan.kinds, merged)
             if histograms:
@@ -234,22 +236,36 @@ class StepOutput:
                 meta["internal_ignored"] = ignored  # "__"-keys are never exported: say so
         return StepResult(p.step, metrics, meta)
 
-    def extremes(self, plan: KeyPlan, merged: Merged,
-                 metrics: Mapping[str, float]) -> dict[str, dict[str, Any]]:
-        """Return where each exported min and max came from, by exported name: the rank
-        (or the stream) whose record holds it, and, where that rank's client was given
-        ``ids=``, the sample's id, its position (``row``, ``col``) and the ``call``."""
+    def extremes(self, keys: list[str], plan: KeyPlan, merged: Merged,
+                 metrics: Mapping[str, float]) -> tuple[dict[str, dict[str, Any]], dict]:
+        """Return where each exported min and max came from, by exported name, and where
+        each key's first non-finite value came from, by key: the rank (or the stream)
+        whose record holds it, and, where that rank's client was given ``ids=``, the
+        sample's id, its position (``row``, ``col``), the ``call`` (and a non-finite
+        value's ``kind``)."""
         found = {}
-        for side, (part_of, src) in zip(SIDE, merged.winners):
+        for side, (part_of, src) in zip(("min", "max", "nonfinite"), merged.winners):
             found[side] = (part_of.tolist(), src)
         out: dict[str, dict[str, Any]] = {}
+        first: dict[str, dict[str, Any]] = {}
+        todo = []  # (key row, side, name, where it goes)
         for i, sides in plan.extremes:
             for side, name in sides:
-                part_of, src = found[side]
-                if part_of[i] < 0 or name in out or name not in metrics:
-                    continue
-                out[name] = _source(merged, part_of[i], src, i, side)
-        return out
+                if name in metrics:
+                    todo.append((i, side, name, out))
+        for i in np.flatnonzero(merged.data[:, NONFINITE] > 0).tolist():
+            todo.append((i, "nonfinite", keys[i], first))
+        for i, side, name, into in todo:
+            part_of, src = found[side]
+            if part_of[i] < 0 or name in into:
+                continue
+            of = merged.parts[part_of[i]]
+            where: dict[str, Any] = ({"rank": of.rank} if of.rank is not None
+                                     else {"stream": of.order[1]})
+            if src is not None:  # some client gave ids: the sample, where known
+                where.update(describe_source(src[i], side))
+            into[name] = where
+        return out, first
 
     def histograms(self, keys: list[str], kinds: list[ReduceType],
                     merged: Merged) -> dict[str, dict[str, Any]]:
@@ -421,19 +437,6 @@ def internal_rows(keys: list[str]) -> list[int]:
     return [i for i, key in enumerate(keys) if is_internal(key)]
 
 
-def _source(merged: Merged, part: int, src: np.ndarray | None, i: int,
-            side: str) -> dict[str, Any]:
-    """Where key row ``i``'s ``side`` (``min``, ``max``, ``nonfinite``) came from: the rank
-    (or the stream) of part ``part``, and, where its client was given ``ids=``, the sample's
-    id, its position (``row``, ``col``), the ``call`` (and a non-finite value's ``kind``)."""
-    of = merged.parts[part]
-    where: dict[str, Any] = ({"rank": of.rank} if of.rank is not None
-                             else {"stream": of.order[1]})
-    if src is not None:  # some client gave ids: the sample, where known
-        where.update(describe_source(src[i], side))
-    return where
-
-
 def _anomalies(keys: list[str], plan: KeyPlan, merged: Merged,
                world_size: int | None) -> dict[str, Any]:
     """Return the meta entries that flag values a user should not trust blindly."""
@@ -443,9 +446,6 @@ def _anomalies(keys: list[str], plan: KeyPlan, merged: Merged,
     nonfinite = np.flatnonzero(data[:, NONFINITE] > 0)
     if nonfinite.size:
         out["nonfinite"] = {keys[i]: int(data[i, NONFINITE]) for i in nonfinite}
-        part_of, src = merged.winners[2]  # where each key's first one came from
-        out["nonfinite_first"] = {keys[i]: _source(merged, int(part_of[i]), src, i, "nonfinite")
-                                  for i in nonfinite.tolist() if part_of[i] >= 0}
     overflow = np.flatnonzero((data[:, COUNT] > 0) & ~np.isfinite(data[:, [SUM, M2_ROOT]]).all(1))
     if overflow.size:  # finite values whose sum (or spread) left float64's range
         out["overflow"] = [keys[i] for i in overflow]
