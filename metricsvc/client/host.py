@@ -176,7 +176,6 @@ def _min_max(v: Any, locate: bool) -> tuple[float, float, tuple[int, int] | None
 
 
 _GROUP = 256  # values per group whose min and max bound where the k smallest (largest) lie
-_SORTED = 4096  # at most this many values: a stable sort of all is the fastest way
 
 
 def smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
@@ -185,28 +184,20 @@ def smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
     ``(value, position, NaN)``, the last for the sample's id; NaN where fewer are finite);
     ties go to the lower position.
 
-    A few values are sorted. Many are dealt into ``m`` groups of 256 (``x[j::m]``: the
-    rows of ``x`` as ``[256, m]``, so each group's min and max is one SIMD pass over ``x``
-    for all groups): if the k-th largest group max is ``t``, k groups hold a value of at
-    least ``t``, so each of the k largest values is at least ``t`` and lies in a group
-    whose max is (or past the last whole row); those few groups are searched (the smallest
-    likewise). A NaN or inf shows in a group's min or max: then all the finite values are
-    searched."""
+    Many values are dealt into ``m`` groups of 256 (``x[j::m]``: the rows of ``x`` as
+    ``[256, m]``, so each group's min and max is one SIMD pass over ``x`` for all groups):
+    if the k-th largest group max is ``t``, k groups hold a value of at least ``t``, so
+    each of the k largest values is at least ``t`` and lies in a group whose max is (or
+    past the last whole row); those few groups are searched (the smallest likewise). A
+    NaN or inf shows in a group's min or max: then all the finite values are searched.
+    Of the values searched, the k-th of each side is found by a partition, and what
+    passes it ordered (ties to the lower position)."""
     out = np.full((2, k, 3), np.nan)
     n = x.size
     float_kind = x.dtype.kind == "f"
-    if n <= _SORTED:  # a few values (one a sequence): sorted, stably
-        for side, order in ((0, np.argsort(x, kind="stable")),
-                            (1, np.argsort(-x if float_kind else -x.astype(np.float64),
-                                           kind="stable"))):
-            if float_kind:
-                order = order[np.isfinite(x[order])]
-            order = order[:k]
-            out[side, : order.size, 0] = x[order]
-            out[side, : order.size, 1] = order
-        return out
     m = n // _GROUP
     cut = m * _GROUP
+    where = None  # the positions searched (None: all of them, every one finite)
     if m >= 4 * k:
         rows = x[:cut].reshape(_GROUP, m)
         low, high = rows.min(0), rows.max(0)
@@ -220,9 +211,9 @@ def smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
                 where = np.concatenate([where, np.arange(cut, n)])
         else:  # a NaN or inf somewhere (or values past 1e300: rare): every finite value
             where = np.flatnonzero(np.isfinite(x))
-    else:
-        where = np.flatnonzero(np.isfinite(x)) if float_kind else np.arange(n)
-    got = x[where]
+    elif float_kind and not np.isfinite(x).all():
+        where = np.flatnonzero(np.isfinite(x))
+    got = x if where is None else x[where]
     for side in (0, 1):
         if got.size > k:  # the k-th value: what passes it, and the first of those tied
             at = k - 1 if side == 0 else got.size - k  # (numpy partitions at one k-th
@@ -230,10 +221,11 @@ def smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
             keep = np.flatnonzero(got <= kth if side == 0 else got >= kth)
         else:
             keep = np.arange(got.size)
+        at = keep if where is None else where[keep]
         values = got[keep].astype(np.float64)  # in order, ties to the lower position
-        keep = keep[np.lexsort((where[keep], values if side == 0 else -values))][:k]
-        out[side, : keep.size, 0] = got[keep]
-        out[side, : keep.size, 1] = where[keep]
+        order = np.lexsort((at, values if side == 0 else -values))[:k]
+        out[side, : order.size, 0] = values[order]
+        out[side, : order.size, 1] = at[order]
     return out
 
 
