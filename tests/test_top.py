@@ -253,6 +253,8 @@ def test_the_service_refuses_a_payload_past_the_bound_or_of_another_shape():
         with pytest.raises(BatchRejected, match="payload") as err:
             check(replace(batch, top_text=tuple(bad)))  # as a hostile sender's bytes decode
         assert "\n" not in str(err.value)
+    with pytest.raises(BatchRejected, match="payloads must be a tuple"):
+        check(replace(batch, top_text=5))  # a hand-built batch object
 
 
 def test_the_host_search_equals_a_sort_of_every_finite_value():

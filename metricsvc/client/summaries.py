@@ -95,6 +95,7 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
         ValueError: a mask or ``ids`` of another shape than the value's (the key is named).
     """
     keys = tuple(values)
+    tops = {} if tops is None else tops
     if mask is None and masks is None and ids is None and top is None:
         block = plain_rows(list(values.values()))
         if block is not None:  # plain numbers only (timings, counters): the common call

@@ -193,7 +193,8 @@ class Batch:
 
     @property
     def nbytes_without_keys(self) -> int:
-        """Return the wire size of the numeric columns in bytes."""
+        """Return the wire size of the columns in bytes (a top sample's payload counted at
+        its bound, ``MAX_TEXT_BYTES``)."""
         return int(self.data.nbytes + self.kinds.nbytes + self.expected.nbytes
                    + self.sketch_codes.nbytes + self.sketch_counts.nbytes + len(self.derived)
                    + self.extreme_rows.nbytes + self.extremes.nbytes + self.top_rows.nbytes
@@ -376,6 +377,9 @@ def check(batch: object, limits: Limits = LIMITS, cache: Recent | None = None) -
         )
     if not isinstance(batch.keys, tuple):
         raise BatchRejected(f"batch keys must be a tuple, got {type(batch.keys).__name__}")
+    if not isinstance(batch.top_text, tuple):
+        raise BatchRejected(f"batch top sample payloads must be a tuple, got "
+                            f"{type(batch.top_text).__name__}")
     known = cache.get(batch.keys) if cache is not None else None
     if known is None:
         _check_keys(batch.keys, limits)
