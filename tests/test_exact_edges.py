@@ -314,3 +314,7 @@ def test_a_few_valid_positions_found_by_span_equal_the_masks_every_position(nump
                     np.testing.assert_array_equal(cache.positions(mask, at), every[at])
                 mask[: n // 2] = ~mask[: n // 2]
             cache.clear()
+    shifted = torch.tensor(rng.random(100_003) < 0.5)[3:]  # a view 3 bytes into its storage
+    at = rng.integers(0, int(shifted.sum()), size=50)
+    np.testing.assert_array_equal(cache.positions(shifted, at),
+                                  np.flatnonzero(shifted.numpy())[at])
