@@ -135,6 +135,7 @@ def test_the_top_samples_reach_wandb_as_a_table_name_an_alert_and_survive_a_kill
         c = MetricClient(None, rank=rank, world_size=2, name=cfg.name)
         kl = torch.full((3, 4), 0.5)
         kl[1, 2] = 9.0 if rank else 7.0
+        kl[2, 3] = float("-inf") if rank else 0.5  # where a non-finite value came from
         c.stat(ids=torch.arange(10 * rank, 10 * rank + 3), top=3, kl=kl,
                text=[f"answer {rank}.{row} | x" for row in range(3)])
         c.wait_submit(step=0, timeout_s=30)
@@ -145,8 +146,12 @@ def test_the_top_samples_reach_wandb_as_a_table_name_an_alert_and_survive_a_kill
     (alert,) = first["alerts"]
     assert [(s["id"], s["text"]) for s in alert["samples"]] == [(w[2], w[3]) for w in want]
     assert ray.get(handle.flush.remote(120), timeout=150)  # journaled: the ranks forget it
+    assert first["nonfinite_first"] == {"kl": {"rank": 1, "row": 2, "col": 3, "call": 0,
+                                               "kind": "-inf", "id": 12}}
     sigkill(handle)
-    assert ray.get(handle.wait_final.remote(0, 60))["meta"]["top"] == first["top"]
+    again = ray.get(handle.wait_final.remote(0, 60))["meta"]
+    assert again["top"] == first["top"]
+    assert again["nonfinite_first"] == first["nonfinite_first"]
     health = ray.get(handle.close.remote(), timeout=200)
     run = Path(health["run_dir"])
     assert metricsvc.flagged_samples(run) == [11, 1, 0]
