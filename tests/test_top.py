@@ -203,18 +203,22 @@ def test_the_accelerator_path_finds_the_same_samples_and_reads_nothing_back_unti
         v[torch.rand(6, 40, generator=g) < 0.05] = float("nan")
         calls.append((v, torch.rand(6, 40, generator=g) > 0.3, torch.arange(6) + 10 * micro))
     batches = []
+    texts = [[f"sample {i}" for i in ids.tolist()] for _, _, ids in calls]
     for on_device in (False, True):
         buf = RecordBuffer()
         with (accelerator_path_on_cpu() if on_device else _nothing()), \
                 HostTransferCounter() as counter:
-            for v, mask, ids in calls:
-                buf.record({"kl": v}, mask, ReduceType.AVG_MIN_MAX, ids, top=5)
+            for (v, mask, ids), text in zip(calls, texts):
+                buf.record({"kl": v}, mask, ReduceType.AVG_MIN_MAX, ids, top=5, text=text)
             recorded = counter.count
             batches.append(buf.take_batch(step=0, rank=0, world_size=1, seq=0, final=True))
         if on_device:
             assert recorded == 0 and counter.count == 1 and buf.host_copies == 1, counter.calls
     np.testing.assert_array_equal(batches[0].top, batches[1].top)
     assert len(batches[0].top) == 10
+    assert batches[0].top_text == batches[1].top_text  # each winner's own row's text
+    assert [t[0] for t in batches[1].top_text] == [f"sample {int(i)}"
+                                                   for i in batches[1].top[:, 2]]
 
 
 def _nothing():
