@@ -150,6 +150,32 @@ def test_a_restart_before_the_export_loses_and_doubles_no_stream_batch(make_work
     assert health["calls"]["epoch_changed"] == 1 and rec.sender.outbox.resent == 2
 
 
+def test_a_new_stream_clients_batches_are_owed_until_exported_whatever_step_is_journaled(
+        make_worker):
+    """A client whose batches no journaled step holds yet owes them all: its batch numbers
+    are not steps, so the journal's newest step (here 1, past the batch number 1) says
+    nothing of them, and a restart before the export loses none."""
+    from tests.helpers import wait_for_new_incarnation
+
+    handle, cfg = make_worker(sinks={"console": None, "jsonl": {}})
+    driver = MetricClient(handle, rank=0, world_size=1)
+    for step in (0, 1):  # two windows of other clients, journaled
+        with quiet(driver) as rec:
+            rec.stat(reward=np.array([1.0]))
+        ray.get(handle.export_stream.remote("rollout", step, True))
+    assert ray.get(handle.flush.remote())
+    rec = quiet(driver)  # a new client: its first batch is number 1
+    rec.stat(reward=np.array([7.0]))
+    ack = rec.flush()
+    assert ack["durable_through"] is None and len(rec.sender.outbox) == 1
+    epoch = ray.get(handle.health.remote())["epoch"]
+    ray.kill(handle, no_restart=False)  # the window dies with the actor
+    wait_for_new_incarnation(handle, epoch)
+    rec.close()  # resends what the restart lost
+    assert ray.get(handle.export_stream.remote("rollout", 2, True)) == {
+        "rollout/reward/mean": 7.0, "rollout/reward/min": 7.0, "rollout/reward/max": 7.0}
+
+
 def test_a_stream_recorder_reaches_the_service_under_per_node_topology(make_worker):
     """Streams have no step barrier, so they go to the MetricWorker itself, not through the
     node's combiner (which gathers ranks' steps)."""

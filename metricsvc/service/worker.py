@@ -209,13 +209,13 @@ class MetricWorkerImpl:
         self.calls[what] += 1
         return False
 
-    def _ack(self, status: str, durable_through: int | None = None,
-             **extra: Any) -> dict[str, Any]:
+    def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
         """What every sender hears: the status, this incarnation, how far the journal holds
-        (for a stream client, its own batches' ``durable_through``), the last final step."""
+        (a stream client's ``extra`` says how far its own batches are, None: none yet), the
+        last final step."""
         return {"status": status, "epoch": self.epoch,
-                "durable_through": self.durable_through() if durable_through is None
-                else durable_through, "last_final_step": self.engine.last_emitted, **extra}
+                "durable_through": self.durable_through(),
+                "last_final_step": self.engine.last_emitted, **extra}
 
     def _take(self, item: Batch | bytes) -> tuple[dict[str, Any], list[StepResult]]:
         """Merge one rank's batch; return what that rank hears (``status``, ``step``,
@@ -310,7 +310,8 @@ class MetricWorkerImpl:
             status, seq = ("epoch_changed", None) if stale else \
                 self.engine.submit_stream(name, client, batch)
             durable = self.engine.streams.ledger.through(name, client, self.durable_through())
-            return self._ack(status, durable, **({} if seq is None else {"seq": seq}))
+            return self._ack(status, durable_through=durable,
+                             **({} if seq is None else {"seq": seq}))
 
     def export_stream(self, name: str, step: int, close: bool = False) -> dict[str, float]:
         """Publish the window of stream ``name`` with ``step``, start a new window, and
