@@ -9,8 +9,10 @@ of a rewind and the other sinks' turn, ``close`` then a resume,
 stream window recorded, flushed (across a SIGKILL, too) and exported. After each check
 the journal's latest segment, ``metricsvc report``, TensorBoard (its own reader), a custom
 sink slow to reopen after each restart (each step of a segment once) and ``wait_final``
-equal the model: every published step once, with the values recorded for
-it. ``METRICSVC_MODEL_EXAMPLES`` draws more runs (default 3, about a minute).
+equal the model: every published step once, with the values recorded for it, where its
+min and max came from, its top samples (``stat(top=)`` with their text), where its NaN
+came from, its alerts, and the flagged samples of every alert of the run, superseded steps'
+included. ``METRICSVC_MODEL_EXAMPLES`` draws more runs (default 3, about a minute).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -36,6 +39,7 @@ from tests.helpers import crash, sigkill
 _services = itertools.count()
 VALUES = st.one_of(st.floats(-1e6, 1e6, allow_nan=False, width=32),
                    st.sampled_from([1e-30, -3.5e25, 7.0]))
+ALERT_ABOVE = 1e5  # m/max past it: an alert naming m/max's top samples
 
 
 class RunHistoryMachine(RuleBasedStateMachine):
@@ -50,9 +54,13 @@ class RunHistoryMachine(RuleBasedStateMachine):
                     "sinks": {"console": None, "jsonl": {}, "tensorboard": {},
                               "custom": [{"target": "tests.sink_fixtures:ReopeningSink",
                                           "options": {"reopen_s": 0.5}}]},
+                    "alerts": [{"key": "m/max", "above": ALERT_ABOVE, "name": "m high"}],
                     "run": {"root": self.tmp.name, "experiment": "m", "trial": "t"}}
         self.model: dict[int, dict[str, float]] = {}
-        self.extremes: dict[int, dict[str, dict]] = {}  # step -> what meta.extremes names
+        # step -> what its meta names: extremes, top, nonfinite_first, alerts
+        self.extremes: dict[int, dict[str, dict]] = {}
+        self.samples: dict[int, dict[str, Any]] = {}
+        self.flagged: set[int] = set()  # every id an alert of this run's folder named
         self.next = 0  # the rank's open step
         self.flushed = False  # flushes whose answers are not read yet
         self.runs = itertools.count(1)
@@ -93,6 +101,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
     def _rewound(self, to_step: int) -> None:
         self.model = {s: m for s, m in self.model.items() if s <= to_step}
         self.extremes = {s: e for s, e in self.extremes.items() if s <= to_step}
+        self.samples = {s: e for s, e in self.samples.items() if s <= to_step}
         self.next = to_step + 1
 
     @initialize(topology=st.sampled_from(["flat", "per_node"]))
@@ -105,11 +114,26 @@ class RunHistoryMachine(RuleBasedStateMachine):
     def close_step(self, value: float, blocking: bool) -> None:
         self.client.submit_metric({"x": value})
         pair, first = [value, -value], 100 * self.next  # a tie at 0: row 0 is both
-        self.client.stat(ids=np.array([first, first + 1]), m=np.array(pair))
+        # and a NaN in row 2; the two samples of each side with their text
+        self.client.stat(ids=np.array([first, first + 1, first + 2]), top=2,
+                         text=[f"row {r} of {self.next}" for r in range(3)],
+                         m=np.array([*pair, np.nan]))
         low, high = int(np.argmin(pair)), int(np.argmax(pair))
         self.extremes[self.next] = {
             "m/min": {"rank": 0, "id": first + low, "row": low, "col": 0, "call": 0},
             "m/max": {"rank": 0, "id": first + high, "row": high, "col": 0, "call": 0}}
+        top = {name: [{"value": pair[r], "rank": 0, "row": r, "col": 0, "call": 0,
+                       "id": first + r, "text": f"row {r} of {self.next}"}
+                      for r in sorted(range(2), key=lambda r: (sign * pair[r], r))]
+               for name, sign in (("m/min", 1), ("m/max", -1))}
+        alerts = [{"step": self.next, "rule": "m high", "key": "m/max", "value": max(pair),
+                   "samples": [{"name": "m/max", **s} for s in top["m/max"]]}
+                  ] if max(pair) > ALERT_ABOVE else []
+        self.flagged.update(s["id"] for a in alerts for s in a["samples"])
+        self.samples[self.next] = {
+            "top": top, "alerts": alerts or None,
+            "nonfinite_first": {"m": {"rank": 0, "row": 2, "col": 0, "call": 0, "kind": "nan",
+                                      "id": first + 2}}}
         if blocking:
             self.client.wait_submit(step=self.next, timeout_s=60)
         else:
@@ -187,7 +211,8 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self._settle()
         metricsvc.stop_metric_worker(self.handle)
         self.cfg["run"] = {**self.cfg["run"], "trial": f"t{next(self.runs)}"}
-        self.model, self.extremes, self.next = {}, {}, 0
+        self.model, self.extremes, self.samples, self.next = {}, {}, {}, 0
+        self.flagged = set()
         self.handle = metricsvc.start_metric_worker(self.cfg)
         self.client = self._client()
 
@@ -206,6 +231,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         assert window == pytest.approx(want, rel=1e-9)
         self.model[self.next] = want
         self.extremes[self.next] = {"s/r/min": {"stream": "s"}, "s/r/max": {"stream": "s"}}
+        self.samples[self.next] = {"top": None, "alerts": None, "nonfinite_first": None}
         self.next += 1
         self.client = self._client()  # the rank skips the stream's step
 
@@ -217,15 +243,19 @@ class RunHistoryMachine(RuleBasedStateMachine):
         finals = {s: ray.get(self.handle.wait_final.remote(s, 30), timeout=60)
                   for s in self.model}
         _same({s: f["metrics"] for s, f in finals.items()}, self.model, 1e-9, "wait_final")
-        # Where each min and max came from, through every restart, resend and rewind
+        # Where each min and max came from, the top samples, the NaN and the alerts,
+        # through every restart, resend and rewind
         assert {s: f["meta"].get("extremes") for s, f in finals.items()} == self.extremes
+        assert {s: _samples_of(f["meta"]) for s, f in finals.items()} == self.samples
         run = Path(self.tmp.name) / "m" / self.cfg["run"]["trial"]
         if not (run / "metrics.jsonl").exists():
             assert not self.model
             return
         journal, report, board, sources = _views(run)
         _same(journal, self.model, 1e-9, "journal")
-        assert sources == self.extremes
+        assert {s: e for s, (e, _) in sources.items()} == self.extremes
+        assert {s: m for s, (_, m) in sources.items()} == self.samples
+        assert set(metricsvc.flagged_samples(run)) == self.flagged
         _same(report, self.model, 1e-9, "report")
         _same(board, self.model, 1e-6, "tensorboard")
         # A sink slow to reopen after a restart: each step of each segment once, whatever
@@ -247,6 +277,10 @@ class RunHistoryMachine(RuleBasedStateMachine):
             self.tmp.cleanup()
 
 
+def _samples_of(meta: dict) -> dict[str, Any]:
+    return {name: meta.get(name) for name in ("top", "alerts", "nonfinite_first")}
+
+
 def _same(got: dict, want: dict, rel: float, where: str) -> None:
     assert sorted(got) == sorted(want), (where, sorted(got), sorted(want))
     for step, metrics in want.items():
@@ -260,7 +294,7 @@ def _views(run: Path):
 
     records = read_journal(run / "metrics.jsonl")
     journal = {r["step"]: r["metrics"] for r in records}
-    sources = {r["step"]: r["meta"].get("extremes") for r in records}
+    sources = {r["step"]: (r["meta"].get("extremes"), _samples_of(r["meta"])) for r in records}
     try:
         report = {r["step"]: r["metrics"] for r in load_steps(str(run))}
     except CliError:  # "the journal holds no finished step": a run rewound to its start
