@@ -45,6 +45,7 @@ from metricsvc.core.records import (
     NFIELDS,
     NTOP,
     Top,
+    best_of,
     merge_grouped,
     unknown_sources,
     winners,
@@ -321,14 +322,8 @@ class RecordBuffer:
             samples[:, 1], np.array([c[3] for c in calls], np.float64)[of])
         found[:, Top.CALL] = np.array([c[2] for c in calls], np.float64)[of]
         found[:, Top.K] = k[name]
-        # by key and side, best first: ties to the earlier call, row, column; k of each
-        order = np.lexsort((found[:, Top.COL], found[:, Top.ROW], found[:, Top.CALL],
-                           np.where(side, -1.0, 1.0) * found[:, Top.VALUE], side, name))
-        found, of, group = found[order], of[order], (2 * name + side)[order]
-        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-        rank = np.arange(len(group)) - np.repeat(starts, np.diff(np.r_[starts, len(group)]))
-        keep = rank < found[:, Top.K]
-        found, of, name = found[keep], of[keep], group[keep] // 2
+        keep = best_of(found, name)  # by key and side, the k best: ties to the earlier call
+        found, of, name = found[keep], of[keep], name[keep]
         out, texts = {}, {}
         row_of = {key: i for i, key in enumerate(keys)}
         bounds = np.searchsorted(name, np.arange(len(names) + 1))

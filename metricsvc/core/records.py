@@ -388,6 +388,25 @@ class Top(IntEnum):
 NTOP = len(Top)
 
 
+def best_of(samples: np.ndarray, key: np.ndarray, rank: np.ndarray | None = None
+            ) -> np.ndarray:
+    """The positions in ``samples`` (``[n, NTOP]``, of key ``key[i]``) of each key's k
+    smallest (side 0) and k largest (side 1), in order: by key, side, best first, ties to
+    the lower ``rank`` (if given), then call, row and column (what a sort of the data
+    concatenated in that order gives); k is the largest any of the side's samples says."""
+    side = samples[:, Top.SIDE]
+    order = np.lexsort((samples[:, Top.COL], samples[:, Top.ROW], samples[:, Top.CALL],
+                        *(() if rank is None else (rank,)),
+                        np.where(side == 0, 1.0, -1.0) * samples[:, Top.VALUE], side, key))
+    if not len(order):
+        return order
+    group = (2 * key + side.astype(np.int64))[order]
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    sizes = np.diff(np.r_[starts, len(group)])
+    k = np.maximum.reduceat(samples[order, Top.K], starts)
+    return order[np.arange(len(order)) - np.repeat(starts, sizes) < np.repeat(k, sizes)]
+
+
 def unknown_sources(n: int) -> np.ndarray:
     """Return ``n`` source rows that know nothing (every field NaN)."""
     return np.full((n, NSOURCE), np.nan)

@@ -31,6 +31,7 @@ from metricsvc.core.records import (
     SIDE,
     SUM,
     Top,
+    best_of,
     describe_source,
 )
 from metricsvc.core.reduce import (
@@ -354,32 +355,25 @@ def top_samples(plan: KeyPlan, tops: Sequence[tuple[int, np.ndarray, np.ndarray,
     ``stat(top=k)``, the k samples of the union of the ranks' (the smallest for a min, the
     largest for a max; ties to the lower rank, call, row, column), best first, each with
     its payload where its rank sent one (``text``, and ``text_cut`` where it was cut)."""
-    by_row: dict[int, list[np.ndarray]] = {}
     texts: list[Any] = []  # every rank's payloads, in turn (a sample's column NTOP + 1)
-    for rank, rows, samples, text in tops:
+    parts = []  # each rank's samples, with the rank and where their payloads are
+    for rank, _, samples, text in tops:
         at = np.arange(len(texts), len(texts) + len(samples)) if text else \
             np.full(len(samples), -1)
         texts.extend(text)
-        with_rank = np.column_stack([samples, np.full(len(samples), rank, np.float64), at])
-        for row in np.unique(rows).tolist():
-            by_row.setdefault(row, []).append(with_rank[rows == row])
+        parts.append(np.column_stack([samples, np.full(len(samples), rank, np.float64), at]))
+    every = np.concatenate(parts)
+    key = np.concatenate([rows for _, rows, _, _ in tops])
+    keep = best_of(every, key, every[:, NTOP])  # by key and side, the k of the union
+    every, group = every[keep], 2 * key[keep] + every[keep, Top.SIDE].astype(np.int64)
     out: dict[str, list[dict[str, Any]]] = {}
     for i, sides in plan.extremes:
-        found = by_row.get(i)
-        if found is None:
-            continue
-        every = np.concatenate(found)
         for side, name in sides:
             if name not in metrics or name in out:
                 continue
-            mine = every[every[:, Top.SIDE] == SIDE[side]]
-            if not len(mine):
-                continue
-            sign = 1.0 if side == "min" else -1.0
-            order = np.lexsort((mine[:, Top.COL], mine[:, Top.ROW], mine[:, Top.CALL],
-                                mine[:, NTOP], sign * mine[:, Top.VALUE]))
-            k = int(mine[:, Top.K].max())
-            out[name] = [_top_sample(s, texts) for s in mine[order[:k]]]
+            first, end = np.searchsorted(group, (2 * i + SIDE[side], 2 * i + SIDE[side] + 1))
+            if first < end:
+                out[name] = [_top_sample(s, texts) for s in every[first:end]]
     return out
 
 
