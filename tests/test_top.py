@@ -264,6 +264,18 @@ def test_the_service_refuses_a_payload_past_the_bound_or_of_another_shape():
         assert "\n" not in str(err.value)
     with pytest.raises(BatchRejected, match="payloads must be a tuple"):
         check(replace(batch, top_text=5))  # a hand-built batch object
+    # more samples on a side than its k, or two k for one key: refused, naming the key
+    more = np.concatenate([batch.top, batch.top[-1:]])
+    with pytest.raises(BatchRejected, match=r"key 'kl': 2 top samples on one side for "
+                                            r"k=\[1.0, 1.0\]"):
+        check(replace(batch, top=more, top_rows=np.zeros(3, np.int32), top_text=()))
+    mixed = batch.top.copy()
+    mixed[1, 6] = 2.0  # the largest side says k=2, the smallest k=1: each side its own
+    check(replace(batch, top=mixed, top_text=()))
+    mixed = np.concatenate([batch.top, batch.top[-1:]])
+    mixed[1, 6], mixed[2, 6] = 1.0, 2.0
+    with pytest.raises(BatchRejected, match=r"2 top samples on one side for k=\[1.0, 2.0\]"):
+        check(replace(batch, top=mixed, top_rows=np.zeros(3, np.int32), top_text=()))
 
 
 def test_the_host_search_equals_a_sort_of_every_finite_value():

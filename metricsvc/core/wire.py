@@ -142,7 +142,7 @@ class Batch:
 
         ``sketches`` maps a key's row to its sparse ``(codes, counts)`` buckets,
         ``extremes`` a key's row to where its min and max came from (``core.extremes``),
-        ``top`` a key's row to its top samples (``[n, NTOP]``, ``records.TOP_*``),
+        ``top`` a key's row to its top samples (``[n, NTOP]``, fields ``records.Top``),
         ``top_text`` a key's row to their payloads (``Batch.top_text``).
         """
         k = len(keys)
@@ -554,14 +554,15 @@ def _check_sources(batch: Batch) -> None:
     rows, src = batch.extreme_rows, batch.extremes
     if rows.min() < 0 or rows.max() >= len(batch.keys) or len(np.unique(rows)) != len(rows):
         raise BatchRejected("batch extreme rows must name distinct keys of the batch")
+    bad = np.isfinite(src[:, NF_VALUE])
     for first, _ in LOCATED:
         ident, where = src[:, first], src[:, first + 1: first + 4]
-        _refuse_first(~(np.isnan(where).all(1) | _whole(where)) | np.isinf(ident)
-                      | np.isfinite(src[:, NF_VALUE]), batch, rows,
-                      lambda j: f"where its min, max and first non-finite value came from "
-                                f"{src[j].tolist()} (call, row and column must be whole "
-                                f"numbers >= 0, or all NaN; an id finite or NaN; the value "
-                                f"NaN or infinite)")
+        bad |= ~(np.isnan(where).all(1) | _whole(where)) | np.isinf(ident)
+    _refuse_first(bad, batch, rows,
+                  lambda j: f"where its min, max and first non-finite value came from "
+                            f"{src[j].tolist()} (call, row and column must be whole numbers "
+                            f">= 0, or all NaN; an id finite or NaN; the value NaN or "
+                            f"infinite)")
 
 
 def _refuse_first(bad: np.ndarray, batch: Batch, rows: np.ndarray,
@@ -601,7 +602,7 @@ def _check_top(batch: Batch) -> None:
     """The top samples: rows of keys whose kind exports a min and a max; a side 0 or 1; a
     finite value; call, row and column whole numbers in [0, 2**53]; an id finite or NaN;
     at most k (1 to ``MAX_TOP``) a key and side, each saying the same k; payloads, if any,
-    one per sample (``_check_text``)."""
+    one per sample (``_text_ok``)."""
     rows, top = batch.top_rows, batch.top
     if batch.top_text:
         if len(batch.top_text) != len(rows):
@@ -623,12 +624,16 @@ def _check_top(batch: Batch) -> None:
                             f"call, row and column whole numbers >= 0, an id finite or NaN, k "
                             f"in [1, {MAX_TOP}], of a kind that exports a min and a max)")
     sides = rows.astype(np.int64) * 2 + top[:, Top.SIDE].astype(np.int64)
-    groups, counts = np.unique(sides, return_counts=True)
-    for group, count in zip(groups.tolist(), counts.tolist()):
-        ks = k[sides == group]
-        if count > ks[0] or (ks != ks[0]).any():
-            raise BatchRejected(f"key {batch.keys[group // 2]!r}: {count} top samples on one "
-                                f"side for k={ks.tolist()} (at most k, one k a key)")
+    order = np.argsort(sides, kind="stable")
+    sides, k = sides[order], k[order]
+    starts = np.flatnonzero(np.r_[True, sides[1:] != sides[:-1]])
+    counts = np.diff(np.r_[starts, len(sides)])
+    low, high = np.minimum.reduceat(k, starts), np.maximum.reduceat(k, starts)
+    wrong = np.flatnonzero((counts > low) | (low != high))
+    if wrong.size:
+        at, count = starts[wrong[0]], counts[wrong[0]]
+        raise BatchRejected(f"key {batch.keys[sides[at] // 2]!r}: {count} top samples on one "
+                            f"side for k={k[at:at + count].tolist()} (at most k, one k a key)")
 
 
 def _check_sketches(batch: Batch) -> None:
