@@ -55,8 +55,7 @@ def format_step(
 
 def top_line(samples: list[Mapping[str, Any]]) -> str:
     """``9 (rank 1, id 11); 7 (rank 0)``: a name's top samples (``meta.top``), best first."""
-    return "; ".join(f"{s['value']:.6g}{source(s).replace('  <- ', ' (', 1)})"
-                     for s in samples)
+    return "; ".join(f"{s['value']:.6g} ({place(s)})" for s in samples)
 
 
 def nonfinite_text(where: Mapping[str, Any]) -> str:
@@ -67,7 +66,7 @@ def nonfinite_text(where: Mapping[str, Any]) -> str:
 
 def where_text(where: Mapping[str, Any]) -> str:
     """``rank 2, id 1017 (row 3, col 0, call 1)``: a sample's place, as far as known."""
-    text = source(where).removeprefix("  <- ")
+    text = place(where)
     if "row" in where:
         text += f" (row {where['row']}, col {where['col']}, call {where['call']})"
     return text
@@ -75,12 +74,16 @@ def where_text(where: Mapping[str, Any]) -> str:
 
 def source(where: Mapping[str, Any] | None) -> str:
     """``  <- rank 2, id 1017`` beside a min or max: where it came from (``meta.extremes``)."""
-    if not where:
-        return ""
+    return f"  <- {place(where)}" if where else ""
+
+
+def place(where: Mapping[str, Any]) -> str:
+    """``rank 2, id 1017``: the rank (or stream) whose record a value came from, and the
+    sample where it is known."""
     parts = [f"rank {where['rank']}" if "rank" in where else f"stream {where.get('stream')}"]
     if "id" in where:
         parts.append(f"id {where['id']}")
-    return "  <- " + ", ".join(parts)
+    return ", ".join(parts)
 
 
 def alert_line(alert: Mapping[str, Any]) -> str:
@@ -88,8 +91,7 @@ def alert_line(alert: Mapping[str, Any]) -> str:
     the alert names, after the arrow)."""
     value = alert.get("value")
     shown = "missing" if value is None else f"{alert['key']} = {value:.6g}"
-    samples = "; ".join(f"{s['name']}: " + source(s).removeprefix("  <- ")
-                        for s in alert.get("samples", ()))
+    samples = "; ".join(f"{s['name']}: {place(s)}" for s in alert.get("samples", ()))
     return (f"ALERT step {alert['step']}: {alert['rule']}: {shown}"
             f"{'  <- ' + samples if samples else ''}\n")
 
