@@ -301,19 +301,20 @@ def paired(a, b, batches, rounds: int, steps: int) -> dict:
 
 
 def interleaved(a, b, rounds: int, calls: int) -> dict:
-    """``a``'s time over ``b``'s, in interleaved rounds (the order alternates), each the
+    """``a``'s compute over ``b``'s, in interleaved rounds (the order alternates), each the
     mean of ``calls`` calls after two warm-up calls of each: the medians in ms, and the
-    ratio's median and range."""
+    ratio's median and range. Timed as this process's CPU time (one thread computes):
+    what the rank spends, not what other processes on a shared machine take from it."""
     for f in (a, b, a, b):
         f()
     ratios, ms = [], {a: [], b: []}
     for r in range(rounds):
         took = {}
         for f in ((a, b) if r % 2 else (b, a)):
-            start = time.perf_counter()
+            start = time.process_time()
             for _ in range(calls):
                 f()
-            took[f] = (time.perf_counter() - start) / calls * 1e3
+            took[f] = (time.process_time() - start) / calls * 1e3
             ms[f].append(took[f])
         ratios.append(took[a] / took[b])
     return {"a_ms": statistics.median(ms[a]), "b_ms": statistics.median(ms[b]),
@@ -321,7 +322,7 @@ def interleaved(a, b, rounds: int, calls: int) -> dict:
             "rounds": rounds}
 
 
-def extremes_cost(rows: int, cols: int, rounds: int = 9, calls: int = 5) -> dict:
+def extremes_cost(rows: int, cols: int, rounds: int = 15, calls: int = 5) -> dict:
     """A PPO step with ``stat(ids=)`` over one without, in this process: 8 token-level
     tensors [rows x cols] under the response mask, 6 per-sequence values, 276 plain numbers,
     then the flush's host copy and encoding (``take_batch`` + ``encode``), in interleaved

@@ -221,6 +221,46 @@ def test_the_accelerator_path_finds_the_same_samples_and_reads_nothing_back_unti
                                                    for i in batches[1].top[:, 2]]
 
 
+def test_a_rank_merges_its_calls_top_samples_whatever_k_each_call_asked_for():
+    """Several calls of one key, each with its own k (the key keeps the largest; each call
+    gives its own k best), next to a key of one call and one of a single value, against a
+    sort of each call's k best: by side, best first, ties to the earlier call, row and
+    column; taken twice, the second step keeps nothing of the first."""
+    from metricsvc.core.records import Top
+
+    rng = np.random.default_rng(3)
+    c = MetricClient(None, rank=0, world_size=1)
+    for step in range(2):
+        want = {"kl": [], "loss": [], "one": []}
+        for call, k in enumerate((2, 5, 3)):
+            v = np.round(rng.normal(size=(4, 6)) * 2)  # ties
+            mask = rng.random((4, 6)) < 0.8
+            c.stat(mask=mask, ids=np.arange(4) + 10 * call, top=k, kl=v)
+            rows, cols = np.nonzero(mask)
+            got = [(float(v[r, q]), call, int(r), int(q)) for r, q in zip(rows, cols)]
+            for side, sign in ((0, 1.0), (1, -1.0)):
+                want["kl"] += [(side, *x) for x in sorted(got, key=lambda x: (
+                    sign * x[0], x[1], x[2], x[3]))[:k]]
+        loss = rng.normal(size=7)
+        c.stat(top=4, loss=loss, one=np.array([2.5]))
+        for side, order in ((0, np.argsort(loss, kind="stable")),
+                            (1, np.argsort(-loss, kind="stable"))):
+            want["loss"] += [(side, float(loss[i]), 0, int(i), 0) for i in order[:4]]
+            want["one"].append((side, 2.5, 0, 0, 0))
+        batch = c.buffer.take_batch(step=step, rank=0, world_size=1, seq=step, final=True)
+        keys = list(batch.keys)
+        for key, samples in want.items():
+            k = 5 if key == "kl" else 4
+            expect = []
+            for side in (0, 1):
+                expect += sorted((x for x in samples if x[0] == side),
+                                 key=lambda x: ((1 - 2 * side) * x[1], *x[2:]))[:k]
+            got = batch.top[batch.top_rows == keys.index(key)]
+            assert [(int(t[Top.SIDE]), t[Top.VALUE], int(t[Top.CALL]), int(t[Top.ROW]),
+                     int(t[Top.COL])) for t in got] == expect, (step, key)
+            assert set(got[:, Top.K]) == {k}
+
+
 def _nothing():
     import contextlib
 
@@ -278,31 +318,51 @@ def test_the_service_refuses_a_payload_past_the_bound_or_of_another_shape():
         check(replace(batch, top=mixed, top_rows=np.zeros(3, np.int32), top_text=()))
 
 
+def _sorted_top(x: np.ndarray, k: int) -> np.ndarray:
+    """The ``[2, k, 3]`` top samples of flat ``x`` by a sort of its finite values."""
+    finite = np.flatnonzero(np.isfinite(x)) if x.dtype.kind == "f" else np.arange(x.size)
+    v = x[finite].astype(np.float64)
+    want = np.full((2, k, 3), np.nan)
+    for side, order in ((0, np.lexsort((finite, v))), (1, np.lexsort((finite, -v)))):
+        at = finite[order][:k]
+        want[side, : at.size, 0], want[side, : at.size, 1] = x[at], at
+    return want
+
+
+def _drawn(rng: np.random.Generator, n: int, kind: int, holes: bool) -> np.ndarray:
+    x = (rng.normal(size=n) if kind == 0 else np.round(rng.normal(size=n) * 2) / 2
+         if kind == 1 else rng.integers(0, 3, size=n) if kind == 2
+         else np.full(n, 1.5, np.float32) if kind == 3
+         else (rng.normal(size=n) * 1e30).astype(np.float32))
+    if x.dtype.kind == "f" and holes:
+        x[rng.random(n) < rng.choice([0.001, 0.3])] = rng.choice([np.nan, np.inf, -np.inf])
+    return x
+
+
 def test_the_host_search_equals_a_sort_of_every_finite_value():
-    """``smallest_largest`` (a stable sort of a few values; for many, groups' min and max
-    bound where the k lie) against a sort of the finite values, ties to the lower
-    position: sizes on both sides of each threshold, k from 1 to 64, ties, constants,
-    ints, float32 past 1e30, NaN and inf."""
-    from metricsvc.client.host import smallest_largest
+    """``smallest_largest`` (a few values: every one a candidate; many: groups' min and
+    max bound where the k lie) and ``stacked_smallest_largest`` (rows of a few values at
+    once) against a sort of the finite values, ties to the lower position: sizes on both
+    sides of each threshold, k from 1 to 64, ties, constants, ints, float32 past 1e30, NaN
+    and inf, a tail past the groups' last whole row with and without a winner in it."""
+    from metricsvc.client.host import smallest_largest, stacked_smallest_largest
 
     rng = np.random.default_rng(71)
     for trial in range(300):
         n = int(rng.choice([1, 3, 100, 4096, 4097, 8192, 30000, 300001]))
         k = int(rng.integers(1, 65))
-        kind = trial % 5
-        x = (rng.normal(size=n) if kind == 0 else np.round(rng.normal(size=n) * 2) / 2
-             if kind == 1 else rng.integers(0, 3, size=n) if kind == 2
-             else np.full(n, 1.5, np.float32) if kind == 3
-             else (rng.normal(size=n) * 1e30).astype(np.float32))
-        if x.dtype.kind == "f" and trial % 3 == 0:
-            x[rng.random(n) < rng.choice([0.001, 0.3])] = rng.choice([np.nan, np.inf, -np.inf])
-        finite = np.flatnonzero(np.isfinite(x)) if x.dtype.kind == "f" else np.arange(n)
-        v = x[finite].astype(np.float64)
-        want = np.full((2, k, 3), np.nan)
-        for side, order in ((0, np.lexsort((finite, v))), (1, np.lexsort((finite, -v)))):
-            at = finite[order][:k]
-            want[side, : at.size, 0], want[side, : at.size, 1] = x[at], at
-        np.testing.assert_array_equal(smallest_largest(x, k), want, err_msg=f"{trial}")
+        x = _drawn(rng, n, trial % 5, trial % 3 == 0)
+        if trial % 7 == 1 and x.dtype.kind == "f" and n % 256:  # a winner in the tail
+            x[-1] = x[np.isfinite(x)].max() + 1 if np.isfinite(x).any() else 1.0
+        np.testing.assert_array_equal(smallest_largest(x, k), _sorted_top(x, k),
+                                      err_msg=f"{trial}")
+    for trial in range(200):
+        n, rows = int(rng.choice([1, 2, 7, 64, 256])), int(rng.integers(1, 9))
+        k = int(rng.integers(1, 65))
+        x = np.stack([_drawn(rng, n, trial % 5, trial % 2 == 0).astype(np.float64)
+                      for _ in range(rows)])
+        want = np.stack([_sorted_top(row, k) for row in x])
+        np.testing.assert_array_equal(stacked_smallest_largest(x, k), want, err_msg=f"{trial}")
 
 
 def test_a_stream_refuses_top_samples_in_one_line_and_keeps_nothing_of_the_call():

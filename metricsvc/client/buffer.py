@@ -301,32 +301,32 @@ class RecordBuffer:
         samples were copied with the step's records (``_merged``). And, by key row, the
         kept samples' payloads where their call gave ``text`` (``sample_text``; else None)."""
         names = list(self.tops)
-        calls = [(n, j, *c) for n, key in enumerate(names) for j, c in enumerate(self.tops[key])]
-        # every call's samples ([2, its k, 3] each) as rows, with what each row belongs to
-        samples = np.concatenate([np.asarray(s, dtype=np.float64).reshape(-1, 3)
-                                  for s in self._tops_copied])
-        sizes = [2 * c[5] for c in calls]
-        of = np.repeat(np.arange(len(calls)), sizes)  # each row's call, in ``calls``
-        first = np.repeat(np.cumsum([0, *sizes[:-1]]), sizes)
-        side = (np.arange(len(samples)) - first >= np.repeat([c[5] for c in calls], sizes))
-        held = ~np.isnan(samples[:, 0])
-        samples, of, side = samples[held], of[held], side[held]
-        name = np.array([c[0] for c in calls], np.int64)[of]
-        k = np.zeros(len(names))  # a key's k: the largest its calls asked for
-        np.maximum.at(k, [c[0] for c in calls], [c[5] for c in calls])
-        with_text = {c[0] for c in calls if c[6] is not None}
+        # every call: its key's number, the key's k (the largest its calls asked for), its
+        # call number, row length and payloads
+        calls = [(n, max(c[3] for c in self.tops[key]), *c[:2], c[4])
+                 for n, key in enumerate(names) for c in self.tops[key]]
+        k = max(c[1] for c in calls)
+        samples = np.full((len(calls), 2, k, 3), np.nan)  # each call's, padded to k
+        for i, s in enumerate(self._tops_copied):
+            s = np.asarray(s, dtype=np.float64)
+            samples[i, :, : s.shape[1]] = s
+        held = ~np.isnan(samples[..., 0])
+        of, side, _ = held.nonzero()  # each sample's call and side, in that order
+        samples = samples[held]
+        meta = np.array([c[:4] for c in calls], np.float64)[of]  # key, k, call, row length
         found = np.empty((len(samples), NTOP))
         found[:, Top.SIDE], found[:, Top.VALUE], found[:, Top.ID] = side, samples[:, 0], \
             samples[:, 2]
-        found[:, Top.ROW], found[:, Top.COL] = np.divmod(
-            samples[:, 1], np.array([c[3] for c in calls], np.float64)[of])
-        found[:, Top.CALL] = np.array([c[2] for c in calls], np.float64)[of]
-        found[:, Top.K] = k[name]
-        keep = best_of(found, name)  # by key and side, the k best: ties to the earlier call
-        found, of, name = found[keep], of[keep], name[keep]
+        found[:, Top.ROW], found[:, Top.COL] = np.divmod(samples[:, 1], meta[:, 3])
+        found[:, Top.CALL], found[:, Top.K] = meta[:, 2], meta[:, 1]
+        name = meta[:, 0].astype(np.int64)
+        if len(calls) > len(names):  # a key of several calls: each call's k best merged
+            keep = best_of(found, name)  # by key and side, the k best: ties to the earlier call
+            found, of, name = found[keep], of[keep], name[keep]
         out, texts = {}, {}
+        bounds = np.searchsorted(name, np.arange(len(names) + 1)).tolist()
         row_of = {key: i for i, key in enumerate(keys)}
-        bounds = np.searchsorted(name, np.arange(len(names) + 1))
+        with_text = {c[0] for c in calls if c[4] is not None}
         for n, key in enumerate(names):
             a, b = bounds[n], bounds[n + 1]
             if a == b:
@@ -334,7 +334,7 @@ class RecordBuffer:
             out[row_of[key]] = found[a:b]
             if n in with_text:  # these samples' payloads
                 texts[row_of[key]] = [
-                    None if calls[c][6] is None else sample_text(calls[c][6], int(row))
+                    None if calls[c][4] is None else sample_text(calls[c][4], int(row))
                     for c, row in zip(of[a:b].tolist(), found[a:b, Top.ROW].tolist())]
         return out, texts
 

@@ -178,7 +178,7 @@ def _min_max(v: Any, locate: bool) -> tuple[float, float, tuple[int, int] | None
 _GROUP = 256  # values per group whose min and max bound where the k smallest (largest) lie
 
 
-def smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
+def smallest_largest(x: np.ndarray, k: int, finite: bool = False) -> np.ndarray:
     """The ``k`` smallest and ``k`` largest finite values of flat ``x`` with their
     positions, ``[2, k, 3]`` (side 0 the smallest, ascending; 1 the largest, descending;
     ``(value, position, NaN)``, the last for the sample's id; NaN where fewer are finite);
@@ -188,45 +188,101 @@ def smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
     ``[256, m]``, so each group's min and max is one SIMD pass over ``x`` for all groups):
     if the k-th largest group max is ``t``, k groups hold a value of at least ``t``, so
     each of the k largest values is at least ``t`` and lies in a group whose max is (or
-    past the last whole row); those few groups are searched (the smallest likewise). A
-    NaN or inf shows in a group's min or max: then all the finite values are searched.
-    Of the values searched, the k-th of each side is found by a partition, and what
-    passes it ordered (ties to the lower position)."""
-    out = np.full((2, k, 3), np.nan)
+    past the last whole row); the values of at least ``t`` in those few groups are the
+    candidates (the smallest likewise: both sides at once, the largest as the smallest
+    of the values negated). A NaN or inf shows in a group's min or max: then every
+    finite value is a candidate (``finite``: the caller knows every value is)."""
     n = x.size
-    float_kind = x.dtype.kind == "f"
     m = n // _GROUP
-    cut = m * _GROUP
-    where = None  # the positions searched (None: all of them, every one finite)
     if m >= 4 * k:
-        rows = x[:cut].reshape(_GROUP, m)
+        cut = m * _GROUP
+        rows, tail = x[:cut].reshape(_GROUP, m), x[cut:]
         low, high = rows.min(0), rows.max(0)
-        if not float_kind or np.isfinite(low.sum(dtype=np.float64) + high.sum(dtype=np.float64)
-                                         + x[cut:].sum(dtype=np.float64)):
-            # the groups that may hold one of the k of either side (their positions)
-            groups = np.flatnonzero((low <= np.partition(low, k - 1)[k - 1])
-                                    | (high >= np.partition(high, m - k)[m - k]))
-            where = (groups + np.arange(_GROUP)[:, None] * m).ravel()
-            if cut < n:
-                where = np.concatenate([where, np.arange(cut, n)])
-        else:  # a NaN or inf somewhere (or values past 1e300: rare): every finite value
-            where = np.flatnonzero(np.isfinite(x))
-    elif float_kind and not np.isfinite(x).all():
-        where = np.flatnonzero(np.isfinite(x))
-    got = x if where is None else x[where]
-    for side in (0, 1):
-        if got.size > k:  # the k-th value: what passes it, and the first of those tied
-            at = k - 1 if side == 0 else got.size - k  # (numpy partitions at one k-th
-            kth = np.partition(got, at)[at]  # faster than at two)
-            keep = np.flatnonzero(got <= kth if side == 0 else got >= kth)
-        else:
-            keep = np.arange(got.size)
-        at = keep if where is None else where[keep]
-        values = got[keep].astype(np.float64)  # in order, ties to the lower position
-        order = np.lexsort((at, values if side == 0 else -values))[:k]
-        out[side, : order.size, 0] = values[order]
-        out[side, : order.size, 1] = at[order]
+        if finite or x.dtype.kind != "f" or math.isfinite(
+                float(high.max()) - float(low.min())
+                + (float(tail.sum(dtype=np.float64)) if tail.size else 0.0)):
+            bound = np.concatenate([low, high]).astype(np.float64).reshape(2, m)
+            bound[1] *= -1.0
+            t = np.partition(bound, k - 1, axis=1)[:, k - 1]
+            side, groups = (bound <= t[:, None]).nonzero()
+            if groups.size <= 4 * k:  # else many tied groups: searched as every value is
+                block = rows[:, groups].astype(np.float64)
+                block[:, int(np.searchsorted(side, 1)):] *= -1.0
+                hit = block <= t[side]
+                r, c = hit.nonzero()
+                values, at, side = block[hit], r * m + groups[c], side[c]
+                if tail.size:  # past the last whole row
+                    signed = np.concatenate([tail, tail]).astype(np.float64).reshape(2, -1)
+                    signed[1] *= -1.0
+                    s, j = (signed <= t[:, None]).nonzero()
+                    if j.size:
+                        values = np.concatenate([values, signed[s, j]])
+                        at, side = np.concatenate([at, cut + j]), np.concatenate([side, s])
+                return _best(values, at, side, k)
+    if finite or x.dtype.kind != "f" or np.isfinite(x).all():
+        values, at = x, np.arange(n)
+    else:
+        at = np.flatnonzero(np.isfinite(x))
+        values = x[at]
+    values = values.astype(np.float64)
+    if values.size > 4 * k:  # what passes each side's k-th, then as many tied as wanted
+        keep = [_passing(values, k), _passing(-values, k)]
+        return _best(np.concatenate([values[keep[0]], -values[keep[1]]]),
+                     np.concatenate([at[keep[0]], at[keep[1]]]),
+                     np.repeat([0, 1], [keep[0].size, keep[1].size]), k)
+    return _best(np.concatenate([values, -values]), np.tile(at, 2),
+                 np.repeat([0, 1], values.size), k)
+
+
+def _passing(values: np.ndarray, k: int) -> np.ndarray:
+    """The positions in ``values`` of its ``k`` smallest, ties to the lower position."""
+    kth = np.partition(values, k - 1)[k - 1]
+    past = np.flatnonzero(values < kth)
+    return np.concatenate([past, np.flatnonzero(values == kth)[: k - past.size]])
+
+
+def _best(signed: np.ndarray, at: np.ndarray, side: np.ndarray, k: int) -> np.ndarray:
+    """The ``[2, k, 3]`` top samples from candidates (values, negated on side 1): each
+    side's ``k`` smallest ``signed``, ties to the lower position ``at``."""
+    out = np.full((2, k, 3), np.nan)
+    order = np.lexsort((at, signed, side))
+    side = side[order]
+    split = int(np.searchsorted(side, 1))
+    for s, part in ((0, order[:min(split, k)]), (1, order[split:split + k])):
+        out[s, : part.size, 0] = signed[part] if s == 0 else -signed[part]
+        out[s, : part.size, 1] = at[part]
     return out
+
+
+def stacked_smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
+    """``smallest_largest`` of each row of ``x`` (``[K, n]``, a few values each), ``[K,
+    2, k, 3]``, for all rows and both sides at once (the largest as the smallest of the
+    values negated): each row's k-th by a partition, what passes it ordered by row, value
+    and position, the first k of each row kept."""
+    v = x.astype(np.float64)
+    v[~np.isfinite(v)] = np.nan  # last in a partition, on both sides
+    count, n = v.shape
+    signed = np.concatenate([v, -v])  # row i: side i // count of row i % count
+    hit = ~np.isnan(signed)
+    if n > k:  # a row with fewer than k finite values: its k-th is NaN, all pass
+        kth = np.partition(signed, k - 1, axis=1)[:, k - 1:k]
+        hit &= (signed <= kth) | np.isnan(kth)
+    r, c = hit.nonzero()
+    order = np.lexsort((c, signed[r, c], r))
+    r, c = r[order], c[order]
+    place = np.arange(r.size) - np.searchsorted(r, r)  # the rank within its row
+    keep = place < k
+    r, c, place = r[keep], c[keep], place[keep]
+    out = np.full((count, 2, k, 3), np.nan)
+    out[r % count, r // count, place, 0] = v[r % count, c]
+    out[r % count, r // count, place, 1] = c
+    return out
+
+
+def _numpy(g: Any) -> np.ndarray:
+    """A flat CPU tensor as numpy (a dtype numpy has not: widened to float64)."""
+    torch = torch_module()
+    return (g if g.dtype in numpy_dtypes(torch) else g.to(torch.float64)).numpy()
 
 
 def _host_row(total: float, n: float, low: float, high: float, root: float,
@@ -329,35 +385,34 @@ class HostPass:
         done: dict[tuple, Any] = {}  # memory -> row: the same tensor under two keys
         same: dict[str, str] = {}  # key -> the key whose row it repeats
         found: dict[str, tuple[int, int] | None] = {}  # key -> min, max in the gathered values
+        few: dict[int, dict[str, np.ndarray]] = {}  # with ``top``: length -> {key: values}
         for key, v in values.items():
             if isinstance(v, Difference):
                 g = self._difference(v)  # a shared buffer: summarised before the next one
-                known = self._top(key, g) if self.top else None
-                if 0 < g.numel() <= _TINY:
-                    out[key], found[key] = self._tiny_row(g)
-                elif 0 < g.numel() < _SMALL:
-                    small.setdefault(g.numel(), {})[key] = g.numpy().copy()
-                elif g.numel():
-                    out[key], found[key] = self._row(g, known=known)
-                else:
-                    out[key] = identity_row()
-                continue
-            where = memory_of(v)
-            if where in done:
-                same[key] = done[where]
-                continue
-            done[where] = key
-            g = self._gather(v, where, where in keep)
-            known = self._top(key, g) if self.top else None
+            else:
+                where = memory_of(v)
+                if where in done:
+                    same[key] = done[where]
+                    continue
+                done[where] = key
+                g = self._gather(v, where, where in keep)
             n = g.numel()
+            if self.top and n <= _TINY:  # a few values: their top found stacked
+                few.setdefault(n, {})[key] = _numpy(g).copy()
             if n == 0:
                 out[key] = identity_row()
             elif n <= _TINY:
                 out[key], found[key] = self._tiny_row(g)
             elif n < _SMALL and g.dtype in numpy_dtypes(torch_module()):
-                small.setdefault(n, {})[key] = g.numpy()
+                small.setdefault(n, {})[key] = g.numpy().copy() if isinstance(v, Difference) \
+                    else g.numpy()
+                if self.top:
+                    self._top(key, g)
             else:
-                out[key], found[key] = self._row(g, known=known)
+                out[key], found[key] = self._row(g, top=key if self.top else None)
+        for group in few.values():
+            tops = stacked_smallest_largest(np.stack(list(group.values())), self.top)
+            self.tops.update(zip(group, tops))
         for group in small.values():
             for key, (row, at) in self._small_rows(group).items():
                 out[key], found[key] = row, at
@@ -387,14 +442,13 @@ class HostPass:
             t[..., 1][h] = placed[start:start + np.count_nonzero(h)]
             start += np.count_nonzero(h)
 
-    def _top(self, key: str, g: Any) -> tuple[float, float, tuple[int, int]] | None:
-        """Keep in ``tops`` the ``smallest_largest`` of ``key``'s gathered values ``g``.
-        Return the first of each side, ``(min, max, their positions in g)``, what
-        the record's min and max are when every value is finite (None: no finite value)."""
-        torch = torch_module()
-        if g.dtype not in numpy_dtypes(torch):
-            g = g.to(torch.float64)
-        found = smallest_largest(g.numpy(), self.top)
+    def _top(self, key: str, g: Any, finite: bool = False
+             ) -> tuple[float, float, tuple[int, int]] | None:
+        """Keep in ``tops`` the ``smallest_largest`` of ``key``'s gathered values ``g``
+        (``finite``: every one is). Return the first of each side, ``(min, max, their
+        positions in g)``, what the record's min and max are when every value is finite
+        (None: no finite value)."""
+        found = smallest_largest(_numpy(g), self.top, finite)
         first = None
         if not np.isnan(found[0, 0, 0]):
             first = (found[0, 0, 0], found[1, 0, 0], (int(found[0, 0, 1]), int(found[1, 0, 1])))
@@ -461,7 +515,7 @@ class HostPass:
                 else self._row_nonfinite(torch.from_numpy(stacked[i]))
                 for i, key in enumerate(group)}
 
-    def _row(self, v: Any, clean: bool = False, known: tuple | None = None
+    def _row(self, v: Any, clean: bool = False, top: str | None = None
              ) -> tuple[Any, tuple[int, int] | None]:
         """The summary row of flat ``v`` (every position valid, not empty; ``clean``: every
         value finite, so a non-finite sum is an overflow to report, not values to drop).
@@ -472,15 +526,19 @@ class HostPass:
         row. Otherwise (a large offset: timestamps, byte counts) a second pass centres each
         chunk on the mean and sums the deviations and their squares: the mean becomes a
         double-double and M2 loses nothing to cancellation. When locating, the min and
-        max come from ``argmin`` / ``argmax`` (their first positions, returned too), or
-        from ``known``: what ``stat(top=)`` found of them (``_top``).
+        max come from ``argmin`` / ``argmax`` (their first positions, returned too). With
+        ``top`` (the key), ``_top`` finds its top samples once the sums have read ``v`` (in
+        cache then: the first pass over fresh values pays for reading them); the first of
+        each side are the min and max.
         """
         torch = torch_module()
         n = v.numel()
         if not v.is_floating_point():
             v = v.to(torch.float64)  # ints and bools: exact in float64
         total, squares = self._sums(v, 0.0)
-        if not (math.isfinite(total) and math.isfinite(squares)):
+        finite = math.isfinite(total) and math.isfinite(squares)  # so is every value
+        known = None if top is None else self._top(top, v, finite)
+        if not finite:
             if not clean:
                 return self._row_nonfinite(v)
             at = None

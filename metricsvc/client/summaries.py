@@ -14,6 +14,7 @@ copy per device at the flush (``to_host``).
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -155,16 +156,17 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
             host[key] = row.numpy()
         at.update(hosted.at)
         found.update(hosted.tops)
-    if found:  # the host values' samples: their ids, their rows' length
-        host_ids = None if ids is None else (
-            ids.detach().cpu().numpy() if is_tensor(ids) else np.asarray(ids))
-        for key, samples in found.items():
-            inner = _inner(prepared[key][0]) if hasattr(prepared[key][0], "shape") else 1
-            if host_ids is not None:
-                known = ~np.isnan(samples[..., 1])
-                samples[..., 2][known] = host_ids[samples[..., 1][known].astype(np.int64)
-                                                  // inner]
-            tops[key] = (samples, inner)
+    if found:  # the host values' samples (all keys at once): their ids, their rows' length
+        inner = [_inner(prepared[key][0]) if hasattr(prepared[key][0], "shape") else 1
+                 for key in found]
+        samples = np.stack(list(found.values()))  # [keys, 2, top, 3]
+        flat = samples[..., 1]
+        known = ~np.isnan(flat)
+        if ids is not None and known.any():  # (no valid value: maybe no row to look up)
+            host_ids = ids.detach().cpu().numpy() if is_tensor(ids) else np.asarray(ids)
+            row = np.where(known, flat, 0).astype(np.int64) // np.array(inner)[:, None, None]
+            samples[..., 2] = np.where(known, host_ids[row], np.nan)
+        tops.update(zip(found, zip(samples, inner)))
     out = []
     if host:
         order, found = [], []  # the caller's order
@@ -350,8 +352,7 @@ def _checked_ids(ids: Any, prepared: Mapping[str, tuple[Any, Any]]) -> Any:
 
 def _inner(value: Any) -> int:
     """The length of one row of ``value``: flat positions within a row."""
-    shape = tuple((value.a if isinstance(value, Difference) else value).shape)
-    return int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    return math.prod((value.a if isinstance(value, Difference) else value).shape[1:])
 
 
 def _host_sources(where: tuple[int, int] | None, inner: int, ids: Any,
