@@ -303,8 +303,11 @@ class RecordBuffer:
         names = list(self.tops)
         # every call: its key's number, the key's k (the largest its calls asked for), its
         # call number, row length and payloads
-        calls = [(n, max(c[3] for c in self.tops[key]), *c[:2], c[4])
-                 for n, key in enumerate(names) for c in self.tops[key]]
+        calls = []
+        for n, key in enumerate(names):
+            held = self.tops[key]
+            most = held[0][3] if len(held) == 1 else max(c[3] for c in held)
+            calls.extend((n, most, c[0], c[1], c[4]) for c in held)
         k = max(c[1] for c in calls)
         samples = np.full((len(calls), 2, k, 3), np.nan)  # each call's, padded to k
         for i, s in enumerate(self._tops_copied):
@@ -325,7 +328,7 @@ class RecordBuffer:
             found, of, name = found[keep], of[keep], name[keep]
         out, texts = {}, {}
         bounds = np.searchsorted(name, np.arange(len(names) + 1)).tolist()
-        row_of = {key: i for i, key in enumerate(keys)}
+        row_of = {key: keys.index(key) for key in names}
         with_text = {c[0] for c in calls if c[4] is not None}
         for n, key in enumerate(names):
             a, b = bounds[n], bounds[n + 1]

@@ -201,22 +201,16 @@ def smallest_largest(x: np.ndarray, k: int, finite: bool = False) -> np.ndarray:
         if finite or x.dtype.kind != "f" or math.isfinite(
                 float(high.max()) - float(low.min())
                 + (float(tail.sum(dtype=np.float64)) if tail.size else 0.0)):
-            bound = np.concatenate([low, high]).astype(np.float64).reshape(2, m)
-            bound[1] *= -1.0
-            t = np.partition(bound, k - 1, axis=1)[:, k - 1]
-            side, groups = (bound <= t[:, None]).nonzero()
-            if groups.size <= 4 * k:  # else many tied groups: searched as every value is
-                block = rows[:, groups].astype(np.float64)
-                block[:, int(np.searchsorted(side, 1)):] *= -1.0
-                hit = block <= t[side]
-                r, c = hit.nonzero()
-                values, at, side = block[hit], r * m + groups[c], side[c]
+            t = np.partition(low, k - 1)[k - 1], np.partition(high, m - k)[m - k]
+            groups = ((low <= t[0]) | (high >= t[1])).nonzero()[0]
+            if groups.size <= 8 * k:  # else many tied groups: searched as every value is
+                block = rows[:, groups]
+                side, r, c = np.stack([block <= t[0], block >= t[1]]).nonzero()
+                values, at = block[r, c], r * m + groups[c]
                 if tail.size:  # past the last whole row
-                    signed = np.concatenate([tail, tail]).astype(np.float64).reshape(2, -1)
-                    signed[1] *= -1.0
-                    s, j = (signed <= t[:, None]).nonzero()
+                    s, j = np.stack([tail <= t[0], tail >= t[1]]).nonzero()
                     if j.size:
-                        values = np.concatenate([values, signed[s, j]])
+                        values = np.concatenate([values, tail[j]])
                         at, side = np.concatenate([at, cut + j]), np.concatenate([side, s])
                 return _best(values, at, side, k)
     if finite or x.dtype.kind != "f" or np.isfinite(x).all():
@@ -224,33 +218,33 @@ def smallest_largest(x: np.ndarray, k: int, finite: bool = False) -> np.ndarray:
     else:
         at = np.flatnonzero(np.isfinite(x))
         values = x[at]
-    values = values.astype(np.float64)
     if values.size > 4 * k:  # what passes each side's k-th, then as many tied as wanted
-        keep = [_passing(values, k), _passing(-values, k)]
-        return _best(np.concatenate([values[keep[0]], -values[keep[1]]]),
-                     np.concatenate([at[keep[0]], at[keep[1]]]),
+        keep = [_passing(values, k, 0), _passing(values, k, 1)]
+        return _best(values[np.concatenate(keep)], at[np.concatenate(keep)],
                      np.repeat([0, 1], [keep[0].size, keep[1].size]), k)
-    return _best(np.concatenate([values, -values]), np.tile(at, 2),
-                 np.repeat([0, 1], values.size), k)
+    return _best(np.tile(values, 2), np.tile(at, 2), np.repeat([0, 1], values.size), k)
 
 
-def _passing(values: np.ndarray, k: int) -> np.ndarray:
-    """The positions in ``values`` of its ``k`` smallest, ties to the lower position."""
-    kth = np.partition(values, k - 1)[k - 1]
-    past = np.flatnonzero(values < kth)
+def _passing(values: np.ndarray, k: int, side: int) -> np.ndarray:
+    """The positions in ``values`` of its ``k`` smallest (side 0) or largest (1), ties to
+    the lower position."""
+    at = k - 1 if side == 0 else values.size - k
+    kth = np.partition(values, at)[at]
+    past = np.flatnonzero(values < kth if side == 0 else values > kth)
     return np.concatenate([past, np.flatnonzero(values == kth)[: k - past.size]])
 
 
-def _best(signed: np.ndarray, at: np.ndarray, side: np.ndarray, k: int) -> np.ndarray:
-    """The ``[2, k, 3]`` top samples from candidates (values, negated on side 1): each
-    side's ``k`` smallest ``signed``, ties to the lower position ``at``."""
-    out = np.full((2, k, 3), np.nan)
-    order = np.lexsort((at, signed, side))
-    side = side[order]
-    split = int(np.searchsorted(side, 1))
+def _best(values: np.ndarray, at: np.ndarray, side: np.ndarray, k: int) -> np.ndarray:
+    """The ``[2, k, 3]`` top samples from candidates at positions ``at`` for ``side``
+    (0: the smallest, 1: the largest): each side's ``k`` best, ties to the lower
+    position."""
+    v = values.astype(np.float64)
+    order = np.lexsort((at, np.where(side == 0, v, -v), side))
+    split = int(np.searchsorted(side[order], 1))
+    out = np.empty((2, k, 3))
+    out.fill(np.nan)
     for s, part in ((0, order[:min(split, k)]), (1, order[split:split + k])):
-        out[s, : part.size, 0] = signed[part] if s == 0 else -signed[part]
-        out[s, : part.size, 1] = at[part]
+        out[s, : part.size, 0], out[s, : part.size, 1] = v[part], at[part]
     return out
 
 
@@ -260,22 +254,27 @@ def stacked_smallest_largest(x: np.ndarray, k: int) -> np.ndarray:
     values negated): each row's k-th by a partition, what passes it ordered by row, value
     and position, the first k of each row kept."""
     v = x.astype(np.float64)
-    v[~np.isfinite(v)] = np.nan  # last in a partition, on both sides
     count, n = v.shape
+    out = np.empty((count, 2, k, 3))
+    out.fill(np.nan)
+    if not n:
+        return out
     signed = np.concatenate([v, -v])  # row i: side i // count of row i % count
-    hit = ~np.isnan(signed)
-    if n > k:  # a row with fewer than k finite values: its k-th is NaN, all pass
-        kth = np.partition(signed, k - 1, axis=1)[:, k - 1:k]
-        hit &= (signed <= kth) | np.isnan(kth)
+    bad = ~np.isfinite(signed)
+    if bad.any():
+        signed[bad] = np.nan  # last in a partition; passes no k-th
+    kth = np.partition(signed, min(k, n) - 1, axis=1)[:, min(k, n) - 1:min(k, n)]
+    hit = signed <= kth
+    short = np.isnan(kth)  # rows of fewer than k finite values: every finite one passes
+    if short.any():
+        hit |= short & ~np.isnan(signed)
     r, c = hit.nonzero()
     order = np.lexsort((c, signed[r, c], r))
     r, c = r[order], c[order]
     place = np.arange(r.size) - np.searchsorted(r, r)  # the rank within its row
     keep = place < k
-    r, c, place = r[keep], c[keep], place[keep]
-    out = np.full((count, 2, k, 3), np.nan)
-    out[r % count, r // count, place, 0] = v[r % count, c]
-    out[r % count, r // count, place, 1] = c
+    (side, row), c, place = np.divmod(r[keep], count), c[keep], place[keep]
+    out[row, side, place, 0], out[row, side, place, 1] = v[row, c], c
     return out
 
 
@@ -430,17 +429,17 @@ class HostPass:
     def _place(self) -> None:
         """The positions found among the gathered values (``at``, ``tops``) made the
         values' own flat positions: the mask's, all in one lookup."""
-        tops = list({id(t): t for t in self.tops.values()}.values())  # a tensor twice: once
-        held = [~np.isnan(t[..., 1]) for t in tops]
-        asked = [np.array(list(self.at.values()), np.int64).reshape(-1),
-                 *(t[..., 1][h].astype(np.int64) for t, h in zip(tops, held))]
-        placed = self.cache.positions(self.mask, np.concatenate(asked))
-        start = asked[0].size
+        keys = list(self.tops)
+        tops = np.stack([self.tops[key] for key in keys]) if keys else np.empty((0, 2, 1, 3))
+        at = tops[..., 1]
+        held = ~np.isnan(at)
+        first = np.array(list(self.at.values()), np.int64).reshape(-1)
+        placed = self.cache.positions(self.mask, np.concatenate([first, at[held].astype(
+            np.int64)]))
         self.at = {key: (int(placed[2 * i]), int(placed[2 * i + 1]))
                    for i, key in enumerate(self.at)}
-        for t, h in zip(tops, held):
-            t[..., 1][h] = placed[start:start + np.count_nonzero(h)]
-            start += np.count_nonzero(h)
+        at[held] = placed[first.size:]
+        self.tops = dict(zip(keys, tops))
 
     def _top(self, key: str, g: Any, finite: bool = False
              ) -> tuple[float, float, tuple[int, int]] | None:

@@ -70,6 +70,7 @@ def real_dtypes(torch: Any) -> frozenset:
 
 
 @functools.cache
+@functools.cache
 def numpy_dtypes(torch: Any) -> frozenset:
     """The torch dtypes ``Tensor.numpy()`` can view (numpy has no bfloat16)."""
     return frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
