@@ -261,6 +261,48 @@ def test_a_rank_merges_its_calls_top_samples_whatever_k_each_call_asked_for():
             assert set(got[:, Top.K]) == {k}
 
 
+def test_large_values_of_a_call_are_searched_together_and_equal_a_sort():
+    """Values of thousands of valid positions take the grouped search, all of a call at
+    once: float32, float64 and int64 tensors under a mask, a ``Difference``, one tensor
+    under two keys, a value with a NaN (searched alone), over two calls with other masks
+    and ids, against a sort of each key's valid finite values in call, row, column order."""
+    from metricsvc.client.tensors import Difference
+    from metricsvc.core.records import Top
+
+    rng = np.random.default_rng(11)
+    c = MetricClient(None, rank=0, world_size=1)
+    every: dict[str, list] = {}
+    for call in range(2):
+        rows, cols = 64 + 16 * call, 500 + 37 * call
+        mask = torch.tensor(rng.random((rows, cols)) < 0.6)
+        a = torch.tensor(np.round(rng.normal(size=(rows, cols)) * 1e3) / 1e3, dtype=torch.float32)
+        b = torch.tensor(rng.normal(size=(rows, cols)) * 1e-30)
+        n = torch.tensor(rng.integers(-10**6, 10**6, size=(rows, cols)))
+        bad = torch.tensor(rng.normal(size=(rows, cols)))
+        bad[3, 7] = float("nan")
+        values = {"a": a, "b": b, "n": n, "a_again": a, "bad": bad,
+                  "gap": Difference(a, b.to(torch.float32))}
+        ids = torch.arange(rows) + 1000 * call
+        c.stat(mask=mask, ids=ids, top=8, **values)
+        for key, v in values.items():
+            x = (v.a.double() - v.b.double() if isinstance(v, Difference) else v).double()
+            r, q = np.nonzero((mask & torch.isfinite(x)).numpy())
+            every.setdefault(key, []).extend(
+                (float(x[i, j]), call, int(i), int(j), int(ids[i])) for i, j in zip(r, q))
+    batch = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    keys = list(batch.keys)
+    for key, samples in every.items():
+        want = []
+        for side, sign in ((0, 1.0), (1, -1.0)):
+            want += [(side, *s) for s in sorted(samples, key=lambda s: (sign * s[0], *s[1:]))[:8]]
+        got = batch.top[batch.top_rows == keys.index(key)]
+        assert [(int(t[Top.SIDE]), t[Top.VALUE], int(t[Top.CALL]), int(t[Top.ROW]),
+                 int(t[Top.COL]), int(t[Top.ID])) for t in got] == want, key
+        merged = batch.data[keys.index(key)]
+        from metricsvc.core.records import MAX, MIN
+        assert merged[MIN] == want[0][1] and merged[MAX] == want[8][1], key
+
+
 def _nothing():
     import contextlib
 
@@ -341,11 +383,12 @@ def _drawn(rng: np.random.Generator, n: int, kind: int, holes: bool) -> np.ndarr
 
 def test_the_host_search_equals_a_sort_of_every_finite_value():
     """``smallest_largest`` (a few values: every one a candidate; many: groups' min and
-    max bound where the k lie) and ``stacked_smallest_largest`` (rows of a few values at
-    once) against a sort of the finite values, ties to the lower position: sizes on both
+    max bound where the k lie), ``GroupSearch`` (several values' groups searched at once)
+    and ``stacked_smallest_largest`` (rows of a few values at once) against a sort of the
+    finite values, ties to the lower position: sizes on both
     sides of each threshold, k from 1 to 64, ties, constants, ints, float32 past 1e30, NaN
     and inf, a tail past the groups' last whole row with and without a winner in it."""
-    from metricsvc.client.host import smallest_largest, stacked_smallest_largest
+    from metricsvc.client.host import GroupSearch, smallest_largest, stacked_smallest_largest
 
     rng = np.random.default_rng(71)
     for trial in range(300):
@@ -356,6 +399,18 @@ def test_the_host_search_equals_a_sort_of_every_finite_value():
             x[-1] = x[np.isfinite(x)].max() + 1 if np.isfinite(x).any() else 1.0
         np.testing.assert_array_equal(smallest_largest(x, k), _sorted_top(x, k),
                                       err_msg=f"{trial}")
+    for trial in range(100):  # several values searched together, each its own n and dtype
+        k = int(rng.integers(1, 65))
+        search, want = GroupSearch(k), {}
+        for key in range(int(rng.integers(1, 7))):
+            x = _drawn(rng, int(rng.choice([4096, 8192, 30000, 65536, 300001])), trial % 5,
+                       trial % 4 == 0)
+            if search.add(str(key), x) is not None:
+                want[str(key)] = _sorted_top(x, k)
+        got = search.found()
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{trial} {key}")
     for trial in range(200):
         n, rows = int(rng.choice([0, 1, 2, 7, 64, 256])), int(rng.integers(1, 9))
         k = int(rng.integers(1, 65))

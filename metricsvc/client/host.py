@@ -182,39 +182,15 @@ def smallest_largest(x: np.ndarray, k: int, finite: bool = False) -> np.ndarray:
     """The ``k`` smallest and ``k`` largest finite values of flat ``x`` with their
     positions, ``[2, k, 3]`` (side 0 the smallest, ascending; 1 the largest, descending;
     ``(value, position, NaN)``, the last for the sample's id; NaN where fewer are finite);
-    ties go to the lower position.
+    ties go to the lower position (``finite``: the caller knows every value is).
 
-    Many values are dealt into ``m`` groups of 256 (``x[j::m]``: the rows of ``x`` as
-    ``[256, m]``, so each group's min and max is one SIMD pass over ``x`` for all groups):
-    if the k-th largest group max is ``t``, k groups hold a value of at least ``t``, so
-    each of the k largest values is at least ``t`` and lies in a group whose max is (or
-    past the last whole row); the values of at least ``t`` in those few groups are the
-    candidates (the smallest likewise: both sides at once, the largest as the smallest
-    of the values negated). A NaN or inf shows in a group's min or max: then every
-    finite value is a candidate (``finite``: the caller knows every value is)."""
-    n = x.size
-    m = n // _GROUP
-    if m >= 4 * k:
-        cut = m * _GROUP
-        rows, tail = x[:cut].reshape(_GROUP, m), x[cut:]
-        low, high = rows.min(0), rows.max(0)
-        if finite or x.dtype.kind != "f" or math.isfinite(
-                float(high.max()) - float(low.min())
-                + (float(tail.sum(dtype=np.float64)) if tail.size else 0.0)):
-            t = np.partition(low, k - 1)[k - 1], np.partition(high, m - k)[m - k]
-            groups = ((low <= t[0]) | (high >= t[1])).nonzero()[0]
-            if groups.size <= 8 * k:  # else many tied groups: searched as every value is
-                block = rows[:, groups]
-                side, r, c = np.stack([block <= t[0], block >= t[1]]).nonzero()
-                values, at = block[r, c], r * m + groups[c]
-                if tail.size:  # past the last whole row
-                    s, j = np.stack([tail <= t[0], tail >= t[1]]).nonzero()
-                    if j.size:
-                        values = np.concatenate([values, tail[j]])
-                        at, side = np.concatenate([at, cut + j]), np.concatenate([side, s])
-                return _best(values, at, side, k)
+    Many values are searched by their groups (``GroupSearch``); a few, or many with a NaN
+    or inf among them, every finite value: of many, what passes each side's k-th."""
+    search = GroupSearch(k)
+    if search.add("", x, finite) is not None:
+        return search.found()[""]
     if finite or x.dtype.kind != "f" or np.isfinite(x).all():
-        values, at = x, np.arange(n)
+        values, at = x, np.arange(x.size)
     else:
         at = np.flatnonzero(np.isfinite(x))
         values = x[at]
@@ -223,6 +199,92 @@ def smallest_largest(x: np.ndarray, k: int, finite: bool = False) -> np.ndarray:
         return _best(values[np.concatenate(keep)], at[np.concatenate(keep)],
                      np.repeat([0, 1], [keep[0].size, keep[1].size]), k)
     return _best(np.tile(values, 2), np.tile(at, 2), np.repeat([0, 1], values.size), k)
+
+
+class GroupSearch:
+    """The ``k`` smallest and largest values of many flat values, searched together.
+
+    ``add`` deals a value's many values into ``m`` groups of 256 (``x[j::m]``: its rows as
+    ``[256, m]``, so each group's min and max is one SIMD pass over it for all groups): if
+    the k-th largest group max is ``t``, k groups hold a value of at least ``t``, so each
+    of the k largest values is at least ``t`` and lies in a group whose max is (or past
+    the last whole row). Those few groups (and that tail) are kept, and the smallest
+    likewise; ``found`` then finds, for every value added, what passes its bounds and
+    orders it, all in one pass (a few numpy calls for all, not a few for each)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.keys: list[str] = []
+        self.blocks: list[np.ndarray] = []  # [256, groups]: each value's groups of both sides
+        self.groups: list[np.ndarray] = []  # their numbers (a group's j: it is x[j::m])
+        self.counts: list[int] = []  # per value: its groups of side 0, then of side 1
+        self.bounds: list[float] = []  # per value: side 0's bound, then side 1's
+        self.steps: list[int] = []  # per value: m
+        self.tails: list[np.ndarray] = []  # per value: the values past its last whole row
+
+    def add(self, key: str, x: np.ndarray, finite: bool = False) -> tuple[float, float] | None:
+        """Keep flat ``x``'s candidates under ``key``; return its min and max, or None
+        where it is not one to search by groups (fewer than 4k groups, a NaN or inf, many
+        groups tied at a bound): kept nothing then. ``finite``: every value is."""
+        k = self.k
+        m = x.size // _GROUP
+        if m < 4 * k:
+            return None
+        rows, tail = x[: m * _GROUP].reshape(_GROUP, m), x[m * _GROUP:]
+        low, high = rows.min(0), rows.max(0)
+        if not (finite or x.dtype.kind != "f" or math.isfinite(
+                float(high.max()) - float(low.min())
+                + (float(tail.sum(dtype=np.float64)) if tail.size else 0.0))):
+            return None
+        bounds = np.partition(low, k - 1)[k - 1], np.partition(high, m - k)[m - k]
+        sides = (low <= bounds[0]).nonzero()[0], (high >= bounds[1]).nonzero()[0]
+        if sides[0].size + sides[1].size > 8 * k:  # many tied groups
+            return None
+        groups = np.concatenate(sides)
+        self.keys.append(key)
+        self.blocks.append(rows[:, groups])
+        self.groups.append(groups)
+        self.counts += [sides[0].size, sides[1].size]
+        self.bounds += bounds
+        self.steps.append(m)
+        self.tails.append(tail.copy())  # (a view would hold all of x)
+        return float(low.min()), float(high.max())
+
+    def found(self) -> dict[str, np.ndarray]:
+        """Every added value's ``[2, k, 3]`` (``smallest_largest``), by key."""
+        k, n = self.k, len(self.keys)
+        out = np.empty((n, 2, k, 3))
+        out.fill(np.nan)
+        if not n:
+            return {}
+        counts = np.array(self.counts)
+        bounds = np.array(self.bounds, np.float64)
+        side = np.repeat(np.tile([0, 1], n), counts)  # each column's side, bound, value
+        bound = np.repeat(bounds, counts)
+        owner = np.repeat(np.arange(n), counts.reshape(n, 2).sum(1))
+        block = np.concatenate(self.blocks, axis=1)
+        r, c = np.where(side == 0, block <= bound, block >= bound).nonzero()
+        values, side, owner = block[r, c], side[c], owner[c]
+        at = r * np.array(self.steps)[owner] + np.concatenate(self.groups)[c]
+        longest = max(t.size for t in self.tails)
+        if longest:  # the values past each one's last whole row, against both bounds
+            tails = np.full((n, longest), np.nan)
+            for i, t in enumerate(self.tails):
+                tails[i, : t.size] = t
+            bounds = bounds.reshape(n, 2)
+            s, i, j = np.stack([tails <= bounds[:, :1], tails >= bounds[:, 1:]]).nonzero()
+            values = np.concatenate([values, tails[i, j]])
+            at = np.concatenate([at, np.array(self.steps)[i] * _GROUP + j])
+            side, owner = np.concatenate([side, s]), np.concatenate([owner, i])
+        v = values.astype(np.float64)
+        order = np.lexsort((at, np.where(side == 0, v, -v), side, owner))
+        group = (2 * owner + side)[order]
+        rank = np.arange(order.size) - np.searchsorted(group, group)  # within its value's side
+        keep = rank < k
+        order, group, rank = order[keep], group[keep], rank[keep]
+        out[group // 2, group % 2, rank, 0], out[group // 2, group % 2, rank, 1] = \
+            v[order], at[order]
+        return dict(zip(self.keys, out))
 
 
 def _passing(values: np.ndarray, k: int, side: int) -> np.ndarray:
@@ -371,6 +433,7 @@ class HostPass:
         # found from the values gathered for its row (``smallest_largest``)
         self.top = top
         self.tops: dict[str, np.ndarray] = {}
+        self.search = GroupSearch(top) if top else None  # the large values' (``_top``)
 
     def rows(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Return ``{key: row}`` for CPU tensors and differences of CPU tensors (with
@@ -409,6 +472,10 @@ class HostPass:
                     self._top(key, g)
             else:
                 out[key], found[key] = self._row(g, top=key if self.top else None)
+        if self.search is not None:  # the large values' top samples, all searched at once
+            for key, top in self.search.found().items():
+                self.tops[key] = top  # the first of each side: the min's and max's place
+                found[key] = (int(top[0, 0, 1]), int(top[1, 0, 1]))
         for group in few.values():
             tops = stacked_smallest_largest(np.stack(list(group.values())), self.top)
             self.tops.update(zip(group, tops))
@@ -442,15 +509,22 @@ class HostPass:
         self.tops = dict(zip(keys, tops))
 
     def _top(self, key: str, g: Any, finite: bool = False
-             ) -> tuple[float, float, tuple[int, int]] | None:
-        """Keep in ``tops`` the ``smallest_largest`` of ``key``'s gathered values ``g``
-        (``finite``: every one is). Return the first of each side, ``(min, max, their
-        positions in g)``, what the record's min and max are when every value is finite
-        (None: no finite value)."""
-        found = smallest_largest(_numpy(g), self.top, finite)
+             ) -> tuple[float, float, tuple[int, int] | None] | None:
+        """Find ``key``'s top samples among its gathered values ``g`` (``finite``: every
+        one is): many values join the call's ``search`` (their samples found with the
+        others' at the end of ``rows``), a few are found now, into ``tops``. Return the min
+        and max, and their positions in ``g`` where known now, what the record's are when
+        every value is finite (None: no finite value)."""
+        x = _numpy(g)
+        if finite:
+            extremes = self.search.add(key, x, True)
+            if extremes is not None:
+                return extremes[0], extremes[1], None
+        found = smallest_largest(x, self.top, finite)
         first = None
         if not np.isnan(found[0, 0, 0]):
-            first = (found[0, 0, 0], found[1, 0, 0], (int(found[0, 0, 1]), int(found[1, 0, 1])))
+            first = (found[0, 0, 0], found[1, 0, 0],
+                     (int(found[0, 0, 1]), int(found[1, 0, 1])))
         self.tops[key] = found  # positions among the gathered values, until ``_place``
         return first
 

@@ -157,8 +157,7 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
         at.update(hosted.at)
         found.update(hosted.tops)
     if found:  # the host values' samples (all keys at once): their ids, their rows' length
-        inner = [_inner(prepared[key][0]) if hasattr(prepared[key][0], "shape") else 1
-                 for key in found]
+        inner = [_inner(prepared[key][0]) for key in found]
         samples = np.stack(list(found.values()))  # [keys, 2, top, 3]
         flat = samples[..., 1]
         known = ~np.isnan(flat)
@@ -352,7 +351,8 @@ def _checked_ids(ids: Any, prepared: Mapping[str, tuple[Any, Any]]) -> Any:
 
 def _inner(value: Any) -> int:
     """The length of one row of ``value``: flat positions within a row."""
-    return math.prod((value.a if isinstance(value, Difference) else value).shape[1:])
+    return math.prod(getattr(value.a if isinstance(value, Difference) else value, "shape",
+                             ())[1:])
 
 
 def _host_sources(where: tuple[int, int] | None, inner: int, ids: Any,
