@@ -273,13 +273,13 @@ def test_large_values_of_a_call_are_searched_together_and_equal_a_sort():
     c = MetricClient(None, rank=0, world_size=1)
     every: dict[str, list] = {}
     for call in range(2):
-        rows, cols = 64 + 16 * call, 500 + 37 * call
+        rows, cols = 32 + 8 * call, 500 + 37 * call
         mask = torch.tensor(rng.random((rows, cols)) < 0.6)
         a = torch.tensor(np.round(rng.normal(size=(rows, cols)) * 1e3) / 1e3, dtype=torch.float32)
         b = torch.tensor(rng.normal(size=(rows, cols)) * 1e-30)
         n = torch.tensor(rng.integers(-10**6, 10**6, size=(rows, cols)))
         bad = torch.tensor(rng.normal(size=(rows, cols)))
-        bad[3, 7] = float("nan")
+        bad[3, 7] = float("nan")  # searched alone
         values = {"a": a, "b": b, "n": n, "a_again": a, "bad": bad,
                   "gap": Difference(a, b.to(torch.float32))}
         ids = torch.arange(rows) + 1000 * call
@@ -403,7 +403,7 @@ def test_the_host_search_equals_a_sort_of_every_finite_value():
         k = int(rng.integers(1, 65))
         search, want = GroupSearch(k), {}
         for key in range(int(rng.integers(1, 7))):
-            x = _drawn(rng, int(rng.choice([4096, 8192, 30000, 65536, 300001])), trial % 5,
+            x = _drawn(rng, int(rng.choice([4096, 8192, 30000, 65536])), trial % 5,
                        trial % 4 == 0)
             if search.add(str(key), x) is not None:
                 want[str(key)] = _sorted_top(x, k)
