@@ -433,7 +433,7 @@ class HostPass:
         # found from the values gathered for its row (``smallest_largest``)
         self.top = top
         self.tops: dict[str, np.ndarray] = {}
-        self.search = GroupSearch(top) if top else None  # the large values' (``_top``)
+        self.search: GroupSearch | None = None  # a call's large values' (``rows``, ``_top``)
 
     def rows(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Return ``{key: row}`` for CPU tensors and differences of CPU tensors (with
@@ -448,6 +448,7 @@ class HostPass:
         same: dict[str, str] = {}  # key -> the key whose row it repeats
         found: dict[str, tuple[int, int] | None] = {}  # key -> min, max in the gathered values
         few: dict[int, dict[str, np.ndarray]] = {}  # with ``top``: length -> {key: values}
+        self.search = GroupSearch(self.top) if self.top else None
         for key, v in values.items():
             if isinstance(v, Difference):
                 g = self._difference(v)  # a shared buffer: summarised before the next one
