@@ -264,8 +264,9 @@ def test_a_rank_merges_its_calls_top_samples_whatever_k_each_call_asked_for():
 def test_large_values_of_a_call_are_searched_together_and_equal_a_sort():
     """Values of thousands of valid positions take the grouped search, all of a call at
     once: float32, float64 and int64 tensors under a mask, a ``Difference``, one tensor
-    under two keys, a value with a NaN (searched alone), over two calls with other masks
-    and ids, against a sort of each key's valid finite values in call, row, column order."""
+    under two keys, a value with a NaN (searched alone), a numpy array, over two calls with
+    other masks and ids, against a sort of each key's valid finite values in call, row,
+    column order."""
     from metricsvc.client.tensors import Difference
     from metricsvc.core.records import Top
 
@@ -281,11 +282,12 @@ def test_large_values_of_a_call_are_searched_together_and_equal_a_sort():
         bad = torch.tensor(rng.normal(size=(rows, cols)))
         bad[3, 7] = float("nan")  # searched alone
         values = {"a": a, "b": b, "n": n, "a_again": a, "bad": bad,
-                  "gap": Difference(a, b.to(torch.float32))}
+                  "gap": Difference(a, b.to(torch.float32)), "arr": 2.0 * b.numpy()}
         ids = torch.arange(rows) + 1000 * call
         c.stat(mask=mask, ids=ids, top=8, **values)
         for key, v in values.items():
-            x = (v.a.double() - v.b.double() if isinstance(v, Difference) else v).double()
+            x = (v.a.double() - v.b.double() if isinstance(v, Difference)
+                 else torch.as_tensor(v)).double()
             r, q = np.nonzero((mask & torch.isfinite(x)).numpy())
             every.setdefault(key, []).extend(
                 (float(x[i, j]), call, int(i), int(j), int(ids[i])) for i, j in zip(r, q))

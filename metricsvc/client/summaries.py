@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.device import device_rows, flat_value, number_rows
-from metricsvc.client.host import HostPass, MaskCache, smallest_largest, stacked_rows
+from metricsvc.client.host import GroupSearch, HostPass, MaskCache, smallest_largest, stacked_rows
 from metricsvc.client.tensors import (
     Difference,
     check_mask,
@@ -109,6 +109,8 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
     locate = ids is not None
     every = locate or top is not None  # each value on its own (no short vectors stacked)
     found: dict[str, np.ndarray] = {}  # with top: key -> [2, top, 3], host values'
+    search = GroupSearch(top) if top is not None else None  # the arrays' of many values
+    placed: dict[str, np.ndarray | None] = {}  # an array's valid positions (None: all)
     on_device: dict[Any, Any] = {}  # with top and ids: the ids on each device
     host: dict[str, Any] = {}  # key -> numpy row
     at: dict[str, Any] = {}  # key -> its min and max flat positions (located)
@@ -123,12 +125,12 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
             host[key] = summarize_array(v, m)
             if locate and host[key][COUNT] > 0:
                 at[key] = _array_extremes(v, m)
-            if top is not None:
-                found[key] = _array_top(v, m, top)
+            if top is not None:  # many values: searched with the call's others (below)
+                found[key], placed[key] = _array_top(key, v, m, top, search)
         elif v.__class__ is not Difference and not is_tensor(v):  # a plain number
             host[key] = _number_row(key, v)
             if top is not None:
-                found[key] = _array_top(np.asarray(v, dtype=np.float64), None, top)
+                found[key] = smallest_largest(np.asarray(v, dtype=np.float64).reshape(-1), top)
         elif on_host(v.a if isinstance(v, Difference) else v, compile):
             pair = None if (every or masks is None) else _host_vector(v, m)
             if pair is not None:
@@ -148,6 +150,12 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
                     on_device[v.device] = to_device(ids, v.device)
                 tops[key] = (_device_top(v, m, on_device.get(v.device), top, _inner(v)),
                              _inner(v))
+    for key, samples in (search.found().items() if search is not None else ()):
+        if placed[key] is not None:  # among the valid values -> flat in the value
+            flat = samples[..., 1]
+            known = ~np.isnan(flat)
+            flat[known] = placed[key][flat[known].astype(np.int64)]
+        found[key] = samples
     for group in vectors.values():
         host.update(_vector_rows(group))
     for m, group in passes.values():
@@ -539,17 +547,23 @@ def sample_text(text: list[str] | dict[str, list[str]], row: int) -> list[Any]:
         room -= used
     return [out[""] if "" in out else out, dropped]
 
-def _array_top(v: np.ndarray, m: Any, k: int) -> np.ndarray:
-    """``smallest_largest`` of a numpy value's valid values, positions flat in the value."""
+def _array_top(key: str, v: np.ndarray, m: Any, k: int, search: GroupSearch
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``smallest_largest`` of a numpy value's valid values, positions flat in the value;
+    or (None: many values) added to ``search``, with the valid positions to map its
+    positions back by (None: every position valid)."""
     x = v.reshape(-1)
-    if m is None:
-        return smallest_largest(x, k)
-    where = np.flatnonzero(np.asarray(m).reshape(-1))
-    found = smallest_largest(x[where], k)
-    at = found[..., 1]
-    known = ~np.isnan(at)
-    at[known] = where[at[known].astype(np.int64)]
-    return found
+    where = None if m is None else np.flatnonzero(np.asarray(m).reshape(-1))
+    if where is not None:
+        x = x[where]
+    if search.add(key, x) is not None:
+        return None, where
+    found = smallest_largest(x, k)
+    if where is not None:
+        at = found[..., 1]
+        known = ~np.isnan(at)
+        at[known] = where[at[known].astype(np.int64)]
+    return found, None
 
 
 def _device_top(v: Any, m: Any, ids: Any, k: int, inner: int) -> Any:
