@@ -184,16 +184,20 @@ def smallest_largest(x: np.ndarray, k: int, finite: bool = False) -> np.ndarray:
     ``(value, position, NaN)``, the last for the sample's id; NaN where fewer are finite);
     ties go to the lower position (``finite``: the caller knows every value is).
 
-    Many values are searched by their groups (``GroupSearch``); a few, or many with a NaN
-    or inf among them, every finite value: of many, what passes each side's k-th."""
+    Many values are searched by their groups (``GroupSearch``), the finite ones where a
+    NaN or inf is among them; a few, or many tied, every one: of many, what passes each
+    side's k-th."""
     search = GroupSearch(k)
     if search.add("", x, finite) is not None:
         return search.found()[""]
     if finite or x.dtype.kind != "f" or np.isfinite(x).all():
         values, at = x, np.arange(x.size)
-    else:
+    else:  # the finite values, searched as any (by their groups where many)
         at = np.flatnonzero(np.isfinite(x))
-        values = x[at]
+        found = smallest_largest(x[at], k, True)
+        held = ~np.isnan(found[..., 1])
+        found[..., 1][held] = at[found[..., 1][held].astype(np.int64)]
+        return found
     if values.size > 4 * k:  # what passes each side's k-th, then as many tied as wanted
         keep = [_passing(values, k, 0), _passing(values, k, 1)]
         return _best(values[np.concatenate(keep)], at[np.concatenate(keep)],
