@@ -219,7 +219,7 @@ class GroupSearch:
     def __init__(self, k: int) -> None:
         self.k = k
         self.keys: list[str] = []
-        self.blocks: list[np.ndarray] = []  # [256, groups]: each value's groups of both sides
+        self.blocks: list[np.ndarray] = []  # [groups, 256]: each value's groups of both sides
         self.groups: list[np.ndarray] = []  # their numbers (a group's j: it is x[j::m])
         self.counts: list[int] = []  # per value: its groups of side 0, then of side 1
         self.bounds: list[float] = []  # per value: side 0's bound, then side 1's
@@ -246,7 +246,7 @@ class GroupSearch:
             return None
         groups = np.concatenate(sides)
         self.keys.append(key)
-        self.blocks.append(rows[:, groups])
+        self.blocks.append(rows[:, groups].T)  # a group a row (numpy's pick is laid so)
         self.groups.append(groups)
         self.counts += [sides[0].size, sides[1].size]
         self.bounds += bounds
@@ -257,35 +257,37 @@ class GroupSearch:
     def found(self) -> dict[str, np.ndarray]:
         """Every added value's ``[2, k, 3]`` (``smallest_largest``), by key."""
         k, n = self.k, len(self.keys)
-        out = np.empty((n, 2, k, 3))
-        out.fill(np.nan)
         if not n:
             return {}
         counts = np.array(self.counts)
-        bounds = np.array(self.bounds, np.float64)
-        side = np.repeat(np.tile([0, 1], n), counts)  # each column's side, bound, value
-        bound = np.repeat(bounds, counts)
-        owner = np.repeat(np.arange(n), counts.reshape(n, 2).sum(1))
-        block = np.concatenate(self.blocks, axis=1)
-        r, c = np.where(side == 0, block <= bound, block >= bound).nonzero()
-        values, side, owner = block[r, c], side[c], owner[c]
-        at = r * np.array(self.steps)[owner] + np.concatenate(self.groups)[c]
-        longest = max(t.size for t in self.tails)
-        if longest:  # the values past each one's last whole row, against both bounds
-            tails = np.full((n, longest), np.nan)
-            for i, t in enumerate(self.tails):
-                tails[i, : t.size] = t
-            bounds = bounds.reshape(n, 2)
-            s, i, j = np.stack([tails <= bounds[:, :1], tails >= bounds[:, 1:]]).nonzero()
-            values = np.concatenate([values, tails[i, j]])
-            at = np.concatenate([at, np.array(self.steps)[i] * _GROUP + j])
-            side, owner = np.concatenate([side, s]), np.concatenate([owner, i])
-        v = values.astype(np.float64)
+        block = np.concatenate(self.blocks)  # [groups, 256], C-ordered
+        if block.dtype.kind != "f":
+            block = block.astype(np.float64)  # ints and bools (exact to 2**53)
+        tails = np.full((2 * n, _GROUP), np.nan, block.dtype)  # each tail, as a group a side
+        for i, t in enumerate(self.tails):
+            tails[2 * i: 2 * i + 2, : t.size] = t
+        block = np.concatenate([block, tails])
+        # each group's value, side and bound, and its column's position: r * step + base
+        steps, bounds, sides = np.array(self.steps), np.array(self.bounds), np.tile([0, 1], n)
+        sizes = counts.reshape(n, 2).sum(1)
+        owner = np.concatenate([np.repeat(np.arange(n), sizes), np.repeat(np.arange(n), 2)])
+        side = np.concatenate([np.repeat(sides, counts), sides])
+        bound = np.concatenate([np.repeat(bounds, counts), bounds])
+        step = np.concatenate([np.repeat(steps, sizes), np.ones(2 * n, np.int64)])
+        base = np.concatenate([*self.groups, np.repeat(steps * _GROUP, 2)])
+        # the largest as the smallest of the values negated; one dtype (two compare slowly)
+        sign = (1 - 2 * side).astype(block.dtype)
+        hit = block * sign[:, None] <= (bound * sign).astype(block.dtype)[:, None]
+        c, r = np.divmod(np.flatnonzero(hit), _GROUP)  # NaN (a tail's end) passes nothing
+        v = block[c, r].astype(np.float64)
+        side, owner, at = side[c], owner[c], r * step[c] + base[c]
         order = np.lexsort((at, np.where(side == 0, v, -v), side, owner))
         group = (2 * owner + side)[order]
         rank = np.arange(order.size) - np.searchsorted(group, group)  # within its value's side
         keep = rank < k
         order, group, rank = order[keep], group[keep], rank[keep]
+        out = np.empty((n, 2, k, 3))
+        out.fill(np.nan)
         out[group // 2, group % 2, rank, 0], out[group // 2, group % 2, rank, 1] = \
             v[order], at[order]
         return dict(zip(self.keys, out))
