@@ -184,25 +184,36 @@ def smallest_largest(x: np.ndarray, k: int, finite: bool = False) -> np.ndarray:
     ``(value, position, NaN)``, the last for the sample's id; NaN where fewer are finite);
     ties go to the lower position (``finite``: the caller knows every value is).
 
-    Many values are searched by their groups (``GroupSearch``), the finite ones where a
-    NaN or inf is among them; a few, or many tied, every one: of many, what passes each
-    side's k-th."""
+    Many values are searched by their groups (``GroupSearch``); the others by
+    ``every_finite``."""
     search = GroupSearch(k)
     if search.add("", x, finite) is not None:
         return search.found()[""]
-    if finite or x.dtype.kind != "f" or np.isfinite(x).all():
-        values, at = x, np.arange(x.size)
-    else:  # the finite values, searched as any (by their groups where many)
+    return every_finite(x, k, finite)
+
+
+def every_finite(x: np.ndarray, k: int, finite: bool = False) -> np.ndarray:
+    """``smallest_largest`` of a value ``GroupSearch.add`` did not take: where a NaN or inf
+    is among them, the finite values searched as any value is (by their groups where
+    many); a few, or many tied, every one: of many, what passes each side's k-th."""
+    if not (finite or x.dtype.kind != "f" or np.isfinite(x).all()):
         at = np.flatnonzero(np.isfinite(x))
-        found = smallest_largest(x[at], k, True)
-        held = ~np.isnan(found[..., 1])
-        found[..., 1][held] = at[found[..., 1][held].astype(np.int64)]
-        return found
-    if values.size > 4 * k:  # what passes each side's k-th, then as many tied as wanted
-        keep = [_passing(values, k, 0), _passing(values, k, 1)]
-        return _best(values[np.concatenate(keep)], at[np.concatenate(keep)],
+        return through(smallest_largest(x[at], k, True), at)
+    at = np.arange(x.size)
+    if x.size > 4 * k:  # what passes each side's k-th, then as many tied as wanted
+        keep = [_passing(x, k, 0), _passing(x, k, 1)]
+        return _best(x[np.concatenate(keep)], at[np.concatenate(keep)],
                      np.repeat([0, 1], [keep[0].size, keep[1].size]), k)
-    return _best(np.tile(values, 2), np.tile(at, 2), np.repeat([0, 1], values.size), k)
+    return _best(np.tile(x, 2), np.tile(at, 2), np.repeat([0, 1], x.size), k)
+
+
+def through(found: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``found`` (``[..., 3]``, ``smallest_largest``), its positions among ``x[index]``
+    made positions in ``x`` (in place; NaN, no sample, stays)."""
+    at = found[..., 1]
+    held = ~np.isnan(at)
+    at[held] = index[at[held].astype(np.int64)]
+    return found
 
 
 class GroupSearch:
@@ -523,11 +534,13 @@ class HostPass:
         and max, and their positions in ``g`` where known now, what the record's are when
         every value is finite (None: no finite value)."""
         x = _numpy(g)
-        if finite:
+        if not finite:
+            found = smallest_largest(x, self.top)
+        else:
             extremes = self.search.add(key, x, True)
             if extremes is not None:
                 return extremes[0], extremes[1], None
-        found = smallest_largest(x, self.top, finite)
+            found = every_finite(x, self.top, True)  # too few groups, or many tied
         first = None
         if not np.isnan(found[0, 0, 0]):
             first = (found[0, 0, 0], found[1, 0, 0],

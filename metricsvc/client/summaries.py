@@ -23,7 +23,15 @@ from typing import Any
 import numpy as np
 
 from metricsvc.client.device import device_rows, flat_value, number_rows
-from metricsvc.client.host import GroupSearch, HostPass, MaskCache, smallest_largest, stacked_rows
+from metricsvc.client.host import (
+    GroupSearch,
+    HostPass,
+    MaskCache,
+    every_finite,
+    smallest_largest,
+    stacked_rows,
+    through,
+)
 from metricsvc.client.tensors import (
     Difference,
     check_mask,
@@ -150,12 +158,11 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
                     on_device[v.device] = to_device(ids, v.device)
                 tops[key] = (_device_top(v, m, on_device.get(v.device), top, _inner(v)),
                              _inner(v))
-    for key, samples in (search.found().items() if search is not None else ()):
-        if placed[key] is not None:  # among the valid values -> flat in the value
-            flat = samples[..., 1]
-            known = ~np.isnan(flat)
-            flat[known] = placed[key][flat[known].astype(np.int64)]
-        found[key] = samples
+    if search is not None:
+        found.update(search.found())
+    for key, where in placed.items():  # among the valid values -> flat in the value
+        if where is not None:
+            through(found[key], where)
     for group in vectors.values():
         host.update(_vector_rows(group))
     for m, group in passes.values():
@@ -549,21 +556,13 @@ def sample_text(text: list[str] | dict[str, list[str]], row: int) -> list[Any]:
 
 def _array_top(key: str, v: np.ndarray, m: Any, k: int, search: GroupSearch
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """``smallest_largest`` of a numpy value's valid values, positions flat in the value;
-    or (None: many values) added to ``search``, with the valid positions to map its
-    positions back by (None: every position valid)."""
+    """``smallest_largest`` of a numpy value's valid values (None: many values, added to
+    ``search``), and the valid positions its positions are among (None: every position)."""
     x = v.reshape(-1)
     where = None if m is None else np.flatnonzero(np.asarray(m).reshape(-1))
     if where is not None:
         x = x[where]
-    if search.add(key, x) is not None:
-        return None, where
-    found = smallest_largest(x, k)
-    if where is not None:
-        at = found[..., 1]
-        known = ~np.isnan(at)
-        at[known] = where[at[known].astype(np.int64)]
-    return found, None
+    return (None if search.add(key, x) is not None else every_finite(x, k)), where
 
 
 def _device_top(v: Any, m: Any, ids: Any, k: int, inner: int) -> Any:
