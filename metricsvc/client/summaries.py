@@ -116,7 +116,7 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
         ids = _checked_ids(ids, prepared)
     locate = ids is not None
     every = locate or top is not None  # each value on its own (no short vectors stacked)
-    found: dict[str, np.ndarray] = {}  # with top: key -> [2, top, 3], host values'
+    host_top: dict[str, np.ndarray] = {}  # with top: key -> [2, top, 3], host values'
     search = GroupSearch(top) if top is not None else None  # the arrays' of many values
     placed: dict[str, np.ndarray | None] = {}  # an array's valid positions (None: all)
     on_device: dict[Any, Any] = {}  # with top and ids: the ids on each device
@@ -134,11 +134,11 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
             if locate and host[key][COUNT] > 0:
                 at[key] = _array_extremes(v, m)
             if top is not None:  # many values: searched with the call's others (below)
-                found[key], placed[key] = _array_top(key, v, m, top, search)
+                host_top[key], placed[key] = _array_top(key, v, m, top, search)
         elif v.__class__ is not Difference and not is_tensor(v):  # a plain number
             host[key] = _number_row(key, v)
             if top is not None:
-                found[key] = smallest_largest(np.asarray(v, dtype=np.float64).reshape(-1), top)
+                host_top[key] = smallest_largest(np.asarray(v, dtype=np.float64).reshape(-1), top)
         elif on_host(v.a if isinstance(v, Difference) else v, compile):
             pair = None if (every or masks is None) else _host_vector(v, m)
             if pair is not None:
@@ -159,10 +159,10 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
                 tops[key] = (_device_top(v, m, on_device.get(v.device), top, _inner(v)),
                              _inner(v))
     if search is not None:
-        found.update(search.found())
+        host_top.update(search.found())
     for key, where in placed.items():  # among the valid values -> flat in the value
         if where is not None:
-            through(found[key], where)
+            through(host_top[key], where)
     for group in vectors.values():
         host.update(_vector_rows(group))
     for m, group in passes.values():
@@ -170,17 +170,17 @@ def summarize_call(values: Mapping[str, Any], mask: Any = None, *,
         for key, row in hosted.rows(group).items():
             host[key] = row.numpy()
         at.update(hosted.at)
-        found.update(hosted.tops)
-    if found:  # the host values' samples (all keys at once): their ids, their rows' length
-        inner = [_inner(prepared[key][0]) for key in found]
-        samples = np.stack(list(found.values()))  # [keys, 2, top, 3]
+        host_top.update(hosted.tops)
+    if host_top:  # the host values' samples (all keys at once): their ids, their rows' length
+        inner = [_inner(prepared[key][0]) for key in host_top]
+        samples = np.stack(list(host_top.values()))  # [keys, 2, top, 3]
         flat = samples[..., 1]
         known = ~np.isnan(flat)
         if ids is not None and known.any():  # (no valid value: maybe no row to look up)
             host_ids = ids.detach().cpu().numpy() if is_tensor(ids) else np.asarray(ids)
             row = np.where(known, flat, 0).astype(np.int64) // np.array(inner)[:, None, None]
             samples[..., 2] = np.where(known, host_ids[row], np.nan)
-        tops.update(zip(found, zip(samples, inner)))
+        tops.update(zip(host_top, zip(samples, inner)))
     out = []
     if host:
         order, found = [], []  # the caller's order
