@@ -406,7 +406,7 @@ class RecordBuffer:
         out = {}
         for i in np.unique(idx[carried]).tolist():
             found = unknown_sources(1)[0]
-            for (first, end), side in zip(LOCATED, won):
+            for (_, first, end), side in zip(LOCATED.values(), won):
                 if side[i] >= 0:
                     found[first:end] = src[side[i], first:end]
             out[i] = found

@@ -362,11 +362,11 @@ def scalar_rows(values: np.ndarray) -> np.ndarray:
 (MIN_ID, MIN_CALL, MIN_ROW, MIN_COL, MAX_ID, MAX_CALL, MAX_ROW, MAX_COL,
  NF_ID, NF_CALL, NF_ROW, NF_COL, NF_VALUE) = range(13)
 NSOURCE = 13
-SIDES = (("min", MIN, MIN_ID), ("max", MAX, MAX_ID))  # name, record field, first source field
-SIDE = {name: i for i, (name, _, _) in enumerate(SIDES)}  # the order ``winners`` answers in
-# The source fields of each thing located, in the order ``winners`` answers: the min, the
-# max, the first non-finite value
-LOCATED = ((MIN_ID, MAX_ID), (MAX_ID, NF_ID), (NF_ID, NSOURCE))
+# Each thing located, in the order ``winners`` answers: its record field (what a winning
+# contribution holds) and its source fields, ``[first, end)``
+LOCATED = {"min": (MIN, MIN_ID, MAX_ID), "max": (MAX, MAX_ID, NF_ID),
+           "nonfinite": (NONFINITE, NF_ID, NSOURCE)}
+SIDE = {"min": 0, "max": 1}  # a top sample's side (``Top.SIDE``) of a min and of a max
 CALLS = [MIN_CALL, MAX_CALL, NF_CALL]  # each one's call number
 KINDS_NONFINITE = ("nan", "+inf", "-inf")
 
@@ -424,7 +424,7 @@ def winners(rows: np.ndarray, idx: np.ndarray, merged: np.ndarray) -> list[np.nd
     n = len(merged)
     out = []
     has = rows[:, COUNT] > 0
-    for field in (MIN, MAX, NONFINITE):
+    for field, _, _ in LOCATED.values():
         held = (rows[:, NONFINITE] > 0 if field == NONFINITE
                 else has & (rows[:, field] == merged[idx, field]))
         won = np.full(n, _NONE, dtype=np.int64)
@@ -439,7 +439,7 @@ def describe_source(sources: Sequence[float], side: str) -> dict[str, Any]:
     """Return the fields of one side (``"min"``, ``"max"`` or ``"nonfinite"``) of a key's
     sources as shown in ``meta["extremes"]`` and ``meta["nonfinite_first"]`` (the known
     ones only; the non-finite value's ``kind``: ``nan``, ``+inf`` or ``-inf``)."""
-    first = NF_ID if side == "nonfinite" else SIDES[SIDE[side]][2]
+    first = LOCATED[side][1]
     ident, call, row, col = (float(x) for x in sources[first:first + 4])
     out: dict[str, Any] = {}
     if not math.isnan(row):

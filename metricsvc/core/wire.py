@@ -555,7 +555,7 @@ def _check_sources(batch: Batch) -> None:
     if rows.min() < 0 or rows.max() >= len(batch.keys) or len(np.unique(rows)) != len(rows):
         raise BatchRejected("batch extreme rows must name distinct keys of the batch")
     bad = np.isfinite(src[:, NF_VALUE])
-    for first, _ in LOCATED:
+    for _, first, _ in LOCATED.values():
         ident, where = src[:, first], src[:, first + 1: first + 4]
         bad |= ~(np.isnan(where).all(1) | _whole(where)) | np.isinf(ident)
     _refuse_first(bad, batch, rows,

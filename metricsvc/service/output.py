@@ -23,6 +23,7 @@ from metricsvc.core.declare import key_pattern, placeholders
 from metricsvc.core.keys import is_internal, safe_tag, tag_order
 from metricsvc.core.records import (
     COUNT,
+    LOCATED,
     M2_ROOT,
     MAX,
     MIN,
@@ -245,7 +246,7 @@ class StepOutput:
         sample's id, its position (``row``, ``col``), the ``call`` (and a non-finite
         value's ``kind``)."""
         found = {}
-        for side, (part_of, src) in zip(("min", "max", "nonfinite"), merged.winners):
+        for side, (part_of, src) in zip(LOCATED, merged.winners):
             found[side] = (part_of.tolist(), src)
         out: dict[str, dict[str, Any]] = {}
         first: dict[str, dict[str, Any]] = {}
