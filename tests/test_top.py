@@ -4,6 +4,8 @@ concatenated in rank order, call order, row and column."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import ray
@@ -206,7 +208,7 @@ def test_the_accelerator_path_finds_the_same_samples_and_reads_nothing_back_unti
     texts = [[f"sample {i}" for i in ids.tolist()] for _, _, ids in calls]
     for on_device in (False, True):
         buf = RecordBuffer()
-        with (accelerator_path_on_cpu() if on_device else _nothing()), \
+        with (accelerator_path_on_cpu() if on_device else contextlib.nullcontext()), \
                 HostTransferCounter() as counter:
             for (v, mask, ids), text in zip(calls, texts):
                 buf.record({"kl": v}, mask, ReduceType.AVG_MIN_MAX, ids, top=5, text=text)
@@ -238,9 +240,7 @@ def test_a_rank_merges_its_calls_top_samples_whatever_k_each_call_asked_for():
             c.stat(mask=mask, ids=np.arange(4) + 10 * call, top=k, kl=v)
             rows, cols = np.nonzero(mask)
             got = [(float(v[r, q]), call, int(r), int(q)) for r, q in zip(rows, cols)]
-            for side, sign in ((0, 1.0), (1, -1.0)):
-                want["kl"] += [(side, *x) for x in sorted(got, key=lambda x: (
-                    sign * x[0], x[1], x[2], x[3]))[:k]]
+            want["kl"] += _best_first(got, k)
         loss = rng.normal(size=7)
         c.stat(top=4, loss=loss, one=np.array([2.5]))
         for side, order in ((0, np.argsort(loss, kind="stable")),
@@ -294,9 +294,7 @@ def test_large_values_of_a_call_are_searched_together_and_equal_a_sort():
     batch = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
     keys = list(batch.keys)
     for key, samples in every.items():
-        want = []
-        for side, sign in ((0, 1.0), (1, -1.0)):
-            want += [(side, *s) for s in sorted(samples, key=lambda s: (sign * s[0], *s[1:]))[:8]]
+        want = _best_first(samples, 8)
         got = batch.top[batch.top_rows == keys.index(key)]
         assert [(int(t[Top.SIDE]), t[Top.VALUE], int(t[Top.CALL]), int(t[Top.ROW]),
                  int(t[Top.COL]), int(t[Top.ID])) for t in got] == want, key
@@ -305,10 +303,11 @@ def test_large_values_of_a_call_are_searched_together_and_equal_a_sort():
         assert merged[MIN] == want[0][1] and merged[MAX] == want[8][1], key
 
 
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
+def _best_first(samples: list[tuple], k: int) -> list[tuple]:
+    """The ``k`` smallest, then the ``k`` largest of ``samples`` (tuples, the value first;
+    ties to the lower rest of the tuple), each with its side (0, 1) in front."""
+    return [(side, *s) for side, sign in ((0, 1.0), (1, -1.0))
+            for s in sorted(samples, key=lambda s: (sign * s[0], *s[1:]))[:k]]
 
 
 @pytest.mark.parametrize("text, said", [
