@@ -118,3 +118,27 @@ def test_a_sink_reopening_after_a_restart_gets_a_rewinds_rerun_once(make_worker,
     # took them before the rewind reached it, then the rerun
     assert seen in ([(s, float(s)) for s in range(5)] + [(5, 50.0), (6, 60.0)],
                     [(s, float(s)) for s in range(7)] + [(5, 50.0), (6, 60.0)]), seen
+
+
+@pytest.mark.xfail(strict=True, raises=metricsvc.errors.BatchRejected, reason=(
+    "known defect: a per-node combiner still owes the batch a rewind superseded and resends "
+    "it to the next incarnation first (no ack says which history segment it belongs to)"))
+def test_a_combiner_never_resends_a_batch_a_rewind_superseded(make_worker):
+    """Per node: step 0 recorded and journaled, a SIGKILL, a rewind to before it, another
+    SIGKILL; the rerun's step 0 is merged, with its own value (found by the run-history
+    model; flat, the same passes)."""
+    from tests.helpers import sigkill
+
+    handle, cfg = make_worker(world_size=1, topology="per_node", max_restarts=10)
+    first = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    first.submit_metric({"x": 1.0})
+    first.flush(step=0)
+    first.wait_acks(timeout_s=30)
+    assert ray.get(handle.flush.remote(30), timeout=60)  # the journal holds step 0
+    sigkill(handle)
+    ray.get(handle.rewind.remote(to_step=-1), timeout=60)
+    sigkill(handle)
+    rerun = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    rerun.submit_metric({"x": 2.0})
+    rerun.wait_submit(step=0, timeout_s=60)
+    assert ray.get(handle.wait_final.remote(0, 30), timeout=60)["metrics"]["x"] == 2.0
