@@ -155,61 +155,79 @@ def call(target: Callable[[], Any], method: str, *args: Any, retry_s: float,
 # -- the restart protocol -------------------------------------------------------------------
 class Outbox:
     """What a sender owes a restartable MetricWorker: the incarnation it last heard from and
-    every payload sent whose step the journal may not hold yet (at most ``limit``)."""
+    every payload sent whose step the journal may not hold yet (at most ``limit``).
 
-    def __init__(self, limit: int = 256, label: str = "sender") -> None:
+    Each owed payload remembers the segment of the run's history it was merged in (the
+    ack's ``rewinds``: every rewind's ``to_step``, oldest first; None until its ack). A
+    payload a later rewind superseded (one to before its step) is owed no longer: resent,
+    it would be merged as the rerun's step. ``steps=False``: the payloads are numbered by
+    batch (a stream's), not by step, and rewinds do not apply."""
+
+    def __init__(self, limit: int = 256, label: str = "sender", steps: bool = True) -> None:
         self.epoch: str | None = None
         self.limit = limit
         self.label = label
+        self.steps = steps
         self.resent = 0
-        self._owed: list[tuple[int, Any]] = []
+        self.superseded = 0  # owed payloads a rewind superseded, dropped
+        self._owed: list[list[Any]] = []  # [step, payload, segment merged in or None]
 
     def __len__(self) -> int:
         return len(self._owed)
 
     def sent(self, step: int, payload: Any) -> None:
         """Owe ``payload`` (of ``step``) until an ack says the journal holds that step."""
-        self._owed.append((step, payload))
+        self._owed.append([step, payload, None])
         if len(self._owed) > self.limit:
-            dropped, _ = self._owed.pop(0)
+            dropped = self._owed.pop(0)[0]
             log.warning("%s: more than %d steps not yet journaled; step %d can no longer be "
                         "resent after a restart", self.label, self.limit, dropped)
 
     def drop(self, payload: Any) -> None:
         """Stop owing ``payload`` (refused: resending it cannot help)."""
-        self._owed = [(s, p) for s, p in self._owed if p is not payload]
+        self._owed = [owed for owed in self._owed if owed[1] is not payload]
 
-    def heard(self, ack: Ack) -> None:
-        """Take the incarnation and the journal's progress from an ack."""
+    def heard(self, ack: Ack, payload: Any = None) -> None:
+        """Take the incarnation, the run's history and the journal's progress from an ack
+        (of ``payload``, if given: merged in the history's current segment)."""
         self.epoch = ack.get("epoch", self.epoch)
-        durable = ack.get("durable_through")
-        if durable is not None:
+        rewinds = ack.get("rewinds")
+        if self.steps and rewinds is not None:
             kept = []
             for owed in self._owed:
-                if owed[0] > durable:
-                    kept.append(owed)
+                step, owed_payload, segment = owed
+                if owed_payload is payload and ack.get("status") != "epoch_changed":
+                    owed[2] = len(rewinds)
+                elif segment is not None and any(to < step for to in rewinds[segment:]):
+                    self.superseded += 1
+                    continue
+                kept.append(owed)
             self._owed = kept
+        durable = ack.get("durable_through")
+        if durable is not None:
+            self._owed = [owed for owed in self._owed if owed[0] > durable]
 
     def newest(self) -> Any:
         """Return the newest payload still owed (None: nothing is)."""
         return self._owed[-1][1] if self._owed else None
 
-    def owed(self, durable_through: int | None) -> list[Any]:
-        """Return, oldest first, what a new incarnation whose journal holds steps up to
-        ``durable_through`` may lack."""
-        return [p for s, p in self._owed if durable_through is None or s > durable_through]
+    def owed(self) -> list[Any]:
+        """Return, oldest first, what is owed (after an ack of a new incarnation: what it
+        may lack)."""
+        return [owed[1] for owed in self._owed]
 
     def exchange(self, payload: Any) -> Generator[Any, Ack, Ack]:
         """Send ``payload`` (already ``sent``): yield each payload to send, with ``epoch``,
         and receive its ack; return the ack of ``payload``."""
         ack = mine = yield payload
         while ack.get("status") == "epoch_changed":  # another incarnation: what it lacks first
-            self.epoch = ack["epoch"]
+            self.heard(ack)
             mine = None
-            for old in self.owed(ack.get("durable_through")):
+            for old in self.owed():
                 ack = yield old
                 if ack.get("status") == "epoch_changed":
                     break  # restarted again meanwhile: start over with the newest incarnation
+                self.heard(ack, old)
                 if old is payload:
                     mine = ack
                 else:
@@ -217,7 +235,7 @@ class Outbox:
             else:
                 if mine is None:  # not owed (an unsent payload): it goes after the older ones
                     ack = mine = yield payload
-        self.heard(ack)
+        self.heard(ack, payload)
         return mine
 
 
@@ -310,7 +328,7 @@ class Sender:
         self._by_seq = by_seq
         # Sent but not yet in the service's journal (resent after a restart), and the
         # incarnation last heard from: the restart protocol, shared with the combiner.
-        self.outbox = Outbox(max_inflight, label=label)
+        self.outbox = Outbox(max_inflight, label=label, steps=not by_seq)
         # One lock, two conditions: callers wait on ``_cv`` for answers, the sender thread
         # on ``_work`` for its queue. An answer read at the caller's next call (the common
         # case) then wakes no thread.
@@ -418,7 +436,7 @@ class Sender:
                 self._to_thread((batch, blob, issued), first=True)
                 return
         with self._send_lock:  # what ``deliver`` does with an ack of this incarnation
-            self.outbox.heard(got)
+            self.outbox.heard(got, blob)
         with self._lock:
             self.in_flight -= 1
             self.answers.append((batch, got, None))

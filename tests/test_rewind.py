@@ -120,13 +120,11 @@ def test_a_sink_reopening_after_a_restart_gets_a_rewinds_rerun_once(make_worker,
                     [(s, float(s)) for s in range(7)] + [(5, 50.0), (6, 60.0)]), seen
 
 
-@pytest.mark.xfail(strict=True, raises=metricsvc.errors.BatchRejected, reason=(
-    "known defect: a per-node combiner still owes the batch a rewind superseded and resends "
-    "it to the next incarnation first (no ack says which history segment it belongs to)"))
 def test_a_combiner_never_resends_a_batch_a_rewind_superseded(make_worker):
     """Per node: step 0 recorded and journaled, a SIGKILL, a rewind to before it, another
     SIGKILL; the rerun's step 0 is merged, with its own value (found by the run-history
-    model; flat, the same passes)."""
+    model: the combiner, still owing the superseded step 0, resent it to the new
+    incarnation first, which took it for the rerun's and refused the rerun's)."""
     from tests.helpers import sigkill
 
     handle, cfg = make_worker(world_size=1, topology="per_node", max_restarts=10)
@@ -142,3 +140,43 @@ def test_a_combiner_never_resends_a_batch_a_rewind_superseded(make_worker):
     rerun.submit_metric({"x": 2.0})
     rerun.wait_submit(step=0, timeout_s=60)
     assert ray.get(handle.wait_final.remote(0, 30), timeout=60)["metrics"]["x"] == 2.0
+
+
+def test_an_outbox_owes_no_batch_a_rewind_superseded():
+    """The restart protocol without I/O: what a sender resends to a new incarnation after a
+    rewind is what the rerun may lack, never a batch merged in a segment a rewind
+    superseded; a batch in flight when the run was rewound (never acked) is resent."""
+    from metricsvc.transport import Outbox
+
+    def ack(epoch, rewinds, status="batch", durable=None):
+        return {"status": status, "epoch": epoch, "rewinds": rewinds,
+                "durable_through": durable}
+
+    box = Outbox()
+    for step, payload in enumerate("ab"):  # steps 0 and 1, merged in segment 0
+        box.sent(step, payload)
+        box.heard(ack("A", []), payload)
+    box.sent(2, "c")  # in flight when the run is rewound to step 0, then restarted
+    exchange = box.exchange("c")
+    assert next(exchange) == "c"
+    assert exchange.send(ack("B", [0], "epoch_changed")) == "a"  # step 0 is kept
+    assert exchange.send(ack("B", [0])) == "c"  # "b" (step 1) was superseded
+    with pytest.raises(StopIteration) as done:
+        exchange.send(ack("B", [0]))
+    assert done.value.value["epoch"] == "B"
+    assert (box.owed(), box.superseded, box.resent) == (["a", "c"], 1, 1)
+    box.heard(ack("B", [0, -1]))  # rewound to before step 0: nothing of it is owed
+    assert (box.owed(), box.superseded) == ([], 3)
+
+    box.sent(0, "d")  # merged in the newest segment: owed until the journal holds it
+    box.heard(ack("B", [0, -1]), "d")
+    box.heard(ack("C", [0, -1], "epoch_changed"))
+    assert box.owed() == ["d"]
+    box.heard(ack("C", [0, -1], durable=0))
+    assert box.owed() == []
+
+    stream = Outbox(steps=False)  # numbered by batch: rewinds (of steps) do not apply
+    stream.sent(5, "s")
+    stream.heard(ack("A", []), "s")
+    stream.heard(ack("A", [0]))
+    assert stream.owed() == ["s"]

@@ -52,6 +52,7 @@ class CombinerImpl:
         # from: the restart protocol, shared with the client.
         self._outbox = Outbox(label=f"combiner {label!r}")
         self.durable_through: int | None = None
+        self.rewinds: list[int] | None = None  # the run's, as the MetricWorker last said
         self.last_final_step: int | None = None
         self.calls = {"submit": 0, "forward": 0, "rejected_upstream": 0}
         self.forwarded_batches = 0
@@ -109,7 +110,8 @@ class CombinerImpl:
         return self._ack(**answer)
 
     def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
-        return {"status": status, "epoch": self.epoch, "durable_through": self.durable_through,
+        return {"status": status, "epoch": self.epoch, "rewinds": self.rewinds,
+                "durable_through": self.durable_through,
                 "last_final_step": self.last_final_step, **extra}
 
     # -- upstream ----------------------------------------------------------------------
@@ -173,6 +175,7 @@ class CombinerImpl:
             self.calls["forward"] += 1
             self.forwarded_batches += len(batches)
             self.durable_through = ack.get("durable_through")
+            self.rewinds = ack.get("rewinds")
             self.last_final_step = ack.get("last_final_step")
             self.metrics.report({**self._report(),
                                  "rejected_upstream": self.calls["rejected_upstream"]})

@@ -210,10 +210,12 @@ class MetricWorkerImpl:
         return False
 
     def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
-        """What every sender hears: the status, this incarnation, how far the journal holds
-        (a stream client's ``extra`` says how far its own batches are, None: none yet), the
-        last final step."""
+        """What every sender hears: the status, this incarnation, the run's rewinds (each
+        one's ``to_step``, oldest first: a sender drops what they superseded), how far the
+        journal holds (a stream client's ``extra`` says how far its own batches are, None:
+        none yet), the last final step."""
         return {"status": status, "epoch": self.epoch,
+                "rewinds": [rewind.to_step for rewind in self.history.rewinds],
                 "durable_through": self.durable_through(),
                 "last_final_step": self.engine.last_emitted, **extra}
 
