@@ -170,9 +170,9 @@ class RunHistoryMachine(RuleBasedStateMachine):
         last = self.next - 1  # a checkpoint past it: steps the journal never held
         from_step = data.draw(st.one_of(st.none(), st.integers(-1, last),
                                         st.integers(last + 1, last + 2)), label="from")
-        self._resume(from_step)
-        if from_step is None:
+        if from_step is None:  # the run continues after the journal's last step
             self.next = max(self.model, default=-1) + 1
+        self._resume(from_step)  # the new driver's client starts at self.next
 
     @precondition(lambda self: self.next > 0)
     @rule(data=st.data())
