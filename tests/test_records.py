@@ -57,13 +57,6 @@ def test_merge_of_random_splits_in_random_order_equals_whole(data, cuts, seed):
     np.testing.assert_allclose(acc[0, M2_ROOT], whole[M2_ROOT], rtol=1e-9, atol=1e-300)
 
 
-def test_merge_into_touches_only_the_given_rows():
-    acc = records.identity(3)
-    rows = np.stack([records.scalar_row(2.0), records.scalar_row(-1.0)])
-    records.merge_into(acc, rows, np.array([2, 0]))
-    assert acc[2, SUM] == 2.0 and acc[0, SUM] == -1.0 and acc[1, COUNT] == 0
-
-
 def test_scalar_row_weight_counts_the_value_weight_times():
     row = records.scalar_row(3.0, weight=4.0)
     assert row[SUM] == 12.0 and row[COUNT] == 4.0 and row[MIN] == row[MAX] == 3.0

@@ -191,11 +191,6 @@ def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return merge_pair(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
 
 
-def merge_into(acc: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> None:
-    """Merge ``rows`` into ``acc[idx]`` in place; ``idx`` must hold unique row numbers."""
-    acc[idx] = merge(acc[idx], rows)
-
-
 def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
     """Return ``n`` records, record ``k`` the merge of every ``rows[i]`` with ``idx[i] == k``.
 
