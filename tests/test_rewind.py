@@ -11,6 +11,7 @@ import ray
 
 import metricsvc
 from metricsvc.client import MetricClient
+from metricsvc.core.keys import combiner_name
 from metricsvc.storage.journal import read_journal
 from tests import readback
 
@@ -140,6 +141,10 @@ def test_a_combiner_never_resends_a_batch_a_rewind_superseded(make_worker):
     rerun.submit_metric({"x": 2.0})
     rerun.wait_submit(step=0, timeout_s=60)
     assert ray.get(handle.wait_final.remote(0, 30), timeout=60)["metrics"]["x"] == 2.0
+    node = ray.get_runtime_context().get_node_id()
+    combiner = ray.get_actor(combiner_name(cfg.name, node), namespace=cfg.namespace)
+    calls = ray.get(combiner.health.remote(), timeout=60)["calls"]
+    assert (calls["superseded"], calls["resent"]) == (1, 0)  # dropped, never resent
 
 
 def test_an_outbox_owes_no_batch_a_rewind_superseded():

@@ -224,7 +224,8 @@ class CombinerImpl:
                 "gathering": {s: sorted(g.closed) for s, g in sorted(self._gathering.items())},
                 "forwarded_through": self._forwarded_through,
                 "durable_through": self.durable_through, "inflight": len(self._outbox),
-                "calls": {**self.calls, "resent": self._outbox.resent},
+                "calls": {**self.calls, "resent": self._outbox.resent,
+                          "superseded": self._outbox.superseded},
                 "metrics_export": "on" if self.metrics.off is None else self.metrics.off}
 
 
