@@ -282,3 +282,29 @@ def test_a_rerun_after_a_restart_wins_in_tensorboard_whatever_the_earlier_file_i
     board = readback.tensorboard_scalars(tmp_path / "tensorboard")
     assert {s: m["x"] for s, m in board.items()} == {
         **{s: float(s) for s in range(4)}, **{s: 100.0 + s for s in range(4, 8)}}
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["live", "restarted"])
+def test_a_stream_batch_a_rewind_superseded_never_lands_in_the_rerun(make_worker, restart):
+    """A long-lived stream recorder (a rollout worker) whose batch went into a step a rewind
+    superseded: the rerun's window holds the new batches only, whether or not the service
+    restarted after the rewind (a restart had the recorder resend the superseded batch,
+    which the journal no longer held, into the rerun's window)."""
+    handle, cfg = make_worker(world_size=1, sinks={"console": None, "jsonl": {}})
+    client = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    recorder = client.stream("rollout")
+    recorder.stat(reward=[1.0])
+    recorder.flush()
+    ray.get(handle.export_stream.remote("rollout", 0, True))
+    ray.get(handle.flush.remote())  # the journal holds step 0 and the batch in its window
+    ray.get(handle.rewind.remote(to_step=-1))
+    if restart:
+        sigkill(handle)
+    recorder.stat(reward=[5.0])
+    recorder.close()
+    window = ray.get(handle.export_stream.remote("rollout", 0, True))
+    assert window == {"rollout/reward/mean": 5.0, "rollout/reward/min": 5.0,
+                      "rollout/reward/max": 5.0}
+    health = metricsvc.stop_metric_worker(handle)
+    journal = read_journal(Path(health["run_dir"]) / "metrics.jsonl")
+    assert [(r["step"], r["metrics"]["rollout/reward/mean"]) for r in journal] == [(0, 5.0)]

@@ -255,3 +255,23 @@ def test_a_stream_version_that_is_no_int_is_refused_naming_it_and_nothing_is_kep
         rec.scalar(reward=1.0, version="v3")
     assert "version=" in str(err.value) and "\n" not in str(err.value)
     assert rec.pending_keys() == []
+
+
+def test_a_rewind_settles_the_stream_batches_it_superseded_and_only_those():
+    """A rewind's ledger, without Ray: each client's batches exported into the steps it
+    superseded are settled (never resent: they would land in the rerun's window), unless
+    the client has a batch before them in a step still open, which must stay owed."""
+    from metricsvc.service.streams import StreamLedger
+
+    ledger = StreamLedger()
+    ledger.exported(0, "s", {"a": 2, "b": 1})
+    ledger.exported(1, "s", {"a": 4})
+    ledger.exported(2, "s", {"b": 3})  # step 2 is not final yet
+    ledger.exported(3, "s", {"a": 6, "b": 5})
+    settled = ledger.superseded(2, final_through=1)
+    assert settled == {"s": {"a": 6}}
+    ledger.forget_after(2, settled)
+    assert ledger.through("s", "a", None) == 6 and ledger.through("s", "b", None) is None
+    assert ledger.through("s", "b", 1) == 1  # step 0 journaled; step 2's batch still owed
+    assert ledger.through("s", "b", 2) == 3 and ledger.through("s", "a", 2) == 6
+    assert ledger.superseded(5, final_through=5) == {}  # nothing past step 5

@@ -420,10 +420,13 @@ class Engine:
         return self.out.preview(window), self._emit_ready()
 
     # -- a run continued -------------------------------------------------------------------
-    def restore(self, finished: Iterable[Mapping[str, Any]]) -> None:
+    def restore(self, finished: Iterable[Mapping[str, Any]],
+                settled: Iterable[dict[str, dict[str, int]]] = ()) -> None:
         """Continue after a restart from journaled steps ``{"step", "metrics", "meta"}``, in
         step order, one at a time: nothing is kept of a step past the recent ones' digests
-        and ranks."""
+        and ranks. ``settled``: the stream batches each journaled rewind settled."""
+        for streams in settled:
+            self.streams.ledger.journaled(streams)
         for record in finished:
             step = int(record["step"])
             meta = record.get("meta", {})
@@ -445,16 +448,22 @@ class Engine:
             if self.alerts.rules and isinstance(metrics := record.get("metrics"), dict):
                 self.alerts.remember(step, metrics)  # evaluated once already: never again
 
+    def settled_by(self, to_step: int) -> dict[str, dict[str, int]]:
+        """The stream batches a rewind to ``to_step`` settles (``StreamLedger.superseded``):
+        journaled with it, so that every later incarnation knows them."""
+        return self.streams.ledger.superseded(to_step, self.last_emitted)
+
     def rewind(self, to_step: int, totals: Mapping[str, Any] | None,
-               before: Iterable[tuple[int, Mapping[str, float]]] = ()) -> int:
+               before: Iterable[tuple[int, Mapping[str, float]]] = (),
+               settled: dict[str, dict[str, int]] | None = None) -> int:
         """Forget every step past ``to_step`` (published or pending): they will be recorded
         afresh, and what the superseded steps journaled once (declarations, descriptions) is
         journaled again with the rerun. ``totals``: the running sums as journaled with
         ``to_step``; ``before``: the final steps at or before it, ``(step, metrics)`` in
-        order, as far back as the alerts' windows reach. Returns how many published steps
-        were superseded."""
+        order, as far back as the alerts' windows reach; ``settled``: ``settled_by``, as
+        journaled. Returns how many published steps were superseded."""
         superseded = self.published.forget_after(to_step)
-        self.streams.ledger.forget_after(to_step)
+        self.streams.ledger.forget_after(to_step, settled or {})
         self.pending.forget_after(to_step)
         if self.last_emitted is not None and self.last_emitted > to_step:
             self.last_emitted = to_step if to_step >= 0 else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from metricsvc.core.keys import is_int
 from metricsvc.core.wire import Batch
 from metricsvc.errors import BatchRejected
 from metricsvc.service.steps import PendingStep, Window
@@ -31,10 +32,14 @@ class StreamLedger:
         self._exported.extend((step, name, client, seq) for client, seq in seqs.items())
 
     def journaled(self, stream_seqs: dict[str, dict[str, int]]) -> None:
-        """A journaled step held these windows (read back after a restart)."""
+        """A journaled step held these windows, or a journaled rewind settled them (read
+        back after a restart)."""
         for name, seqs in stream_seqs.items():
+            if not isinstance(seqs, dict):
+                continue
             for client, seq in seqs.items():
-                self._advance((str(name), str(client)), int(seq))
+                if is_int(seq):
+                    self._advance((str(name), str(client)), int(seq))
 
     def through(self, name: str, client: str, durable_step: int | None) -> int | None:
         """Return the newest batch of ``client`` to stream ``name`` that a step up to
@@ -49,9 +54,32 @@ class StreamLedger:
             self._exported = later
         return self.durable.get((name, client))
 
-    def forget_after(self, step: int) -> None:
-        """A rewind supersedes the steps past ``step``: their windows are recorded afresh."""
+    def superseded(self, step: int, final_through: int | None) -> dict[str, dict[str, int]]:
+        """What a rewind to ``step`` settles: ``{stream: {client: seq}}``, each client's
+        newest batch exported into a step past ``step``. Those windows are recorded afresh,
+        so their batches are never merged again: a client resending them after a restart
+        would put them in the rerun's window. A client is settled only where every batch
+        of its before them went into a final step (through ``final_through``: the journal
+        holds it once it records the rewind); a window folded into a step still open keeps
+        the client's batches owed."""
+        past: dict[tuple[str, str], int] = {}
+        open_before: set[tuple[str, str]] = set()
+        for at, name, client, seq in self._exported:
+            if at > step:
+                past[(name, client)] = max(seq, past.get((name, client), seq))
+            elif final_through is None or at > final_through:
+                open_before.add((name, client))
+        settled: dict[str, dict[str, int]] = {}
+        for (name, client), seq in past.items():
+            if (name, client) not in open_before:
+                settled.setdefault(name, {})[client] = seq
+        return settled
+
+    def forget_after(self, step: int, settled: dict[str, dict[str, int]]) -> None:
+        """A rewind supersedes the steps past ``step``: their windows are recorded afresh,
+        and the batches ``settled`` (``superseded``) are never resent."""
         self._exported = [e for e in self._exported if e[0] <= step]
+        self.journaled(settled)
 
     def _advance(self, where: tuple[str, str], seq: int) -> None:
         self.durable[where] = max(seq, self.durable.get(where, seq))

@@ -122,14 +122,14 @@ class MetricWorkerImpl:
         # condition: Ray runs this actor's calls on several threads.
         self.lock = threading.RLock()
         self.results = Results(cfg.limits.keep_results, self.lock)
-        self.restored_steps = self._restore() if continuing else 0
-        # The last step the journal held when this incarnation reloaded it (None: new run)
-        self.reloaded_through = self.engine.last_emitted if self.restored_steps else None
-        self.writer = None if self.journal.path is None else JsonlSink(cfg.sinks.jsonl)
         # The run's segments as the journal records them: every sink's watermark obeys it.
         # Continuing a run, each sink continues its backend run and is given the journaled
         # steps past its watermark: what users look at survives the restart too.
         self.history = RunHistory.read(self.journal.path if continuing else None)
+        self.restored_steps = self._restore() if continuing else 0
+        # The last step the journal held when this incarnation reloaded it (None: new run)
+        self.reloaded_through = self.engine.last_emitted if self.restored_steps else None
+        self.writer = None if self.journal.path is None else JsonlSink(cfg.sinks.jsonl)
         # The replay is the journal as this incarnation found it: what it journals later
         # (a rewind, its rerun) reaches each sink through its queue, once.
         replay = (functools.partial(iter_journal, self.journal.path,
@@ -168,7 +168,8 @@ class MetricWorkerImpl:
                 count += 1
                 yield record
 
-        self.engine.restore(kept(self.journal.steps()))
+        self.engine.restore(kept(self.journal.steps()),
+                            (rewind.streams for rewind in self.history.rewinds if rewind.streams))
         for record in recent:
             self.results.put(StepResult(int(record["step"]), record["metrics"], record["meta"]))
         if count:
@@ -513,9 +514,11 @@ class MetricWorkerImpl:
         rewind it lacks never happened), the engine forgets what it supersedes and continues
         the running totals from the last step at or before it, readers forget the superseded
         results, and every sink is given it in order with the steps around it."""
-        self.sinks.rewind(Rewind(to_step, by, held), self.writer)  # the journal first
+        settled = self.engine.settled_by(to_step)
+        self.sinks.rewind(Rewind(to_step, by, held, settled or None),
+                          self.writer)  # the journal first
         superseded = self.engine.rewind(to_step, self._totals_at(to_step),
-                                        self._steps_through(to_step))
+                                        self._steps_through(to_step), settled)
         self.results.forget_after(to_step)
         if self.reloaded_through is not None:
             self.reloaded_through = min(self.reloaded_through, to_step)

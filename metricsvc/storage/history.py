@@ -38,6 +38,9 @@ class Rewind:
     to_step: int
     by: str | None = None
     held: int | None = None
+    # {stream: {client: seq}}: the stream batches it settled (exported into the steps it
+    # superseded: never merged again, so never resent; ``StreamLedger.supersede``)
+    streams: dict[str, dict[str, int]] | None = None
 
     def event(self) -> dict[str, dict[str, object]]:
         """The journal event that records it."""
@@ -46,6 +49,8 @@ class Rewind:
             body["by"] = self.by
         if self.held is not None:
             body["held"] = self.held
+        if self.streams:
+            body["streams"] = self.streams
         return {"rewind": body}
 
 
@@ -95,8 +100,9 @@ def rewind_of(line: str) -> Rewind | None:
         return None
     if not is_int(to_step):
         return None
-    by, held = body.get("by"), body.get("held")
-    return Rewind(to_step, by if isinstance(by, str) else None, held if is_int(held) else None)
+    by, held, streams = body.get("by"), body.get("held"), body.get("streams")
+    return Rewind(to_step, by if isinstance(by, str) else None, held if is_int(held) else None,
+                  streams if isinstance(streams, dict) else None)
 
 
 def journal_rewinds(path: str | os.PathLike[str],
