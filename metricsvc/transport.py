@@ -191,21 +191,23 @@ class Outbox:
         """Take the incarnation, the run's history and the journal's progress from an ack
         (of ``payload``, if given: merged in the history's current segment)."""
         self.epoch = ack.get("epoch", self.epoch)
-        rewinds = ack.get("rewinds")
-        if self.steps and rewinds is not None:
-            kept = []
-            for owed in self._owed:
-                step, owed_payload, segment = owed
-                if owed_payload is payload and ack.get("status") != "epoch_changed":
-                    owed[2] = len(rewinds)
-                elif segment is not None and any(to < step for to in rewinds[segment:]):
-                    self.superseded += 1
-                    continue
-                kept.append(owed)
-            self._owed = kept
         durable = ack.get("durable_through")
-        if durable is not None:
-            self._owed = [owed for owed in self._owed if owed[0] > durable]
+        rewinds = ack.get("rewinds") if self.steps else None
+        merged = ack.get("status") != "epoch_changed"
+        kept = []
+        for owed in self._owed:
+            step, owed_payload, segment = owed
+            if durable is not None and step <= durable:
+                continue  # the journal holds its step
+            if rewinds is not None:
+                if owed_payload is payload and merged:
+                    owed[2] = len(rewinds)
+                elif segment is not None and segment < len(rewinds) \
+                        and min(rewinds[segment:]) < step:
+                    self.superseded += 1  # a rewind since superseded its step
+                    continue
+            kept.append(owed)
+        self._owed = kept
 
     def newest(self) -> Any:
         """Return the newest payload still owed (None: nothing is)."""

@@ -216,7 +216,8 @@ class MetricWorkerImpl:
         journal holds (a stream client's ``extra`` says how far its own batches are, None:
         none yet), the last final step."""
         return {"status": status, "epoch": self.epoch,
-                "rewinds": [rewind.to_step for rewind in self.history.rewinds],
+                "rewinds": [r.to_step for r in self.history.rewinds] if self.history.rewinds
+                else [],
                 "durable_through": self.durable_through(),
                 "last_final_step": self.engine.last_emitted, **extra}
 
