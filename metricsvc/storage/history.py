@@ -39,7 +39,7 @@ class Rewind:
     by: str | None = None
     held: int | None = None
     # {stream: {client: seq}}: the stream batches it settled (exported into the steps it
-    # superseded: never merged again, so never resent; ``StreamLedger.supersede``)
+    # superseded: never merged again, so never resent; ``StreamLedger.superseded``)
     streams: dict[str, dict[str, int]] | None = None
 
     def event(self) -> dict[str, dict[str, object]]:
