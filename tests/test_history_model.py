@@ -65,6 +65,9 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.flushed = False  # flushes whose answers are not read yet
         self.runs = itertools.count(1)
         self.handle = None
+        # The stream's recorder lives as long as the driver (a rollout worker): across a
+        # rewind and a SIGKILL of the service; a new driver (a resume, a new run) makes its own
+        self.recorder = None
 
     def _client(self) -> MetricClient:
         return MetricClient(None, rank=0, world_size=1, name=self.name, start_step=self.next)
@@ -97,6 +100,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
             assert len(notices) == (gap is not None), [str(w.message) for w in notices]
             self._rewound(from_step)
         self.client = self._client()
+        self.recorder = None
 
     def _rewound(self, to_step: int) -> None:
         self.model = {s: m for s, m in self.model.items() if s <= to_step}
@@ -215,16 +219,18 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.flagged = set()
         self.handle = metricsvc.start_metric_worker(self.cfg)
         self.client = self._client()
+        self.recorder = None
 
     @rule(values=st.lists(VALUES, min_size=1, max_size=4), kill=st.booleans())
     def stream_window(self, values: list[float], kill: bool) -> None:
         self._settle()
-        recorder = self.client.stream("s")
-        recorder.stat(r=values)
-        recorder.flush()
+        if self.recorder is None:
+            self.recorder = self.client.stream("s")
+        self.recorder.stat(r=values)
+        self.recorder.flush()
         if kill:
             sigkill(self.handle)
-        recorder.close()  # resends what a restart lost
+        self.recorder.flush()  # resends what a restart lost, never what a rewind superseded
         window = ray.get(self.handle.export_stream.remote("s", self.next, True), timeout=60)
         mean = sum(values) / len(values)
         want = {"s/r/mean": mean, "s/r/min": min(values), "s/r/max": max(values)}
