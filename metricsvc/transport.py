@@ -327,7 +327,6 @@ class Sender:
         ``durable_through`` counts batch numbers (a stream client's), else steps."""
         self.service, self.method, self.args = service, method, args
         self.label = label
-        self._by_seq = by_seq
         # Sent but not yet in the service's journal (resent after a restart), and the
         # incarnation last heard from: the restart protocol, shared with the combiner.
         self.outbox = Outbox(max_inflight, label=label, steps=not by_seq)
@@ -355,7 +354,7 @@ class Sender:
             issued = None
             if self.in_flight == 1 and self._send_lock.acquire(blocking=False):
                 try:
-                    self.outbox.sent(batch.seq if self._by_seq else batch.step, blob)
+                    self.outbox.sent(batch.step if self.outbox.steps else batch.seq, blob)
                     issued = self.service.issue(self.method, *self.args, blob,
                                                 self.outbox.epoch)
                 except Exception:  # noqa: BLE001  the thread delivers it, retrying
@@ -394,7 +393,7 @@ class Sender:
         with self._send_lock:
             try:
                 if issued is None:
-                    self.outbox.sent(batch.seq if self._by_seq else batch.step, blob)
+                    self.outbox.sent(batch.step if self.outbox.steps else batch.seq, blob)
                 return batch, self._exchange(blob, issued), None
             except BaseException as err:  # noqa: BLE001  handed to the caller
                 if is_refusal(err):
