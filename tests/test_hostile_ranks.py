@@ -450,24 +450,20 @@ def test_mutated_wire_batches_among_honest_ranks_are_merged_or_refused_clearly(f
 
     one()
 
-    def answered(chunk, one_by_one):
-        """The first hundred one call each (a refusal raised through Ray, as a rank sees
-        it), the rest a hundred a call (submit_many, what a combiner forwards: each merged
-        or refused as submit would, in order; the same verdicts at a fraction of the
-        calls)."""
-        if one_by_one:
-            for _, blob in chunk:
-                try:
-                    yield ray.get(handle.submit.remote(blob), timeout=30)
-                except BatchRejected as err:
-                    yield err
-        else:
-            yield from ray.get(handle.submit_many.remote([b for _, b in chunk]),
-                               timeout=60)["answers"]
+    def submitted(blob):
+        """One call (a refusal raised through Ray, as a rank sees it): its ack or refusal."""
+        try:
+            return ray.get(handle.submit.remote(blob), timeout=30)
+        except BatchRejected as err:
+            return err
 
+    # The first hundred one call each, the rest a hundred a call (submit_many, what a
+    # combiner forwards: each merged or refused as submit would, in order; the same
+    # verdicts at a fraction of the calls)
     for start in range(0, len(mutants), 100):
         chunk = mutants[start:start + 100]
-        answers = list(answered(chunk, one_by_one=start == 0))
+        answers = [submitted(blob) for _, blob in chunk] if start == 0 else ray.get(
+            handle.submit_many.remote([blob for _, blob in chunk]), timeout=60)["answers"]
         assert len(answers) == len(chunk)
         for (ops, _), answer in zip(chunk, answers):
             if isinstance(answer, BatchRejected):
