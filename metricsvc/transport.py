@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
@@ -416,8 +417,9 @@ class Sender:
         else:
             self._queue.append(item)
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, daemon=True,
-                                            name=f"metricsvc-{self.label}-sender")
+            self._thread = threading.Thread(
+                target=serve, args=(weakref.ref(self), self._work, self._queue),
+                daemon=True, name=f"metricsvc-{self.label}-sender")
             self._thread.start()
         self._work.notify()
 
@@ -449,20 +451,21 @@ class Sender:
             self.answers.append(answer)
             self._cv.notify_all()
 
-    def _loop(self) -> None:
-        """The sender thread: deliver queued batches one at a time, oldest first."""
-        while True:
-            with self._lock:
-                while not self._queue:
-                    if not self._work.wait(timeout=30.0) and not self._queue:
-                        self._thread = None  # idle: the next hand-over starts a new one
-                        return
-                    self.wakes += 1
-                item = self._queue[0]
-            answer = self._deliver(*item)
-            with self._lock:
-                self._queue.popleft()
-            self._answered(answer)
+    def idle(self) -> None:
+        """The sender thread ends (idle): the next hand-over starts a new one."""
+        with self._lock:
+            self._thread = None
+
+    def deliver_first(self, woke: bool) -> None:
+        """Deliver the oldest queued batch: the sender thread's work (``woke``: it waited
+        for it)."""
+        with self._lock:
+            self.wakes += woke
+            item = self._queue[0]
+        answer = self._deliver(*item)
+        with self._lock:
+            self._queue.popleft()
+        self._answered(answer)
 
     def read_answers(self, on_ack: Callable[[Ack, Batch], None],
                      handed_over: int | None = None) -> list[Ack]:
@@ -505,3 +508,31 @@ class Sender:
         finally:
             with self._lock:
                 self._waiting -= 1
+
+
+IDLE_S = 30.0  # a sender thread ends after this long without work
+
+
+def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) -> None:
+    """A sender thread: deliver ``sender``'s queued batches one at a time, oldest first.
+
+    Between deliveries it holds no Ray reference and not its sender (only a weak
+    reference): a thread other than the one in ``ray.shutdown()`` that frees a Ray
+    reference meanwhile ends the process (Ray: "The core worker has already been shutdown
+    ... The process will exit"). So a client is freed by whoever drops it, never by its
+    idle thread as it ends."""
+    while True:
+        with work:
+            woke = False
+            while not queue:
+                if not work.wait(timeout=IDLE_S) and not queue:
+                    live = sender()
+                    if live is not None:
+                        live.idle()
+                    return
+                woke = True
+        live = sender()
+        if live is None:
+            return
+        live.deliver_first(woke)
+        del live

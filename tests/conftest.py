@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import itertools
 import json
 import os
@@ -300,6 +301,10 @@ def ray_cluster(worker_id):
         configure_logging=False,
     )
     yield cluster
+    # Dead clients (their Ray references in reference cycles) are freed here, by this
+    # thread: one freed by another thread while ray.shutdown() runs ends the process
+    # (Ray's "The core worker has already been shutdown"; the worker then "crashed").
+    gc.collect()
     ray.shutdown()
     if shared:
         for node in list(cluster.worker_nodes):

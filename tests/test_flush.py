@@ -251,6 +251,42 @@ def test_a_flush_wakes_no_thread_when_the_answer_before_it_is_in(make_worker):
     assert [c.wait_final_res(s, 30)["x"] for s in (0, 3, 12)] == [0.0, 3.0, 12.0]
 
 
+def test_an_idle_sender_thread_holds_no_ray_reference_and_never_its_client(make_worker):
+    """A Ray reference that a thread other than the one shutting Ray down frees while
+    ``ray.shutdown()`` runs ends the process (Ray: "The core worker has already been
+    shutdown ... The process will exit"; a test worker died so at its session's end). An
+    idle sender thread holds none: not the last batch it delivered, and not its client,
+    which is freed by whoever drops it, never later by the thread ending (30 s idle)."""
+    import gc
+    import sys
+    import weakref
+
+    handle, cfg = make_worker(world_size=1)
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({"x": 0.0})
+    c.wait_submit()
+    with Paused(handle):  # an answer not in at the next flush: the thread waits for it
+        c.submit_metric({"x": 1.0})
+        c.flush()
+        c.submit_metric({"x": 2.0})
+        c.flush()
+    c.wait_acks(timeout_s=30)
+    thread, sender = c.sender._thread, weakref.ref(c.sender)
+    assert thread is not None and thread.is_alive()  # delivered step 2, idle now
+    held, frame = [], sys._current_frames()[thread.ident]
+    while frame is not None:
+        for value in frame.f_locals.values():
+            for item in value if isinstance(value, tuple) else (value,):
+                if isinstance(item, (ray.ObjectRef, ray.actor.ActorHandle, MetricClient,
+                                     type(c.sender))):
+                    held.append(f"{frame.f_code.co_name}: {type(item).__name__}")
+        frame = frame.f_back
+    assert held == []
+    del c
+    gc.collect()
+    assert sender() is None and thread.is_alive()
+
+
 @pytest.mark.slow
 def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_process(tmp_path):
     """A driver shuts Ray down while a flush waits on a service that answers nothing: the
