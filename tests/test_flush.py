@@ -288,7 +288,8 @@ def test_an_idle_sender_thread_holds_no_ray_reference_and_never_its_client(make_
 
 
 @pytest.mark.slow
-def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_process(tmp_path):
+def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_process(
+        tmp_path, joined_env):
     """A driver shuts Ray down while a flush waits on a service that answers nothing: the
     client's sender thread touches Ray no more (Ray would start a new local cluster for
     it, or end the process: a test worker died so after its session's ray.shutdown()), and
@@ -303,7 +304,7 @@ def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_pro
         import metricsvc
         from metricsvc.client import MetricClient
         from metricsvc.errors import ServiceUnavailable
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(log_to_driver=False)  # the session's cluster: only this driver shuts down
         w = metricsvc.start_metric_worker({{"name": "x", "world_size": 1,
             "sinks": {{"console": None}}, "run": {{"root": {str(tmp_path)!r}}}}})
         c = MetricClient(rank=0, world_size=1, name="x")
@@ -331,7 +332,7 @@ def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_pro
             print("REFUSED", str(err).splitlines()[0], flush=True)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=180, cwd=tmp_path)  # a Ray of its own (RAY_ADDRESS=local)
+                         timeout=180, cwd=tmp_path, env=joined_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert "RAY False 0" in out.stdout, out.stdout + out.stderr[-2000:]
     refused = next(line for line in out.stdout.splitlines() if line.startswith("REFUSED"))

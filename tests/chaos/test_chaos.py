@@ -46,7 +46,10 @@ def test_a_dead_rank_makes_later_steps_partial_within_the_timeout(make_worker):
     # the survivors are the session's rank processes (fresh clients); the victim its own
     ranks = [*pooled_ranks(cfg.name, world - 1, world_size=world),
              RankActor.remote(cfg.name, victim, world)]
-    ray.get([a.run.remote([], flush=False) for a in ranks])  # all started
+    # all started and each client connected: the service's lookup by name, which the
+    # first close would make, is no part of step 0 (a live rank once missed step 0's
+    # timer so, under load)
+    ray.get([a.run.remote([("connect", (), {})], flush=False) for a in ranks])
     alive = list(range(world))
     for step in range(steps):
         if step == 10:
