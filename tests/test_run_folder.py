@@ -4,7 +4,6 @@ tail, no leaked secret. Real faults on real files and a real local Ray cluster."
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -243,12 +242,12 @@ def test_a_client_of_an_actor_stopped_for_good_fails_at_once(ray_cluster, tmp_pa
 
 # -- secrets -------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_one_redaction_rule_hides_every_planted_secret_and_no_number(tmp_path):
+def test_one_redaction_rule_hides_every_planted_secret_and_no_number(tmp_path, joined_env):
     secret = "S3CRETpw-71c2"
     script = textwrap.dedent(f"""
         import json, subprocess, sys, ray, metricsvc
         from metricsvc.client import MetricClient
-        ray.init(num_cpus=1, include_dashboard=False)
+        ray.init()  # the session's cluster: its logs, every test's, are searched
         cfg = {{"name": "secret-places", "run": {{"root": {str(tmp_path)!r}, "trial": "t"}},
                "sinks": {{"console": {{"every": 1}},
                          "mlflow": {{"tracking_uri": "http://user:{secret}@127.0.0.1:9/x"}},
@@ -266,8 +265,12 @@ def test_one_redaction_rule_hides_every_planted_secret_and_no_number(tmp_path):
         print("HEALTH", json.dumps(health, default=str))
         print("SESSION", ray._private.worker._global_node.get_session_dir_path())
     """)
-    env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",  # nobody listens on port 9
-           "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    mlflow = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",  # nobody listens on port 9
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    env = joined_env()  # the actor's environment is the job's runtime environment's
+    job = json.loads(env["RAY_JOB_CONFIG_JSON_ENV_VAR"])
+    job["runtime_env"]["env_vars"].update(mlflow)
+    env.update(mlflow, RAY_JOB_CONFIG_JSON_ENV_VAR=json.dumps(job))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          cwd=ROOT, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
