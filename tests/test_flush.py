@@ -223,10 +223,9 @@ def test_log_with_a_step_records_and_closes_it_as_wandb_and_verl_do(make_worker)
         ranks[0].log({"x": 2.0}, step=-1)
 
 
-def test_a_flush_wakes_no_thread_when_the_answer_before_it_is_in(make_worker):
-    """A flush whose predecessor's answer is in by then reads it and makes its own call on
-    the caller's thread: no thread wakes. Only an answer still out (the actor busy) hands
-    the batch to the sender thread, which waits for it and delivers in step order."""
+def with_idle_sender(make_worker) -> MetricClient:
+    """A client of a fresh service whose sender thread delivered step 2 and is idle: step
+    1's answer was not in at step 2's flush (the actor paused), so the thread took over."""
     handle, cfg = make_worker(world_size=1)
     c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
     c.submit_metric({"x": 0.0})
@@ -237,6 +236,14 @@ def test_a_flush_wakes_no_thread_when_the_answer_before_it_is_in(make_worker):
         c.submit_metric({"x": 2.0})
         c.flush()
     c.wait_acks(timeout_s=30)
+    return c
+
+
+def test_a_flush_wakes_no_thread_when_the_answer_before_it_is_in(make_worker):
+    """A flush whose predecessor's answer is in by then reads it and makes its own call on
+    the caller's thread: no thread wakes. Only an answer still out (the actor busy) hands
+    the batch to the sender thread, which waits for it and delivers in step order."""
+    c = with_idle_sender(make_worker)
     assert c.sender._thread is not None  # started for step 1's answer, idle now
     woken = c.sender.wakes
     callers = calling_threads(c)
@@ -261,16 +268,7 @@ def test_an_idle_sender_thread_holds_no_ray_reference_and_never_its_client(make_
     import sys
     import weakref
 
-    handle, cfg = make_worker(world_size=1)
-    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
-    c.submit_metric({"x": 0.0})
-    c.wait_submit()
-    with Paused(handle):  # an answer not in at the next flush: the thread waits for it
-        c.submit_metric({"x": 1.0})
-        c.flush()
-        c.submit_metric({"x": 2.0})
-        c.flush()
-    c.wait_acks(timeout_s=30)
+    c = with_idle_sender(make_worker)
     thread, sender = c.sender._thread, weakref.ref(c.sender)
     assert thread is not None and thread.is_alive()  # delivered step 2, idle now
     held, frame = [], sys._current_frames()[thread.ident]
