@@ -416,6 +416,7 @@ class Sender:
             self._queue.appendleft(item)
         else:
             self._queue.append(item)
+        QUEUED.add(self)  # kept until its queue is delivered, whether the caller keeps it
         if self._thread is None:
             self._thread = threading.Thread(
                 target=serve, args=(weakref.ref(self), self._work, self._queue),
@@ -465,6 +466,8 @@ class Sender:
         answer = self._deliver(*item)
         with self._lock:
             self._queue.popleft()
+            if not self._queue:
+                QUEUED.discard(self)
         self._answered(answer)
 
     def read_answers(self, on_ack: Callable[[Ack, Batch], None],
@@ -511,27 +514,30 @@ class Sender:
 
 
 IDLE_S = 30.0  # a sender thread ends after this long without work
+QUEUED: set[Sender] = set()  # the senders whose threads have batches queued: kept alive
 
 
 def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) -> None:
     """A sender thread: deliver ``sender``'s queued batches one at a time, oldest first.
 
-    Between deliveries it holds no Ray reference and not its sender (only a weak
-    reference): a thread other than the one in ``ray.shutdown()`` that frees a Ray
+    A sender is kept (``QUEUED``) while batches are queued (a client dropped meanwhile
+    still has them delivered); the thread holds it only while it delivers, and idle holds
+    no Ray reference. A thread other than the one in ``ray.shutdown()`` that frees a Ray
     reference meanwhile ends the process (Ray: "The core worker has already been shutdown
-    ... The process will exit"). So a client is freed by whoever drops it, never by its
-    idle thread as it ends."""
+    ... The process will exit"): an idle thread that ends (``IDLE_S``) frees none, and a
+    client is freed by whoever drops it, or by its thread after the last queued batch,
+    never later."""
     while True:
         with work:
             woke = False
             while not queue:
                 if not work.wait(timeout=IDLE_S) and not queue:
-                    live = sender()
-                    if live is not None:
-                        live.idle()
+                    idle = sender()
+                    if idle is not None:
+                        idle.idle()
                     return
                 woke = True
-        live = sender()
+        live = sender()  # alive: kept in QUEUED while its queue holds batches
         if live is None:
             return
         live.deliver_first(woke)

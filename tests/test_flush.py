@@ -285,6 +285,25 @@ def test_an_idle_sender_thread_holds_no_ray_reference_and_never_its_client(make_
     assert sender() is None and thread.is_alive()
 
 
+def test_batches_handed_over_are_delivered_though_the_client_is_dropped_at_once(make_worker):
+    """``flush()`` does not wait: a client dropped right after (a function's local that
+    returns, say) still has every step it handed over delivered by its sender thread,
+    which lets the client go once nothing is queued."""
+    import gc
+
+    handle, cfg = make_worker(world_size=1)
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({"x": 0.0})
+    c.wait_submit()
+    with Paused(handle):  # steps 2 and 3 wait in the sender thread's queue
+        for step in (1, 2, 3):
+            c.submit_metric({"x": float(step)})
+            c.flush()
+        del c
+        gc.collect()
+    assert ray.get(handle.wait_final_res.remote(3, 30)) == {"x": 3.0}
+
+
 @pytest.mark.slow
 def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_process(
         tmp_path, joined_env):
