@@ -416,7 +416,7 @@ class Sender:
             self._queue.appendleft(item)
         else:
             self._queue.append(item)
-        QUEUED.add(self)  # kept until its queue is delivered, whether the caller keeps it
+        _queued.add(self)  # kept until its queue is delivered, whether the caller keeps it
         if self._thread is None:
             self._thread = threading.Thread(
                 target=serve, args=(weakref.ref(self), self._work, self._queue),
@@ -467,7 +467,7 @@ class Sender:
         with self._lock:
             self._queue.popleft()
             if not self._queue:
-                QUEUED.discard(self)
+                _queued.discard(self)
         self._answered(answer)
 
     def read_answers(self, on_ack: Callable[[Ack, Batch], None],
@@ -514,13 +514,13 @@ class Sender:
 
 
 IDLE_S = 30.0  # a sender thread ends after this long without work
-QUEUED: set[Sender] = set()  # the senders whose threads have batches queued: kept alive
+_queued: set[Sender] = set()  # the senders whose threads have batches queued: kept alive
 
 
 def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) -> None:
     """A sender thread: deliver ``sender``'s queued batches one at a time, oldest first.
 
-    A sender is kept (``QUEUED``) while batches are queued (a client dropped meanwhile
+    A sender is kept (``_queued``) while batches are queued (a client dropped meanwhile
     still has them delivered); the thread holds it only while it delivers, and idle holds
     no Ray reference. A thread other than the one in ``ray.shutdown()`` that frees a Ray
     reference meanwhile ends the process (Ray: "The core worker has already been shutdown
@@ -537,7 +537,7 @@ def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) 
                         idle.idle()
                     return
                 woke = True
-        live = sender()  # alive: kept in QUEUED while its queue holds batches
+        live = sender()  # alive: kept in _queued while its queue holds batches
         if live is None:
             return
         live.deliver_first(woke)
