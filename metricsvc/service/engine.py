@@ -454,8 +454,8 @@ class Engine:
         return self.streams.ledger.superseded(to_step, self.last_emitted)
 
     def rewind(self, to_step: int, totals: Mapping[str, Any] | None,
-               before: Iterable[tuple[int, Mapping[str, float]]] = (),
-               settled: dict[str, dict[str, int]] | None = None) -> int:
+               before: Iterable[tuple[int, Mapping[str, float]]],
+               settled: dict[str, dict[str, int]]) -> int:
         """Forget every step past ``to_step`` (published or pending): they will be recorded
         afresh, and what the superseded steps journaled once (declarations, descriptions) is
         journaled again with the rerun. ``totals``: the running sums as journaled with
@@ -463,7 +463,7 @@ class Engine:
         order, as far back as the alerts' windows reach; ``settled``: ``settled_by``, as
         journaled. Returns how many published steps were superseded."""
         superseded = self.published.forget_after(to_step)
-        self.streams.ledger.forget_after(to_step, settled or {})
+        self.streams.ledger.forget_after(to_step, settled)
         self.pending.forget_after(to_step)
         if self.last_emitted is not None and self.last_emitted > to_step:
             self.last_emitted = to_step if to_step >= 0 else None

@@ -516,8 +516,7 @@ class MetricWorkerImpl:
         the running totals from the last step at or before it, readers forget the superseded
         results, and every sink is given it in order with the steps around it."""
         settled = self.engine.settled_by(to_step)
-        self.sinks.rewind(Rewind(to_step, by, held, settled or None),
-                          self.writer)  # the journal first
+        self.sinks.rewind(Rewind(to_step, by, held, settled), self.writer)  # the journal first
         superseded = self.engine.rewind(to_step, self._totals_at(to_step),
                                         self._steps_through(to_step), settled)
         self.results.forget_after(to_step)
