@@ -1,7 +1,8 @@
 """Random mixes of what happens to a run, against a plain model of it (issue 35).
 
 Each run is flat or per node (the rank's batches through its node's combiner). Operations:
-close a step (``wait_submit``, or ``flush`` read back later), ``discard``, ``rewind``,
+close a step (``wait_submit``, or ``flush`` read back later), a client dropped with its
+flushes unanswered (a new one carries on), ``discard``, ``rewind``,
 SIGKILL of the actor (Ray restarts it), a crash and a new driver resuming the folder
 (``resume_from_step``, or ``run.resume`` alone), a crash between the journal's record
 of a rewind and the other sinks' turn, ``close`` then a resume,
@@ -147,6 +148,16 @@ class RunHistoryMachine(RuleBasedStateMachine):
                                  "m/max": max(pair)}
         self.next += 1
 
+    @rule(values=st.lists(VALUES, min_size=1, max_size=3))
+    def close_and_drop_the_client(self, values: list[float]) -> None:
+        """The rank closes steps with ``flush`` (no wait) and lets its client go at once,
+        carrying on with a new one: what the old one handed over is delivered all the
+        same."""
+        for value in values:
+            self.close_step(value, blocking=False)
+        self.client = self._client()
+        self.flushed = False
+
     @rule(value=VALUES)
     def discard(self, value: float) -> None:
         self.client.submit_metric({"x": value})
@@ -244,10 +255,11 @@ class RunHistoryMachine(RuleBasedStateMachine):
     @invariant()
     def readers_equal_the_model(self) -> None:
         self._settle()
-        # Every sink has written what was published (a first write opens its backend)
-        assert ray.get(self.handle.flush.remote(90), timeout=120), "a sink took over 90 s"
+        # Every step final (a dropped client's are delivered by its sender thread), then
+        # every sink has written what was published (a first write opens its backend)
         finals = {s: ray.get(self.handle.wait_final.remote(s, 30), timeout=60)
                   for s in self.model}
+        assert ray.get(self.handle.flush.remote(90), timeout=120), "a sink took over 90 s"
         _same({s: f["metrics"] for s, f in finals.items()}, self.model, 1e-9, "wait_final")
         # Where each min and max came from, the top samples, the NaN and the alerts,
         # through every restart, resend and rewind
