@@ -176,6 +176,24 @@ def test_no_module_imports_another_modules_private_name():
     assert not crossing, crossing
 
 
+def test_every_memo_of_a_function_is_bounded():
+    """A function whose results are kept by its arguments keeps a bounded number
+    (``functools.lru_cache(maxsize=N)``): a memo keyed by what users name (a prefix, a
+    metric's name) grows with every new name otherwise."""
+    import ast
+
+    found = []
+    for where, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for deco in node.decorator_list:
+                    text = ast.unparse(deco)
+                    if text in ("functools.cache", "cache") or (
+                            "lru_cache" in text and ("maxsize" not in text or "None" in text)):
+                        found.append(f"{where}:{node.lineno}: @{text} {node.name}")
+    assert not found, found
+
+
 def test_no_object_assigns_another_objects_attributes():
     """An object's fields are written by its own methods (``self.x = ...``) and nowhere
     else: a part that sets another part's fields (``agg.world.size = ...``,

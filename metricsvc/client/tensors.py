@@ -61,7 +61,7 @@ def check_mask(key: str, mask_shape: Any, is_bool: bool, shape: Any, dtype: Any)
             f"expected mask of shape {tuple(shape)} for key {key!r}, got {tuple(mask_shape)}")
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1)  # of the one torch a process imports
 def real_dtypes(torch: Any) -> frozenset:
     """The torch dtypes a value may have."""
     return frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -69,8 +69,7 @@ def real_dtypes(torch: Any) -> frozenset:
                       torch.bool})
 
 
-@functools.cache
-@functools.cache
+@functools.lru_cache(maxsize=1)
 def numpy_dtypes(torch: Any) -> frozenset:
     """The torch dtypes ``Tensor.numpy()`` can view (numpy has no bfloat16)."""
     return frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,

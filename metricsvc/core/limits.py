@@ -1,4 +1,4 @@
-"""The limits and defaults more than one part reads, each written once, and the one cache
+"""The limits and defaults more than one part reads, each written once, and the one table
 type of what ranks send again every step. A leaf module: it imports nothing."""
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ LIMITS = Limits()  # the defaults
 
 
 class Recent(dict):
-    """A dict of at most ``capacity`` entries that forgets the oldest first: every cache of
-    what ranks send again each step (key tuples, their checks, plans) is one of these."""
+    """A dict of at most ``capacity`` entries that forgets the oldest first: every table a
+    part keeps of what ranks send again each step (key tuples, their checks, plans) is one
+    of these. (A pure function's results are kept by ``functools.lru_cache`` with a
+    ``maxsize``: its hits never enter Python.)"""
 
     __slots__ = ("capacity",)
 

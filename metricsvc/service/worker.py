@@ -585,7 +585,7 @@ def resume_report(from_step: int, journal_through: int | None) -> dict[str, Any]
 _DEFAULTS = ServiceConfig()
 
 
-@functools.cache
+@functools.lru_cache(maxsize=16)
 def actor_class(max_readers: int = _DEFAULTS.max_readers) -> Any:
     """Return the Ray actor class whose ``readers`` group has ``max_readers`` threads (Ray
     fixes concurrency groups with the class, not in ``.options``)."""

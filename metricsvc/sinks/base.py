@@ -208,7 +208,7 @@ def build_sinks(sinks_config: Any, registry: SinkRegistry | None = None, *,
 
 
 # -- the config section every built-in sink's registration makes -------------------------
-@functools.cache
+@functools.lru_cache(maxsize=1)  # the package's own modules
 def builtins() -> dict[str, Builtin]:
     """Every built-in sink, by name, in its order: each module of ``metricsvc.sinks`` that
     is a sink declares ``BUILTIN`` (adding a sink is adding its module)."""

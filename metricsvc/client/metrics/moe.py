@@ -11,7 +11,7 @@ from metricsvc.core.declare import Derived, Metric
 from metricsvc.core.reduce import ReduceType
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # by prefix: a run has a few
 def moe_balance(prefix: str) -> tuple[Derived, ...]:
     """Per expert ``…/load_percent`` (its share of the layer's tokens, summed over ranks)
     and per layer ``…/max_over_ideal`` (the busiest expert over the mean); an empty layer

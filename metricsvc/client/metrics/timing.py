@@ -35,7 +35,7 @@ PER_TOKEN_MS = Derived(
     help="milliseconds of a stage per token, over every rank", unit="ms")
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # by name: a run has a few
 def train_perf(name: str) -> tuple[Derived, ...]:
     """AReaL's ``<name>/*`` rates and running totals over ``<name>/tokens`` (SUM) and
     ``<name>/seconds`` (MAX)."""
@@ -53,7 +53,7 @@ def train_perf(name: str) -> tuple[Derived, ...]:
     )
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def train_perf_flops(name: str) -> tuple[Derived, ...]:
     """AReaL's ``<name>/estimated_flops*`` rates over ``<name>/estimated_flops`` (SUM) and
     ``<name>/seconds`` (MAX): cluster rates, not per GPU."""
