@@ -356,3 +356,54 @@ def test_a_table_holds_a_row_per_binding_in_number_order_and_says_what_it_cut():
     assert {n for n in metrics if carried(n)} == {
         n for n in metrics if n.endswith(("/tokens", "/share"))}
     assert tables.of({"loss": 1.0}) == {}
+
+
+def test_a_resend_of_an_old_step_is_told_apart_by_the_journals_meta():
+    """Published steps keep their batches' digests for the recent 64 steps and their ranks
+    for ``remember_steps``; an older step's are read back from the journal's meta (here its
+    JSON round trip): a byte-identical resend is a duplicate, other bytes under the same
+    identity a conflict, and a rank the step was published without is late, however old."""
+    import json
+
+    from metricsvc.core.wire import encode
+    from metricsvc.service.engine import DIGEST_STEPS
+
+    journal: dict[int, dict] = {}
+    read = []
+
+    def meta_of(step):
+        read.append(step)
+        return journal.get(step)
+
+    agg = Aggregator(remember_steps=80, journaled_meta=meta_of)
+    sent = {}
+    for step in range(100):
+        for rank in (0, 1):
+            sent[step, rank] = encode(batch(step, rank, x=float(step + rank)))
+            for result in agg.submit(sent[step, rank]).finished:
+                journal[result.step] = json.loads(json.dumps(result.meta))
+    assert sorted(journal) == list(range(100))
+    newest_digests = 100 - DIGEST_STEPS
+
+    def resend(step, rank, data=None):
+        return agg.submit(sent[step, rank] if data is None else encode(data)).status
+
+    for step in (99, newest_digests, newest_digests - 1, 20, 19, 0):  # memory, then journal
+        read.clear()
+        assert resend(step, 0) == "duplicate", step
+        assert bool(read) == (step < newest_digests), step
+        with pytest.raises(BatchRejected, match=f"step {step}: conflict: rank 1 seq "
+                                                f"{step * 100 + 1} was already received"):
+            resend(step, 1, batch(step, 1, x=-1.0))
+    journal[5]["ranks"] = [0]  # step 5 published without rank 1 (a straggler timeout)
+    assert resend(5, 1) == "late"
+    assert agg.counts["duplicate"] == 6 and agg.counts["late"] == 1
+
+    forgetful = Aggregator(remember_steps=80)  # no journal: an old step is not provable
+    for step in range(100):
+        forgetful.submit(sent[step, 0])
+        forgetful.submit(sent[step, 1])
+    assert forgetful.submit(sent[90, 0]).status == "duplicate"
+    with pytest.raises(BatchRejected, match="step 30: conflict.*comes after the rank"):
+        forgetful.submit(sent[30, 0])  # its ranks kept, its digests not: never merged twice
+    assert forgetful.submit(sent[5, 0]).status == "late"  # forgotten whole: journaled as late
