@@ -7,6 +7,7 @@ import ray
 
 import metricsvc
 from metricsvc.client import MetricClient, StepMismatch
+from tests.helpers import KEYS, STEPS, Rank
 
 
 def closer(name):
@@ -71,41 +72,6 @@ def test_a_timed_out_close_is_closed_once_the_loop_names_the_next_step(make_work
     c.wait_acks(timeout_s=60)
     assert metricsvc.final_result(handle, 0, 30)["x/mean"] == 2.0
     assert metricsvc.final_result(handle, 1, 30)["x/mean"] == 5.0
-
-# -- a rank's calls against a plain model of which records belong to which step ----------
-KEYS = ("a", "b", "c/sum")  # two stat(reduce="sum") keys and a plain one (a sum by its name)
-STEPS = (None, -2, -1, 0, 1, 2)  # a close names no step, or one relative to the open step
-
-
-class Rank:
-    """The model: the open step, the last closed, whether the open step is the caller's
-    (False after a discard or a refused close: the next step named is taken), the sums
-    recorded since the last close, and what each closed step holds."""
-
-    def __init__(self, start: int) -> None:
-        self.open, self.last_closed, self.known = start, None, True
-        self.pending: dict[str, int] = {}
-        self.published: dict[int, dict[str, int]] = {}
-
-    def name(self, step: int) -> bool:
-        """Move to ``step``; True if the close is refused (its records then dropped)."""
-        if step == self.open:
-            return False
-        if (self.last_closed is not None and step <= self.last_closed) or (
-                self.known and self.pending):
-            self.pending, self.known = {}, False
-            return True
-        self.open = step
-        return False
-
-    def record(self, key: str, value: int) -> None:
-        self.pending[key] = self.pending.get(key, 0) + value
-
-    def close(self) -> None:
-        self.published[self.open] = dict(self.pending)
-        self.last_closed, self.open, self.known, self.pending = self.open, self.open + 1, \
-            True, {}
-
 
 def test_every_published_step_holds_exactly_what_was_recorded_for_it(make_worker):
     from hypothesis import HealthCheck, settings

@@ -1,6 +1,6 @@
 """A rank's step cursor and the engine, without Ray: every close a training loop can make
 (naming no step, the open one, one behind or ahead), discards after a failed step, and a
-plain model of which records belong to which step (``test_closes.Rank``). The cursor's
+plain model of which records belong to which step (``helpers.Rank``). The cursor's
 batches go through the wire's bytes into the engine, as they reach the service; the Ray
 twin of this model is ``test_closes.test_every_published_step_holds_exactly_what_was_
 recorded_for_it``."""
@@ -16,7 +16,7 @@ from metricsvc.client.buffer import RecordBuffer, StepCursor
 from metricsvc.core.reduce import AUTO, ReduceType
 from metricsvc.core.wire import encode
 from metricsvc.service.engine import Engine
-from tests.test_closes import KEYS, STEPS, Rank
+from tests.helpers import KEYS, STEPS, Rank
 
 CALLERS = ("wait_submit", "flush", "log")
 
