@@ -1,4 +1,5 @@
-"""Test helpers: a DAG-worker actor that drives a MetricClient inside Ray."""
+"""Test helpers: a DAG-worker actor that drives a MetricClient inside Ray, the models and
+builders tests share, and a service's merge without Ray (``LocalService``)."""
 
 from __future__ import annotations
 
@@ -261,3 +262,39 @@ class Rank:
         self.published[self.open] = dict(self.pending)
         self.last_closed, self.open, self.known, self.pending = self.open, self.open + 1, \
             True, {}
+
+
+# -- a service's merge without Ray ---------------------------------------------------------
+class LocalService:
+    """What a MetricWorker of this config merges, without Ray: the engine the actor builds
+    from it (``Config.merge_options``), fed each rank's closed step as the wire's bytes, as
+    the actor's intake is. For tests of what ranks record and how it merges; what needs
+    the actor (delivery, acks, refusals reaching the rank, sinks) is tested through it."""
+
+    def __init__(self, **config: Any) -> None:
+        import metricsvc
+        from metricsvc.service.engine import Engine
+
+        self.engine = Engine(**metricsvc.load_config({"name": "local", **config})
+                             .merge_options())
+        self.results: dict[int, dict[str, Any]] = {}
+
+    @staticmethod
+    def clients(world_size: int, **kwargs: Any) -> list[MetricClient]:
+        """One client per rank, never contacting a service (their closes go to ``close``)."""
+        return [MetricClient(None, rank=r, world_size=world_size, name="never-contacted",
+                             **kwargs) for r in range(world_size)]
+
+    def close(self, *clients: MetricClient, step: int | None = None) -> None:
+        """Close each client's open step (as ``wait_submit(step=)`` does) and merge it."""
+        from metricsvc.core.wire import encode
+
+        for client in clients:
+            batch = client.cursor.close(step, "wait_submit")
+            for result in self.engine.submit(encode(batch)).finished:
+                self.results[result.step] = {"step": result.step, "metrics": result.metrics,
+                                             "meta": result.meta}
+
+    def final(self, step: int = 0) -> dict[str, Any]:
+        """The finished step, as the actor's ``wait_final`` returns it."""
+        return self.results[step]

@@ -23,7 +23,7 @@ from metricsvc.core.wire import Batch, decode, encode
 from metricsvc.core.wire import check as check_batch
 from metricsvc.errors import BatchRejected
 from metricsvc.sinks.console import format_step
-from tests.helpers import located_of
+from tests.helpers import LocalService, located_of
 from tests.synccount import HostTransferCounter
 
 WORLD = 4
@@ -145,9 +145,9 @@ def _value_at(data, key, where):
     return float(v.reshape(v.shape[0], -1)[where["row"], where["col"]])
 
 
-def test_without_ids_the_rank_is_named_and_a_kind_without_extremes_refuses_ids(make_worker):
-    handle, cfg = make_worker()
-    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+def test_without_ids_the_rank_is_named_and_a_kind_without_extremes_refuses_ids():
+    service = LocalService()
+    clients = service.clients(2)
     for r, c in enumerate(clients):
         c.stat(loss=torch.tensor([1.0, 5.0 - r, 2.0]))
         with pytest.raises(ValueError, match=r"ids=\) for key 'loss2'.*AVG exports neither"):
@@ -156,9 +156,8 @@ def test_without_ids_the_rank_is_named_and_a_kind_without_extremes_refuses_ids(m
             c.stat(ids=torch.arange(2), loss3=torch.ones(3))
         with pytest.raises(TypeError, match=r"ids for key 'loss4' must be numbers"):
             c.stat(ids=["a", "b", "c"], loss4=torch.ones(3))
-    for c in clients:
-        c.wait_submit(timeout_s=60)
-    meta = ray.get(handle.wait_final.remote(step=0, timeout_s=60))["meta"]
+    service.close(*clients)
+    meta = service.final()["meta"]
     assert meta["extremes"]["loss/max"] == {"rank": 0}
     assert meta["extremes"]["loss/min"] == {"rank": 0}  # a tie (1.0 on both): rank 0
 

@@ -12,7 +12,7 @@ import torch
 from metricsvc.client import MetricClient, StepAlreadyFinal, StepMismatch
 from metricsvc.core.records import summarize_array
 from metricsvc.storage.journal import read_journal
-from tests.helpers import rows_of
+from tests.helpers import LocalService, rows_of
 
 
 def client(cfg, rank=0, world_size=1, **kwargs):
@@ -38,14 +38,14 @@ def test_a_value_that_does_not_fit_its_mask_is_refused_naming_key_and_shapes():
                        torch.ones(4, dtype=torch.bool))
 
 
-def test_areal_denominators_of_two_shapes_in_one_call_count_exactly(make_worker):
-    handle, cfg = make_worker()
-    c = client(cfg)
+def test_areal_denominators_of_two_shapes_in_one_call_count_exactly():
+    service = LocalService()
+    (c,) = service.clients(1)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     c.denominator(n_seqs=torch.ones(2, dtype=torch.bool), n_tokens=mask)
     c.stat(denominator="n_tokens", loss=torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]]))
-    c.wait_submit()
-    assert ray.get(handle.wait_final_res.remote(0, 10)) == {
+    service.close(c)
+    assert service.final()["metrics"] == {
         "n_seqs": 2.0, "n_tokens": 3.0, "loss/mean": 2.0, "loss/min": 1.0, "loss/max": 3.0}
 
 
@@ -73,19 +73,19 @@ def test_a_failed_step_is_never_merged_into_the_step_the_caller_names(make_worke
         lost.wait_submit(step=1)
 
 
-def test_the_readme_pattern_discards_a_failed_step_and_keeps_the_next_exact(make_worker):
-    handle, cfg = make_worker(world_size=1)
-    c = client(cfg)
+def test_the_readme_pattern_discards_a_failed_step_and_keeps_the_next_exact():
+    service = LocalService(world_size=1)
+    (c,) = service.clients(1)
     for step in range(3):
         try:
             c.stat(x=np.array([float(step), 10.0 * step]))
             if step == 1:
                 raise RuntimeError("one bad batch")
-            c.wait_submit(step=step)
+            service.close(c, step=step)  # wait_submit(step=step)
         except RuntimeError:
             c.discard()
-    assert ray.get(handle.wait_final_res.remote(2, 10)) == {"x/mean": 11.0, "x/min": 2.0,
-                                                             "x/max": 20.0}
+    assert sorted(service.results) == [0, 2]
+    assert service.final(2)["metrics"] == {"x/mean": 11.0, "x/min": 2.0, "x/max": 20.0}
 
 
 def test_a_rank_that_joins_late_is_told_which_step_is_open(make_worker):
@@ -109,31 +109,29 @@ def test_a_rank_that_joins_late_is_told_which_step_is_open(make_worker):
 
 
 # -- 3. one exported name, one source ------------------------------------------------------
-def test_a_plain_key_that_another_key_of_the_step_exports_is_refused(make_worker):
-    handle, cfg = make_worker()
-    c = client(cfg)
+def test_a_plain_key_that_another_key_of_the_step_exports_is_refused():
+    service = LocalService()
+    (c,) = service.clients(1)
     c.stat(loss=torch.tensor([1.0, 3.0]))
     with pytest.raises(ValueError, match="key 'loss/mean' .* would export 'loss/mean', which key "
                                          "'loss' already exports in step 0"):
         c.submit_metric({"loss/mean": 100.0})
     with pytest.raises(ValueError, match="'eval/pass_1', which key 'eval/pass@1'"):
         c.submit_metric({"eval/pass@1": 0.5, "eval/pass_1": 0.7})  # one TensorBoard tag
-    c.wait_submit()
-    assert ray.get(handle.wait_final_res.remote(0, 10)) == {"loss/mean": 2.0, "loss/min": 1.0,
-                                                             "loss/max": 3.0}
+    service.close(c)
+    assert service.final()["metrics"] == {"loss/mean": 2.0, "loss/min": 1.0, "loss/max": 3.0}
 
 
-def test_a_collision_only_the_service_sees_is_reported_never_overwritten(make_worker):
-    handle, cfg = make_worker(world_size=2)
-    a, b = client(cfg, 0, 2), client(cfg, 1, 2)
+def test_a_collision_only_the_service_sees_is_reported_never_overwritten():
+    service = LocalService(world_size=2)
+    a, b = service.clients(2)
     a.stat(loss=torch.tensor([1.0, 3.0]))
-    a.wait_submit()
     b.submit_metric({"loss/mean": 100.0})
-    b.wait_submit()
-    result = ray.get(handle.wait_final.remote(0, 10))
+    service.close(a, b)
+    result = service.final()
     assert result["meta"]["collisions"] == {"loss/mean": ["loss", "loss/mean"]}
     assert result["metrics"]["loss/mean"] == 2.0  # the first source kept, not overwritten
-    assert ray.get(handle.health.remote())["steps_with_collisions"] == 1
+    assert service.engine.health()["steps_with_collisions"] == 1
 
 
 @pytest.mark.parametrize(("call", "message"), [

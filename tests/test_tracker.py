@@ -1,4 +1,7 @@
-"""The AReaL-style tracker API on MetricClient, end to end through a real MetricWorker."""
+"""The AReaL-style tracker API on MetricClient: end to end through a real MetricWorker where
+the actor is the subject (the calls' meaning as a user sees it, a refusal reaching the rank,
+one host copy per flush), merged by the service's engine without Ray (``LocalService``)
+where what ranks record and how it merges is."""
 
 import asyncio
 import math
@@ -12,6 +15,7 @@ import torch
 from metricsvc import ReduceType as ServiceReduceType
 from metricsvc.client import MetricClient, ReduceType
 from metricsvc.client.tensors import accelerator_path_on_cpu
+from tests.helpers import LocalService
 from tests.synccount import HostTransferCounter
 
 
@@ -52,21 +56,21 @@ def test_areal_calls_move_over_with_renames_only(make_worker):
     }
 
 
-def test_denominator_is_found_from_inner_scopes_and_forgotten_after_the_step(make_worker):
-    handle, cfg = make_worker()
-    (c,) = clients_for(cfg, 1)
+def test_denominator_is_found_from_inner_scopes_and_forgotten_after_the_step():
+    service = LocalService()
+    (c,) = service.clients(1)
     c.denominator(valid=np.array([True, False]))
     with c.scope("inner"):
         c.stat(x=np.array([4.0, 100.0]), denominator="valid")
-    c.wait_submit()
-    assert final(handle)["metrics"]["inner/x/mean"] == 4.0
+    service.close(c)
+    assert service.final()["metrics"]["inner/x/mean"] == 4.0
     with pytest.raises(ValueError, match="unknown denominator 'valid' for key 'x'"):
         c.stat(x=np.array([1.0, 2.0]), denominator="valid")
 
 
-def test_scope_works_as_a_decorator_and_named_trackers_prefix_keys(make_worker):
-    handle, cfg = make_worker()
-    (c,) = clients_for(cfg, 1)
+def test_scope_works_as_a_decorator_and_named_trackers_prefix_keys():
+    service = LocalService()
+    (c,) = service.clients(1)
 
     @c.scope("eval")
     def evaluate():
@@ -79,16 +83,16 @@ def test_scope_works_as_a_decorator_and_named_trackers_prefix_keys(make_worker):
     with rollout.scope("env"):
         rollout.stat(steps=np.array([3.0, 5.0]))
     rollout.get("inner").scalar(x=1.0)
-    c.wait_submit()
-    assert final(handle)["metrics"] == {
+    service.close(c)
+    assert service.final()["metrics"] == {
         "eval/acc": 0.5, "rollout/reward": 0.8, "rollout/env/steps/mean": 4.0,
         "rollout/env/steps/min": 3.0, "rollout/env/steps/max": 5.0, "rollout/inner/x": 1.0,
     }
 
 
-def test_concurrent_coroutines_never_mislabel_each_others_keys(make_worker):
-    handle, cfg = make_worker()
-    (c,) = clients_for(cfg, 1)
+def test_concurrent_coroutines_never_mislabel_each_others_keys():
+    service = LocalService()
+    (c,) = service.clients(1)
     rollout = c.get("rollout")
 
     async def episode(name, value):
@@ -101,20 +105,19 @@ def test_concurrent_coroutines_never_mislabel_each_others_keys(make_worker):
         await asyncio.gather(episode("a", 1.0), episode("b", 2.0))
 
     asyncio.run(both())
-    c.wait_submit()
-    assert final(handle)["metrics"] == {"rollout/a/reward": 1.0, "rollout/b/reward": 2.0}
+    service.close(c)
+    assert service.final()["metrics"] == {"rollout/a/reward": 1.0, "rollout/b/reward": 2.0}
 
 
-def test_record_timing_takes_the_slowest_rank(make_worker):
-    handle, cfg = make_worker()
-    fast, slow = clients_for(cfg, 2)
+def test_record_timing_takes_the_slowest_rank():
+    service = LocalService()
+    fast, slow = service.clients(2)
     with slow.record_timing("gen"):
         time.sleep(0.05)
     with fast.record_timing("gen"):
         pass
-    fast.wait_submit()
-    slow.wait_submit()
-    assert final(handle)["metrics"]["timing_s/gen"] >= 0.05
+    service.close(fast, slow)
+    assert service.final()["metrics"]["timing_s/gen"] >= 0.05
 
 
 @pytest.mark.parametrize(
@@ -146,69 +149,68 @@ def test_tracker_errors_name_the_key(ray_cluster, call, error, message):
     assert c.rpc_count == 0
 
 
-def test_empty_populations_omit_all_but_sums_and_denominators(make_worker):
-    handle, cfg = make_worker()
-    (c,) = clients_for(cfg, 1)
+def test_empty_populations_omit_all_but_sums_and_denominators():
+    service = LocalService()
+    (c,) = service.clients(1)
     none = torch.zeros(4, dtype=torch.bool)
     x = torch.arange(4.0)
     c.denominator(nothing=none)
     for kind in ("AVG", "MIN", "MAX", "AVG_MIN_MAX", "STD", "QUANTILES", "SUM"):
         c.stat(reduce=kind, denominator="nothing", **{kind.lower(): x})
-    c.wait_submit()
-    assert final(handle)["metrics"] == {"nothing": 0.0, "sum": 0.0}
+    service.close(c)
+    assert service.final()["metrics"] == {"nothing": 0.0, "sum": 0.0}
 
 
-def test_scalar_mismatch_across_ranks_is_reported(make_worker):
-    handle, cfg = make_worker()
-    for c, lr in zip(clients_for(cfg, 2), (1e-5, 2e-5)):
+def test_scalar_mismatch_across_ranks_is_reported():
+    service = LocalService()
+    for c, lr in zip(service.clients(2), (1e-5, 2e-5)):
         c.scalar(lr=lr, same=3.0)
-        c.wait_submit()
-    out = final(handle)
+        service.close(c)
+    out = service.final()
     assert out["meta"]["scalar_mismatch"] == ["lr"]
 
 
-def test_nonfinite_can_be_propagated_instead_of_excluded(make_worker):
-    handle, cfg = make_worker(output={"nonfinite": "propagate"})
-    (c,) = clients_for(cfg, 1)
+def test_nonfinite_can_be_propagated_instead_of_excluded():
+    service = LocalService(output={"nonfinite": "propagate"})
+    (c,) = service.clients(1)
     c.stat(bad=torch.tensor([1.0, float("nan")]), good=torch.tensor([1.0, 3.0]))
-    c.wait_submit()
-    metrics = final(handle)["metrics"]
+    service.close(c)
+    metrics = service.final()["metrics"]
     assert all(math.isnan(metrics[f"bad/{s}"]) for s in ("mean", "min", "max"))
     assert metrics["good/mean"] == 2.0
 
 
-def test_weighted_mean_counts_each_value_by_its_weight(make_worker):
-    handle, cfg = make_worker()
-    a, b = clients_for(cfg, 2)
+def test_weighted_mean_counts_each_value_by_its_weight():
+    service = LocalService()
+    a, b = service.clients(2)
     a.weighted_mean("reward", 1.0, 3)
     b.weighted_mean("reward", 5.0, 1)
-    a.wait_submit()
-    b.wait_submit()
-    assert final(handle)["metrics"] == {"reward": 2.0}
+    service.close(a, b)
+    assert service.final()["metrics"] == {"reward": 2.0}
     with pytest.raises(ValueError, match="weight for key 'reward' must be >= 0"):
         a.weighted_mean("reward", 1.0, -1)
 
 
-def test_std_is_exact_against_numpy_on_the_concatenated_data(make_worker):
-    handle, cfg = make_worker()
+def test_std_is_exact_against_numpy_on_the_concatenated_data():
+    service = LocalService()
     rng = np.random.default_rng(3)
     parts = [rng.normal(5.0, 2.0, size=n).astype(np.float32) for n in (3, 50, 1000, 7)]
     masks = [rng.random(p.shape) < 0.7 for p in parts]
-    for c, p, m in zip(clients_for(cfg, 4), parts, masks):
+    for c, p, m in zip(service.clients(4), parts, masks):
         c.stat(mask=torch.from_numpy(m), reduce=ReduceType.STD, x=torch.from_numpy(p))
-        c.wait_submit()
+        service.close(c)
     whole = np.concatenate([p[m] for p, m in zip(parts, masks)]).astype(np.float64)
-    assert final(handle)["metrics"]["x/std"] == pytest.approx(whole.std(), rel=1e-12)
+    assert service.final()["metrics"]["x/std"] == pytest.approx(whole.std(), rel=1e-12)
 
 
-def test_quantiles_through_the_service_with_a_configured_list(make_worker):
-    handle, cfg = make_worker(output={"quantiles": [0.1, 0.5, 0.999]})
+def test_quantiles_through_the_service_with_a_configured_list():
+    service = LocalService(output={"quantiles": [0.1, 0.5, 0.999]})
     rng = np.random.default_rng(5)
     data = [rng.lognormal(0, 1, size=n) for n in (100, 2000, 37)]
-    for c, d in zip(clients_for(cfg, 3), data):
+    for c, d in zip(service.clients(3), data):
         c.stat(reduce=ReduceType.QUANTILES, lat=torch.from_numpy(d))
-        c.wait_submit()
-    out = final(handle)["metrics"]
+        service.close(c)
+    out = service.final()["metrics"]
     whole = np.concatenate(data)
     assert set(out) == {"lat/p10", "lat/p50", "lat/p99.9"}
     for q, name in ((0.1, "p10"), (0.5, "p50"), (0.999, "p99.9")):

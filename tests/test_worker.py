@@ -1,4 +1,5 @@
-"""End to end on a real local Ray: MetricWorker actor + MetricClients, results read back."""
+"""End to end on a real local Ray: MetricWorker actor + MetricClients, results read back;
+how siiRL's keys merge (its pitfalls) on the service's engine without Ray."""
 
 import json
 import math
@@ -16,7 +17,7 @@ from metricsvc.client import MetricClient, ReduceType
 from metricsvc.client.tensors import accelerator_path_on_cpu
 from metricsvc.core.records import scalar_row
 from metricsvc.core.wire import Batch
-from tests.helpers import pooled_ranks, random_rank_data, until_named
+from tests.helpers import LocalService, pooled_ranks, random_rank_data, until_named
 from tests.synccount import HostTransferCounter
 
 
@@ -117,45 +118,46 @@ def test_one_message_and_one_host_copy_per_rank_per_step_at_any_key_count(make_w
     assert len(ray.get(handle.wait_final_res.remote(steps - 1, 10))) == 300 * 3 + 300
 
 
-def test_siirl_pitfall_minerva_key_is_a_mean_not_a_min(make_worker):
-    handle, cfg = make_worker()
-    for c, v in zip(clients_for(cfg, 2), (0.2, 0.8)):
+# -- siiRL's pitfalls: how its users' keys merge (the service's engine, without Ray) ---------
+def test_siirl_pitfall_minerva_key_is_a_mean_not_a_min():
+    service = LocalService()
+    for c, v in zip(service.clients(2), (0.2, 0.8)):
         c.submit_metric({"val-core/minerva_math/acc/mean": v})
-        c.wait_submit()
-    assert ray.get(handle.wait_final_res.remote(0, 10)) == {
+        service.close(c)
+    assert service.final()["metrics"] == {
         "val-core/minerva_math/acc/mean": pytest.approx(0.5)}
 
 
-def test_siirl_pitfall_total_and_sum_keys_add_across_ranks(make_worker):
-    handle, cfg = make_worker()
-    for c in clients_for(cfg, 3):
+def test_siirl_pitfall_total_and_sum_keys_add_across_ranks():
+    service = LocalService()
+    for c in service.clients(3):
         c.submit_metric({"tokens/total": 100, "reward/sum": 1.5, "perf/total_num_tokens": 7})
-        c.wait_submit()
+        service.close(c)
     # perf/total_num_tokens is a sum wherever siiRL and verl write it, whatever the preset
-    assert ray.get(handle.wait_final_res.remote(0, 10)) == {
+    assert service.final()["metrics"] == {
         "tokens/total": 300.0, "reward/sum": 4.5, "perf/total_num_tokens": 21.0}
 
 
-def test_siirl_pitfall_numpy_ints_are_not_truncated(make_worker):
-    handle, cfg = make_worker()
-    for c, v in zip(clients_for(cfg, 2), (np.int64(3), np.int32(4))):
+def test_siirl_pitfall_numpy_ints_are_not_truncated():
+    service = LocalService()
+    for c, v in zip(service.clients(2), (np.int64(3), np.int32(4))):
         c.submit_metric({"num_turns/mean": v, "big/max": np.int64(2**40 + 1)})
-        c.wait_submit()
-    out = ray.get(handle.wait_final_res.remote(0, 10))
+        service.close(c)
+    out = service.final()["metrics"]
     assert out == {"num_turns/mean": 3.5, "big/max": float(2**40 + 1)}
 
 
-def test_siirl_pitfall_nan_is_counted_and_excluded_whatever_the_arrival_order(make_worker):
+def test_siirl_pitfall_nan_is_counted_and_excluded_whatever_the_arrival_order():
     results = []
     for order in ((0, 1), (1, 0)):
-        handle, cfg = make_worker()
-        clients = clients_for(cfg, 2)
+        service = LocalService()
+        clients = service.clients(2)
         values = {0: np.array([1.0, np.nan]), 1: np.array([np.inf, 5.0])}
         for r in order:
             clients[r].stat(x=values[r])
             clients[r].submit_metric({"loss": float("nan") if r == 0 else 2.0})
-            clients[r].wait_submit()
-        results.append(ray.get(handle.wait_final.remote(0, 10)))
+            service.close(clients[r])
+        results.append(service.final())
     assert results[0]["metrics"] == results[1]["metrics"] == {
         "x/mean": 3.0, "x/min": 1.0, "x/max": 5.0, "loss": 2.0}
     assert results[0]["meta"]["nonfinite"] == {"x": 2, "loss": 1}
@@ -391,14 +393,13 @@ def test_close_is_idempotent_and_writes_the_config_dump(make_worker):
     assert metricsvc.load_config(dumped).name == cfg.name
 
 
-def test_std_from_driver_side_values_is_exact_for_large_offsets(make_worker):
-    handle, cfg = make_worker()
-    clients = clients_for(cfg, 2)
+def test_std_from_driver_side_values_is_exact_for_large_offsets():
+    service = LocalService()
     parts = [np.array([1000.0, 1001.0, 1002.0]), np.array([1003.0])]
-    for c, p in zip(clients, parts):
+    for c, p in zip(service.clients(2), parts):
         c.stat(reduce="std", lat=p)
-        c.wait_submit()
-    got = ray.get(handle.wait_final_res.remote(0, 10))["lat/std"]
+        service.close(c)
+    got = service.final()["metrics"]["lat/std"]
     assert math.isclose(got, np.concatenate(parts).std(), rel_tol=1e-9)
 
 
