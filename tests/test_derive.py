@@ -239,31 +239,28 @@ def test_a_declaration_means_the_same_whoever_arrives_first_and_the_loser_is_tol
                      notice)
 
 
-def test_a_formula_with_no_real_value_is_omitted_with_its_reason_and_steps_go_on(make_worker):
+def test_a_formula_with_no_real_value_is_omitted_with_its_reason_and_steps_go_on():
     """``(mean(x) - 1) ** 0.5`` at mean 0 is complex: it raised TypeError while finishing
     the step, the honest rank closing it got the error and no later step was published.
     Now it is omitted, meta says why, and every step is published exact."""
-    import ray
+    from tests.helpers import LocalService
 
-    from metricsvc.client import MetricClient
-
-    handle, cfg = make_worker(world_size=2)
-    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    service = LocalService(world_size=2)
+    clients = service.clients(2)
     clients[0].declare(Derived("gap/sqrt", "(mean(x) - 1) ** 0.5", {"x": "x"}),
                        Derived("gap/inv", "1 / (mean(x) - mean(x))", {"x": "x"}))
     for step, values in enumerate(([0.0, 0.0], [2.0, 4.0], [-3.0, 1.0])):
         for rank, c in enumerate(clients):
             c.stat(x=np.array([values[rank]]))
-            c.wait_submit(step=step, timeout_s=30)
-    got = [ray.get(handle.wait_final.remote(step=s, timeout_s=30))
-           for s in range(3)]
+            service.close(c, step=step)
+    got = [service.final(s) for s in range(3)]
     assert [r["metrics"]["x/mean"] for r in got] == [0.0, 3.0, -1.0]
     assert got[1]["metrics"]["gap/sqrt"] == pytest.approx(2.0 ** 0.5)
     for r in (got[0], got[2]):
         assert "gap/sqrt" not in r["metrics"]
         assert r["meta"]["derived_undefined"]["gap/sqrt"] == "not a real number"
     assert got[1]["meta"]["derived_undefined"] == {"gap/inv": "division by zero"}
-    assert ray.get(handle.health.remote(), timeout=5)["rejected_batches"] == 0
+    assert service.engine.health()["rejected_batches"] == 0
 
 
 def test_a_step_derives_within_its_budget_whatever_keys_come_later():

@@ -14,6 +14,7 @@ import metricsvc
 from metricsvc.client import MetricClient
 from metricsvc.config import load_config, presets
 from metricsvc.core.reduce import AUTO, FRAMEWORK_KINDS, KindResolver, ReduceType
+from tests.helpers import LocalService
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORK_KEYS = {  # plain-dict keys as siiRL and verl write them, and what they mean
@@ -55,16 +56,16 @@ def test_a_narrow_rule_loads_and_the_framework_meaning_still_wins_where_it_appli
     assert resolve("critic/score_max", AUTO) is ReduceType.MAX
 
 
-def test_the_built_in_recorders_keep_their_kinds_whatever_the_config_says(make_worker):
-    handle, cfg = make_worker(reduce_rules={"timing_s/*": "mean", "critic/*": "sum",
-                                            "train_perf/*": "min"})
+def test_the_built_in_recorders_keep_their_kinds_whatever_the_config_says():
+    service = LocalService(reduce_rules={"timing_s/*": "mean", "critic/*": "sum",
+                                         "train_perf/*": "min"})
     batches = [_batch(seed, rows) for seed, rows in ((0, 3), (1, 6))]
-    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in range(2)]
+    clients = service.clients(2)
     for r, (c, b) in enumerate(zip(clients, batches)):
         c.compute_local_timing_metrics(b, {"gen": 1.0 + r, "step": 2.0 + r})
         c.compute_local_data_metric(b)
-        c.wait_submit()
-    got = ray.get(handle.wait_final_res.remote(0, 30))
+        service.close(c)
+    got = service.final()["metrics"]
     scores = torch.cat([b["token_level_scores"].sum(-1, dtype=torch.float64) for b in batches])
     assert got["timing_s/gen"] == 2.0  # MAX, as declared, not the rule's mean
     assert got["critic/score/mean"] == pytest.approx(scores.mean().item(), rel=1e-12)
