@@ -27,8 +27,7 @@ class RankActor:
     def run(self, calls: list[tuple[str, tuple, dict]], flush: bool = True) -> dict:
         """Apply ``(method, args, kwargs)`` calls to the client, then ``wait_submit``."""
         for method, args, kwargs in calls:
-            target = self if method.endswith("_for_test") else self.client
-            getattr(target, method)(*args, **kwargs)
+            getattr(self.client, method)(*args, **kwargs)
         ack = self.client.wait_submit() if flush else None
         return {"ack": ack, "step": self.client.step, "rpc": self.client.rpc_count,
                 "host_copies": self.client.host_copies}
@@ -42,38 +41,6 @@ class RankActor:
     def node_id(self) -> str:
         """Return the id of the Ray node this rank runs on."""
         return ray.get_runtime_context().get_node_id()
-
-    # Built-in metric functions that are not MetricClient methods, callable through run().
-    def record_train_perf_for_test(self, tokens, seconds, flops=None):
-        from metricsvc.client.metrics import record_train_perf
-
-        record_train_perf(self.client, tokens, seconds, flops=flops)
-
-    def record_logp_diagnostics_for_test(self, trainer, rollout, mask):
-        from metricsvc.client.metrics import record_logp_diagnostics
-
-        record_logp_diagnostics(self.client, trainer, rollout, mask)
-
-    def record_for_test(self, function, args, kwargs=None, scope=None):
-        """``metricsvc.client.metrics.<function>(client, *args, **kwargs)``, under
-        ``scope`` if given."""
-        import contextlib
-
-        from metricsvc.client import metrics
-
-        with self.client.scope(scope) if scope else contextlib.nullcontext():
-            getattr(metrics, function)(self.client, *args, **(kwargs or {}))
-
-    def record_advantage_signs_for_test(self, advantages, mask):
-        from metricsvc.client.metrics import record_advantage_signs
-
-        with self.client.scope("ppo_actor"):
-            record_advantage_signs(self.client, advantages, mask)
-
-    def record_moe_for_test(self, counts):
-        from metricsvc.client.metrics import record_moe_balance
-
-        record_moe_balance(self.client, counts)
 
     def wait_final_res(self, step=None, timeout=None) -> dict:
         return self.client.wait_final_res(step, timeout)
@@ -278,12 +245,19 @@ class LocalService:
         self.engine = Engine(**metricsvc.load_config({"name": "local", **config})
                              .merge_options())
         self.results: dict[int, dict[str, Any]] = {}
+        self._ranks: list[MetricClient] = []
 
     @staticmethod
     def clients(world_size: int, **kwargs: Any) -> list[MetricClient]:
         """One client per rank, never contacting a service (their closes go to ``close``)."""
         return [MetricClient(None, rank=r, world_size=world_size, name="never-contacted",
                              **kwargs) for r in range(world_size)]
+
+    def ranks(self, world_size: int) -> list[MetricClient]:
+        """This service's ranks, the same clients from step to step."""
+        if len(self._ranks) != world_size:
+            self._ranks = self.clients(world_size)
+        return self._ranks
 
     def close(self, *clients: MetricClient, step: int | None = None) -> None:
         """Close each client's open step (as ``wait_submit(step=)`` does) and merge it."""

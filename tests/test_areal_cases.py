@@ -1,31 +1,36 @@
 """AReaL's own tests of its training diagnostics (areal/tests, inclusionAI/AReaL), with
 each call of a case on a rank of its own: under the areal preset the merged values are
-the values AReaL's tests state for one process."""
+the values AReaL's tests state for one process (merged by the service's engine, without
+Ray: what ranks record and how it merges is the subject)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
-import ray
 import torch
 
-from tests.helpers import pooled_ranks
+from metricsvc.client import metrics
+from tests.helpers import LocalService
 
 T = torch.tensor
 
 
-def run(make_worker, calls, scope=None):
-    """One step: rank i makes ``calls[i]`` (function, args, kwargs); the merged metrics."""
-    handle, cfg = make_worker(output={"mean_suffix": "avg"})  # the areal preset's names
-    ranks = pooled_ranks(cfg.name, len(calls))
-    ray.get([r.run.remote([("record_for_test", (f, a, k, scope), {})])
-             for r, (f, a, k) in zip(ranks, calls)])
-    return ray.get(handle.wait_final_res.remote(0, 30))
+def run(calls, scope=None):
+    """One step: rank i makes ``calls[i]`` (function, args, kwargs); the merged metrics, as
+    the service merges them (its engine, without Ray: ``helpers.LocalService``)."""
+    service = LocalService(output={"mean_suffix": "avg"})  # the areal preset's names
+    clients = service.clients(len(calls))
+    for client, (function, args, kwargs) in zip(clients, calls):
+        with client.scope(scope) if scope else contextlib.nullcontext():
+            getattr(metrics, function)(client, *args, **kwargs)
+    service.close(*clients)
+    return service.final()["metrics"]
 
 
-def test_train_infer_masks_nonfinite_padding_and_weights_unequal_batches(make_worker):
-    got = run(make_worker, [
+def test_train_infer_masks_nonfinite_padding_and_weights_unequal_batches():
+    got = run([
         ("record_logp_diagnostics", (T([-1.0, math.nan]), T([-3.0, math.inf]),
                                      T([True, False])), {}),
         ("record_logp_diagnostics", (torch.full((3,), -1.0), torch.full((3,), -1.0),
@@ -41,8 +46,8 @@ def test_train_infer_masks_nonfinite_padding_and_weights_unequal_batches(make_wo
 
 
 @pytest.mark.parametrize("invalid", [math.nan, math.inf, -math.inf])
-def test_an_invalid_valid_logprob_does_not_report_healthy_ratio_tails(make_worker, invalid):
-    got = run(make_worker, [  # the invalid log-prob on one rank, a healthy one on the other
+def test_an_invalid_valid_logprob_does_not_report_healthy_ratio_tails(invalid):
+    got = run([  # the invalid log-prob on one rank, a healthy one on the other
         ("record_logp_diagnostics", (T([invalid]), T([-1.0]), T([True])), {}),
         ("record_logp_diagnostics", (T([-1.0]), T([-1.0]), T([True])), {})])
     assert got["nonfinite_logp_fraction"] == 0.5
@@ -50,17 +55,17 @@ def test_an_invalid_valid_logprob_does_not_report_healthy_ratio_tails(make_worke
         assert math.isnan(got[f"ratio_outside_{threshold}"])
 
 
-def test_a_large_finite_gap_keeps_k3_finite_and_counts_no_overflow(make_worker):
-    got = run(make_worker, [("record_logp_diagnostics", (T([-1.0]), T([-101.0]), T([True])),
+def test_a_large_finite_gap_keeps_k3_finite_and_counts_no_overflow():
+    got = run([("record_logp_diagnostics", (T([-1.0]), T([-101.0]), T([True])),
                              {})])
     assert got["nonfinite_logp_fraction"] == 0 and got["kl_k3_overflow_fraction"] == 0
     assert got["kl_k3"] == pytest.approx(math.expm1(100) - 100)
 
 
-def test_ratio_tails_are_symmetric_and_fall_with_the_threshold(make_worker):
+def test_ratio_tails_are_symmetric_and_fall_with_the_threshold():
     trainer = T([-5.0, -4.0, -6.0, -2.0, -8.0])
     rollout = torch.full_like(trainer, -5.0)
-    got = run(make_worker, [("record_logp_diagnostics", (trainer[:2], rollout[:2],
+    got = run([("record_logp_diagnostics", (trainer[:2], rollout[:2],
                                                           torch.ones(2).bool()), {}),
                             ("record_logp_diagnostics", (trainer[2:], rollout[2:],
                                                           torch.ones(3).bool()), {})])
@@ -68,10 +73,10 @@ def test_ratio_tails_are_symmetric_and_fall_with_the_threshold(make_worker):
     assert tails == pytest.approx([0.8, 0.8, 0.4, 0.4, 0.4])
 
 
-def test_kl_estimators_estimate_kl_from_rollout_to_trainer(make_worker):
+def test_kl_estimators_estimate_kl_from_rollout_to_trainer():
     q, p = T([0.75, 0.25], dtype=torch.float64), T([0.5, 0.5], dtype=torch.float64)
     tokens = T([0, 0, 0, 1])  # three of token 0 and one of token 1: exactly q
-    got = run(make_worker, [("record_logp_diagnostics", (p[tokens[:3]].log(),
+    got = run([("record_logp_diagnostics", (p[tokens[:3]].log(),
                                                           q[tokens[:3]].log(),
                                                           torch.ones(3).bool()), {}),
                             ("record_logp_diagnostics", (p[tokens[3:]].log(),
@@ -81,16 +86,16 @@ def test_kl_estimators_estimate_kl_from_rollout_to_trainer(make_worker):
     assert got["kl_k1"] == pytest.approx(expected) and got["kl_k3"] == pytest.approx(expected)
 
 
-def test_advantage_sign_fractions_ignore_padding(make_worker):
-    got = run(make_worker, [
+def test_advantage_sign_fractions_ignore_padding():
+    got = run([
         ("record_advantage_signs", (T([2.0, -1.0]), T([True, True])), {}),
         ("record_advantage_signs", (T([0.0, 9.0]), T([True, False])), {})], "ppo_actor")
     for sign in ("positive", "negative", "zero"):
         assert got[f"ppo_actor/advantage_{sign}_fraction"] == pytest.approx(1 / 3)
 
 
-def test_staleness_of_unequal_batches_uses_token_weights_and_global_extrema(make_worker):
-    got = run(make_worker, [
+def test_staleness_of_unequal_batches_uses_token_weights_and_global_extrema():
+    got = run([
         ("record_version_stats", (T([0, -1]), T([True, True]), 5), {"shift": False}),
         ("record_version_stats", (T([4, 4, 4, 0]), T([True, True, True, False]), 5),
          {"shift": False})], "update/version_stats")
@@ -101,8 +106,8 @@ def test_staleness_of_unequal_batches_uses_token_weights_and_global_extrema(make
     assert got[p + "n_valid_generated_tokens"] == 4 and got[p + "stale_token_fraction"] == 1
 
 
-def test_staleness_without_generated_tokens_has_no_fabricated_average(make_worker):
-    got = run(make_worker, [("record_version_stats", (T([-1, 0]), T([True, False]), 5),
+def test_staleness_without_generated_tokens_has_no_fabricated_average():
+    got = run([("record_version_stats", (T([-1, 0]), T([True, False]), 5),
                              {"shift": False})])
     assert got["n_valid_generated_tokens"] == 0
     assert "sample_staleness_theta_avg" not in got
@@ -114,10 +119,10 @@ def test_staleness_without_generated_tokens_has_no_fabricated_average(make_worke
     ([-1, 4, -1, -1, 5, 6], [1, 0, 0, 1, 1, 0], 0.0, 1 / 3, 1 / 3, 3),
 ])
 def test_raw_versions_are_aligned_before_counting_checkpoint_age(
-        make_worker, versions, mask, age, stale, future, count):
+        versions, mask, age, stale, future, count):
     call = ("record_version_stats", (T([versions], dtype=torch.int32),
                                      T([mask], dtype=torch.bool), 5), {})
-    got = run(make_worker, [call, call])  # AReaL's two microbatches, here two ranks
+    got = run([call, call])  # AReaL's two microbatches, here two ranks
     assert got["sample_staleness_proximal_avg"] == pytest.approx(age)
     assert got["sample_staleness_theta_avg"] == pytest.approx(age)
     assert got["stale_token_fraction"] == pytest.approx(stale)

@@ -1,17 +1,25 @@
-"""Built-in metrics end to end: merged over unequal ranks == one process on the whole batch."""
+"""Built-in metrics: merged over unequal ranks == one process on the whole batch (merged by
+the service's engine, without Ray: ``helpers.LocalService``)."""
 
 import math
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import ray
 import torch
 
 from metricsvc.client import MetricClient
-from metricsvc.client.metrics import estimate_flops, validation_metrics
+from metricsvc.client.metrics import (
+    estimate_flops,
+    record_advantage_signs,
+    record_logp_diagnostics,
+    record_moe_balance,
+    record_train_perf,
+    validation_metrics,
+)
 from metricsvc.core.records import COUNT, SUM
-from tests.helpers import pooled_ranks
+from tests.helpers import LocalService
 
 WORLD = 4
 P, R = 5, 7  # prompt and response widths
@@ -47,12 +55,21 @@ def concat(batches):
     return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
 
 
-def run_ranks(cfg, per_rank_calls, ranks=None):
-    """Run one step: rank ``r`` applies ``per_rank_calls[r]`` and flushes; returns the ranks."""
-    world = len(per_rank_calls)
-    ranks = ranks or pooled_ranks(cfg.name, world)
-    ray.get([a.run.remote(calls) for a, calls in zip(ranks, per_rank_calls)])
-    return ranks
+def run_ranks(service, per_rank_calls):
+    """Run one step: rank ``r`` makes the calls ``per_rank_calls[r]`` (``(a client method's
+    name, or a built-in recorder ``f(client, ...)``, args, kwargs)``) and closes it."""
+    clients = service.ranks(len(per_rank_calls))
+    for client, calls in zip(clients, per_rank_calls):
+        for call, args, kwargs in calls:
+            target = getattr(client, call) if isinstance(call, str) else partial(call, client)
+            target(*args, **kwargs)
+    service.close(*clients)
+
+
+def advantage_signs(client, advantages, mask):
+    """``record_advantage_signs`` where AReaL records it: under ``ppo_actor``."""
+    with client.scope("ppo_actor"):
+        record_advantage_signs(client, advantages, mask)
 
 
 def stats(x):
@@ -66,15 +83,15 @@ def assert_close(got, expected):
         assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
 
 
-def test_data_metrics_equal_one_process_on_the_whole_batch(make_worker):
-    handle, cfg = make_worker()
+def test_data_metrics_equal_one_process_on_the_whole_batch():
+    service = LocalService()
     # rank 3 has only wrong responses: it must not drag correct_length down with a 0
     batches = [make_batch(s, rows, all_wrong=(s == 3)) for s, rows in enumerate((2, 9, 5, 14))]
     for b in batches[:3]:
         b["token_level_scores"][0, 0] = 0.9  # some correct responses on the other ranks
         b["token_level_rewards"][0, 0] = 0.9
-    run_ranks(cfg, [[("compute_local_data_metric", (b, WORLD), {})] for b in batches])
-    got = ray.get(handle.wait_final_res.remote(0, 30))
+    run_ranks(service, [[("compute_local_data_metric", (b, WORLD), {})] for b in batches])
+    got = service.final()["metrics"]
 
     whole = concat(batches)
     resp = whole["response_mask"].bool()
@@ -114,17 +131,17 @@ def test_data_metrics_equal_one_process_on_the_whole_batch(make_worker):
     assert got["critic/vf_explained_var"] != pytest.approx(np.mean(per_rank_ev), rel=1e-3)
 
 
-def test_population_empty_everywhere_is_omitted(make_worker):
-    handle, cfg = make_worker()
+def test_population_empty_everywhere_is_omitted():
+    service = LocalService()
     batches = [make_batch(10 + s, 3, all_wrong=True) for s in range(2)]
-    run_ranks(cfg, [[("compute_local_data_metric", (b,), {})] for b in batches])
-    got = ray.get(handle.wait_final_res.remote(0, 30))
+    run_ranks(service, [[("compute_local_data_metric", (b,), {})] for b in batches])
+    got = service.final()["metrics"]
     assert not any(k.startswith("response/correct_length") for k in got)
     assert "response/wrong_length/mean" in got
 
 
-def test_timing_throughput_and_train_perf_are_exact_across_ranks(make_worker):
-    handle, cfg = make_worker()
+def test_timing_throughput_and_train_perf_are_exact_across_ranks():
+    service = LocalService()
     batches = [make_batch(20 + s, rows) for s, rows in enumerate((3, 8, 1, 6))]
     timings = [{"gen": 1.0 + r, "update_actor": 0.5 * (r + 1), "step": 4.0 + r, "other": 0.1 * r}
                for r in range(WORLD)]
@@ -132,15 +149,15 @@ def test_timing_throughput_and_train_perf_are_exact_across_ranks(make_worker):
                             active_parameters=1_000_000)
     flops = [estimate_flops("dense_transformer", model, b["attention_mask"].sum(-1))
              for b in batches]  # each rank's packed sequences, each estimated on its own
-    steps, ranks = 3, None
+    steps = 3
     for step in range(steps):
-        ranks = run_ranks(cfg, [[
+        run_ranks(service, [[
             ("compute_local_timing_metrics", (b, t, WORLD), {}),
             ("compute_local_throughput_metrics", (b, t, 8, WORLD), {}),
-            ("record_train_perf_for_test", (int(b["attention_mask"].sum()) * (step + 1),
-                                            t["step"], f * (step + 1)), {}),
-        ] for b, t, f in zip(batches, timings, flops)], ranks)
-    got = ray.get(handle.wait_final_res.remote(steps - 1, 30))
+            (record_train_perf, (int(b["attention_mask"].sum()) * (step + 1), t["step"]),
+             {"flops": f * (step + 1)}),
+        ] for b, t, f in zip(batches, timings, flops)])
+    got = service.final(steps - 1)["metrics"]
 
     resp_tokens = sum(b["response_mask"].sum().item() for b in batches)
     all_tokens = sum(b["attention_mask"].sum().item() for b in batches)
@@ -169,7 +186,7 @@ def test_timing_throughput_and_train_perf_are_exact_across_ranks(make_worker):
     # that exports it, once
     from metricsvc.client.metrics import timing
 
-    metas = [ray.get(handle.wait_final.remote(s, 30))["meta"] for s in range(steps)]
+    metas = [service.final(s)["meta"] for s in range(steps)]
     shown = metas[0]["descriptions"]
     assert set(shown) == set(expected), set(expected) ^ set(shown)
     assert shown["perf/throughput"] == {"help": timing.THROUGHPUT.help, "unit": "tokens/s/GPU"}
@@ -208,13 +225,14 @@ def split_by_prompt(sources, inputs, infos, assignment):
 
 
 @pytest.mark.parametrize("assignment", [[0, 1, 2, 3, 0, 1, 2, 3, 0], [3, 3, 3, 3, 0, 1, 2, 1, 1]])
-def test_validation_merges_by_prompt_group_and_ignores_the_split(make_worker, assignment):
-    handle, cfg = make_worker()
+def test_validation_merges_by_prompt_group_and_ignores_the_split(assignment):
+    service = LocalService()
     sources, inputs, infos = validation_data(7)
     parts = split_by_prompt(sources, inputs, infos, assignment)
-    run_ranks(cfg, [[("process_local_validation_metrics", (s, i, inf, [1, 3] * (len(s) // 2),
-                                                          WORLD), {})] for s, i, inf in parts])
-    got = ray.get(handle.wait_final_res.remote(0, 30))
+    run_ranks(service, [[("process_local_validation_metrics",
+                          (s, i, inf, [1, 3] * (len(s) // 2), WORLD), {})]
+                        for s, i, inf in parts])
+    got = service.final()["metrics"]
     whole = validation_metrics(sources, inputs, infos)
     expected = {k: float(np.mean(v)) for k, v in whole.items()}
     assert_close(got, expected)
@@ -262,14 +280,14 @@ def _areal_train_infer(t, r, mask):
     return out
 
 
-def test_logp_diagnostics_are_arealss_definitions_exact_across_unequal_ranks(make_worker):
+def test_logp_diagnostics_are_arealss_definitions_exact_across_unequal_ranks():
     """Step 0: a masked -inf log-prob on one rank makes every ratio tail NaN (AReaL: "never
     silently classifying invalid comparisons as zero"), a gap past float64's expm1 counts
     in kl_k3_overflow_fraction, AReaL's large finite gap (d = 100) keeps k3 finite; step 1:
     every log-prob finite, the tails are the one-process shares."""
-    handle, cfg = make_worker()
+    service = LocalService()
     g = torch.Generator().manual_seed(3)
-    steps, ranks = [], None
+    steps = []
     for step in range(2):
         parts = []
         for rank, rows in enumerate((2, 7, 4, 11)):
@@ -282,10 +300,9 @@ def test_logp_diagnostics_are_arealss_definitions_exact_across_unequal_ranks(mak
                 mask[:2, :2] = True
             parts.append((t, r, mask))
         steps.append(parts)
-        ranks = run_ranks(cfg, [[("record_logp_diagnostics_for_test", p, {})] for p in parts],
-                          ranks)
+        run_ranks(service, [[(record_logp_diagnostics, p, {})] for p in parts])
     for step, parts in enumerate(steps):
-        got = ray.get(handle.wait_final_res.remote(step, 30))
+        got = service.final(step)["metrics"]
         t, r, mask = (torch.cat([p[i] for p in parts]).double() for i in range(3))
         expected = _areal_train_infer(t, r, mask.bool())
         for th in (1.5, 2, 3, 5, 10):
@@ -293,17 +310,17 @@ def test_logp_diagnostics_are_arealss_definitions_exact_across_unequal_ranks(mak
             if step == 0:
                 assert math.isnan(got[key]) and math.isnan(expected.pop(key)), key
         assert_close(got, expected)
-    first = ray.get(handle.wait_final.remote(0, 30))
+    first = service.final(0)
     assert first["metrics"]["kl_k3_overflow_fraction"] > 0
     assert first["meta"]["nonfinite"]["kl_k3"] == 2  # the -inf token's and the overflow's
     assert first["metrics"]["nonfinite_logp_fraction"] > 0
 
 
-def test_advantage_sign_fractions_are_token_occupancy_over_every_rank(make_worker):
+def test_advantage_sign_fractions_are_token_occupancy_over_every_rank():
     """AReaL's ppo_actor/advantage_{positive,negative,zero}_fraction: the share of loss-masked
     tokens by the sign of the shaped advantage, over the concatenated tokens (unequal
     ranks, exact zeros, a NaN advantage in none of the three)."""
-    handle, cfg = make_worker()
+    service = LocalService()
     g = torch.Generator().manual_seed(5)
     parts = []
     for rows in (1, 6, 3):
@@ -311,23 +328,23 @@ def test_advantage_sign_fractions_are_token_occupancy_over_every_rank(make_worke
         adv[adv.abs() < 0.4] = 0.0  # GRPO's all-equal groups: exact zeros
         adv[0, 0] = float("nan")
         parts.append((adv, torch.rand(rows, 7, generator=g) < 0.6))
-    run_ranks(cfg, [[("record_advantage_signs_for_test", p, {})] for p in parts])
-    got = ray.get(handle.wait_final_res.remote(0, 30))
+    run_ranks(service, [[(advantage_signs, p, {})] for p in parts])
+    got = service.final()["metrics"]
     adv = torch.cat([p[0][p[1]] for p in parts]).double()
     assert_close(got, {"ppo_actor/advantage_positive_fraction": (adv > 0).double().mean().item(),
                        "ppo_actor/advantage_negative_fraction": (adv < 0).double().mean().item(),
                        "ppo_actor/advantage_zero_fraction": (adv == 0).double().mean().item()})
 
 
-def test_moe_balance_sums_counts_before_normalising(make_worker):
-    handle, cfg = make_worker()
+def test_moe_balance_sums_counts_before_normalising():
+    service = LocalService()
     per_rank = [
         {0: torch.tensor([10, 0, 5, 5]), 1: torch.tensor([0, 0, 0, 0])},
         {0: torch.tensor([0, 30, 0, 10]), 1: torch.tensor([0, 0, 0, 0])},
         {0: np.array([1, 1, 1, 1])},
     ]
-    run_ranks(cfg, [[("record_moe_for_test", (c,), {})] for c in per_rank])
-    got = ray.get(handle.wait_final_res.remote(0, 30))
+    run_ranks(service, [[(record_moe_balance, (c,), {})] for c in per_rank])
+    got = service.final()["metrics"]
     total = np.array([11, 31, 6, 16], dtype=float)
     for e, tokens in enumerate(total):
         assert got[f"moe_balance/layer_0/expert_{e}/tokens"] == tokens
