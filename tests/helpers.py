@@ -245,19 +245,15 @@ class LocalService:
         self.engine = Engine(**metricsvc.load_config({"name": "local", **config})
                              .merge_options())
         self.results: dict[int, dict[str, Any]] = {}
-        self._ranks: list[MetricClient] = []
+        self._clients: list[MetricClient] = []
 
-    @staticmethod
-    def clients(world_size: int, **kwargs: Any) -> list[MetricClient]:
-        """One client per rank, never contacting a service (their closes go to ``close``)."""
-        return [MetricClient(None, rank=r, world_size=world_size, name="never-contacted",
-                             **kwargs) for r in range(world_size)]
-
-    def ranks(self, world_size: int) -> list[MetricClient]:
-        """This service's ranks, the same clients from step to step."""
-        if len(self._ranks) != world_size:
-            self._ranks = self.clients(world_size)
-        return self._ranks
+    def clients(self, world_size: int) -> list[MetricClient]:
+        """This service's ranks, one client each, the same from step to step; they never
+        contact a service (their closes go to ``close``)."""
+        if len(self._clients) != world_size:
+            self._clients = [MetricClient(None, rank=r, world_size=world_size,
+                                          name="never-contacted") for r in range(world_size)]
+        return self._clients
 
     def close(self, *clients: MetricClient, step: int | None = None) -> None:
         """Close each client's open step (as ``wait_submit(step=)`` does) and merge it."""

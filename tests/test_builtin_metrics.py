@@ -58,7 +58,7 @@ def concat(batches):
 def run_ranks(service, per_rank_calls):
     """Run one step: rank ``r`` makes the calls ``per_rank_calls[r]`` (``(a client method's
     name, or a built-in recorder ``f(client, ...)``, args, kwargs)``) and closes it."""
-    clients = service.ranks(len(per_rank_calls))
+    clients = service.clients(len(per_rank_calls))
     for client, calls in zip(clients, per_rank_calls):
         for call, args, kwargs in calls:
             target = getattr(client, call) if isinstance(call, str) else partial(call, client)
