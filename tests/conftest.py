@@ -180,7 +180,8 @@ def _shared_address(locks: str) -> str:
 # first, so that the workers end close together: with pytest-xdist's own order (most
 # tests first: ``--no-loadscope-reorder`` in the Makefile turns it off) the history model,
 # one test of 30 s, ran last, and one worker stood idle for the last 12 s. Only the order
-# changes; files not named keep theirs, after these. test_multinode (21 s) is not named:
+# changes; files not named keep theirs, after these (test_builtin_metrics and test_tracker
+# left the list once their merge tests ran without Ray). test_multinode (21 s) is not named:
 # its ``removes_nodes`` tests wait for the other workers' tests to end, which among the
 # small files after these is short (11 s lost waiting for a 15 s test among the heavy).
 HEAVIEST_FIRST = ("test_examples.py", "test_docs.py", "test_history.py", "test_topology.py",
@@ -188,8 +189,8 @@ HEAVIEST_FIRST = ("test_examples.py", "test_docs.py", "test_history.py", "test_t
                   "test_sink_backends.py", "test_hostile_ranks.py", "test_cli.py",
                   "test_packaging.py", "test_chaos.py", "test_install.py",
                   "test_observe.py", "test_security.py", "test_sink_restart.py",
-                  "test_topology_answers.py", "test_builtin_metrics.py", "test_summarize.py",
-                  "test_rewind.py", "test_tls.py", "test_flush.py", "test_tracker.py")
+                  "test_topology_answers.py", "test_summarize.py", "test_rewind.py",
+                  "test_tls.py", "test_flush.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
