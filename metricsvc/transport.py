@@ -532,9 +532,9 @@ def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) 
             woke = False
             while not queue:
                 if not work.wait(timeout=IDLE_S) and not queue:
-                    idle = sender()
-                    if idle is not None:
-                        idle.idle()
+                    owner = sender()
+                    if owner is not None:
+                        owner.idle()
                     return
                 woke = True
         live = sender()  # alive: kept in _queued while its queue holds batches
