@@ -701,6 +701,29 @@ def test_flops_estimators_are_registered_per_model_built_once_and_sum_packed_seq
         6 * 1000 * 10 + 6 * 2 * 4 * 16 * 10 * 11)
 
 
+def test_a_fresh_config_each_step_keeps_a_bounded_number_of_estimators_alive():
+    """Code that builds its model config anew each step (a dict, a namespace) gets the same
+    numbers, and the estimators kept for configs are bounded: each held its config alive,
+    so a long run kept every step's config and estimator."""
+    import gc
+    import weakref
+
+    from metricsvc.client.metrics import register_flops_estimator
+
+    class Config:  # a model config (SimpleNamespace takes no weak reference)
+        k = 2
+
+    register_flops_estimator("toy_linear", lambda config: lambda n: float(config.k * n))
+    alive = []
+    for step in range(2000):
+        config = Config()
+        alive.append(weakref.ref(config))
+        assert estimate_flops("toy_linear", config, [step]) == 2.0 * step
+    del config
+    gc.collect()
+    assert sum(ref() is not None for ref in alive) <= 64
+
+
 def test_device_timing_on_the_cpu_is_wall_time_read_at_the_flush_with_no_wait():
     """``record_timing(..., device=True)`` and ``timed_train_perf`` on the CPU: the wall time
     of each block (AReaL's CPU timing), kept unread until the close, no device wait; a

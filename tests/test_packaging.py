@@ -191,6 +191,28 @@ def test_every_memo_of_a_function_is_bounded():
                     if text in ("functools.cache", "cache") or (
                             "lru_cache" in text and ("maxsize" not in text or "None" in text)):
                         found.append(f"{where}:{node.lineno}: @{text} {node.name}")
+        # a memo by hand: a function that looks a module's dict up and fills it on a miss
+        # (``_X.get(key)`` then ``_X[key] = ...``); a registry, filled by one call and read
+        # by others, is not one
+        empty = {target.id for node in tree.body
+                 for target, value in ([(t, node.value) for t in node.targets]
+                                       if isinstance(node, ast.Assign) else
+                                       [(node.target, node.value)]
+                                       if isinstance(node, ast.AnnAssign) else [])
+                 if isinstance(target, ast.Name) and isinstance(value, ast.Dict)
+                 and not value.keys}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                read = {inner.func.value.id for inner in ast.walk(node)
+                        if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
+                        and inner.func.attr == "get" and isinstance(inner.func.value, ast.Name)}
+                for inner in ast.walk(node):
+                    for target in getattr(inner, "targets", ()):
+                        if (isinstance(target, ast.Subscript) and
+                                isinstance(target.value, ast.Name) and
+                                target.value.id in empty & read):
+                            found.append(f"{where}:{inner.lineno}: {target.value.id}[...] = "
+                                         f"in {node.name}, a memo without a bound")
     assert not found, found
 
 

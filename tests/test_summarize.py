@@ -147,9 +147,10 @@ def test_compiled_kernel_equals_eager_and_never_recompiles_for_new_shapes(monkey
     from tests.helpers import each_of
 
     s = importlib.import_module("metricsvc.client.device")  # the accelerator path's module
-    monkeypatch.setattr(s, "_compiled", {
-        located: torch.compile(s._kernel_located if located else s._kernel, dynamic=True,
-                               fullgraph=True, backend="aot_eager") for located in (False, True)})
+    kernels = {located: torch.compile(s._kernel_located if located else s._kernel,
+                                      dynamic=True, fullgraph=True, backend="aot_eager")
+               for located in (False, True)}
+    monkeypatch.setattr(s, "_compiled", kernels.__getitem__)
     g = torch.Generator().manual_seed(1)
 
     def check(compiled, host, v, mask):

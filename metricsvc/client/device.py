@@ -6,6 +6,7 @@ ops (no ``where``, no ``nonzero``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -190,7 +191,13 @@ def _fused_rows(x: Any, m: Any, finite: Any, use: Any, low: Any, high: Any) -> A
     return torch.stack(cols, -1)
 
 
-_compiled: dict[bool, Any] = {}  # located or not -> its compiled kernel
+@functools.lru_cache(maxsize=2)  # located or not
+def _compiled(locate: bool) -> Any:
+    """The compiled kernel (``torch.compile`` compiles at its first call)."""
+    return torch_module().compile(_kernel_located if locate else _kernel, dynamic=True,
+                                  fullgraph=True)
+
+
 _compile_failed = False
 
 
@@ -206,11 +213,7 @@ def _run_compiled(x: Any, m: Any, locate: bool) -> Any:
     (exact), and one without a mask with a mask of ones."""
     global _compile_failed
     try:
-        fn = _compiled.get(locate)
-        if fn is None:
-            fn = _compiled[locate] = torch_module().compile(
-                _kernel_located if locate else _kernel, dynamic=True, fullgraph=True)
-        return fn(x, m)
+        return _compiled(locate)(x, m)
     except Exception as err:  # no compiler, unsupported backend: eager is always right
         _compile_failed = True
         log.warning("torch.compile of the summary kernel failed, using eager: %s", err)

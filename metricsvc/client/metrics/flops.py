@@ -14,11 +14,15 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from metricsvc.core.limits import Recent
+
 Estimator = Callable[[int], float]  # one sequence's length -> its training FLOPs
 Factory = Callable[[Any], Estimator]  # a model config -> its estimator
 
 _factories: dict[str, Factory] = {}
-_built: dict[tuple[str, int], tuple[Any, Estimator]] = {}  # (type, id(config)) -> estimator
+# (type, id(config)) -> (config, estimator): the config kept alive while its entry is; a
+# run that builds its config anew each step keeps the newest few
+_built: Recent = Recent(64)
 _lock = threading.Lock()
 
 
@@ -72,7 +76,7 @@ def flops_estimator(model_type: str, config: Any) -> Estimator:
                              f"register_flops_estimator({model_type!r}, factory) in every "
                              f"training process first")
         estimator = factory(config)
-        _built[(model_type, id(config))] = (config, estimator)  # the config kept alive
+        _built[(model_type, id(config))] = (config, estimator)
         return estimator
 
 
