@@ -252,6 +252,33 @@ def test_a_mask_is_prepared_once_per_step_and_an_in_place_change_is_noticed():
     assert rows["x"][COUNT].item() == rows["z"][COUNT].item() + 64
 
 
+def test_a_masked_call_counts_a_masks_positions_only_where_it_locates_a_sample(monkeypatch):
+    """The mask's positions per span of 64 place a located min or max, or a top sample,
+    back in its value; a plain masked call (siiRL's data metrics: every step, every mask)
+    needs none, and made them anyway: a pass over each mask per step for nothing."""
+    import metricsvc.client.host as host
+    from metricsvc.client.host import MaskCache
+    from metricsvc.core.records import MIN_COL, MIN_ROW
+
+    counted = []
+    span_starts = host._span_starts
+    monkeypatch.setattr(host, "_span_starts", lambda flat: counted.append(flat.size)
+                        or span_starts(flat))
+    mask = torch.rand(64, 300, generator=torch.Generator().manual_seed(3)) > 0.3
+    values = {"a": torch.randn(64, 300), "b": torch.randn(64, 300, dtype=torch.float64)}
+    cache = MaskCache()
+    plain = rows_of(values, mask, cache=cache)
+    assert counted == []
+    located, sources = located_of(values, mask, ids=torch.arange(64), cache=cache)
+    assert counted == [mask.numel()]  # once for the mask, then kept
+    for key, v in values.items():
+        ref = v.double()[mask]
+        assert plain[key][SUM].item() == pytest.approx(ref.sum().item(), rel=1e-12)
+        assert np.array_equal(np.asarray(plain[key]), np.asarray(located[key]))
+        flat = int(np.flatnonzero(mask.numpy().ravel())[int(ref.argmin())])
+        assert sources[key][MIN_ROW] == flat // 300 and sources[key][MIN_COL] == flat % 300
+
+
 def test_threads_recording_masked_tensors_into_one_client_stay_exact():
     import threading
 

@@ -507,8 +507,8 @@ class HostPass:
                 self.tops[key] = self.tops[first]
         if self.locate:
             self.at = {key: at for key, at in found.items() if at is not None}
-        if self.valid is not None and self.n != self.valid.size:
-            self._place()
+        if (self.at or self.tops) and self.valid is not None and self.n != self.valid.size:
+            self._place()  # positions among the valid values -> in the value
         return out
 
     def _place(self) -> None:
