@@ -6,7 +6,7 @@ what it raised reaches them as metricsvc's own one-line exception (``ray_get``),
 Ray's wrapper with the remote traceback.
 
 A MetricWorker that Ray restarts loses the steps its journal did not hold yet. So a sender
-keeps every batch it sent until an ack says the journal holds its step (``durable_through``)
+keeps every batch it sent until an ack says the journal holds its step (``journal_through``)
 and names in each call the incarnation it last heard from (``epoch``). A new incarnation
 merges nothing from a sender that names another one: it answers ``epoch_changed``, and the
 sender first resends what it still owes, oldest first, then the batch it was sending, so
@@ -192,13 +192,13 @@ class Outbox:
         """Take the incarnation, the run's history and the journal's progress from an ack
         (of ``payload``, if given: merged in the history's current segment)."""
         self.epoch = ack.get("epoch", self.epoch)
-        durable = ack.get("durable_through")
+        journaled = ack.get("journal_through")
         rewinds = ack.get("rewinds") if self.steps else None
         merged = ack.get("status") != "epoch_changed"
         kept = []
         for owed in self._owed:
             step, owed_payload, segment = owed
-            if durable is not None and step <= durable:
+            if journaled is not None and step <= journaled:
                 continue  # the journal holds its step
             if rewinds is not None:
                 if owed_payload is payload and merged:
@@ -325,7 +325,7 @@ class Sender:
     def __init__(self, service: ServiceHandle, method: str, label: str, *args: Any,
                  max_inflight: int = 256, by_seq: bool = False) -> None:
         """Batches go to ``service.method(*args, blob, epoch)``. ``by_seq``: acks'
-        ``durable_through`` counts batch numbers (a stream client's), else steps."""
+        ``journal_through`` counts batch numbers (a stream client's), else steps."""
         self.service, self.method, self.args = service, method, args
         self.label = label
         # Sent but not yet in the service's journal (resent after a restart), and the

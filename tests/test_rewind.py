@@ -155,7 +155,7 @@ def test_an_outbox_owes_no_batch_a_rewind_superseded():
 
     def ack(epoch, rewinds, status="batch", durable=None):
         return {"status": status, "epoch": epoch, "rewinds": rewinds,
-                "durable_through": durable}
+                "journal_through": durable}
 
     box = Outbox()
     for step, payload in enumerate("ab"):  # steps 0 and 1, merged in segment 0

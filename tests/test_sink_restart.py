@@ -73,7 +73,7 @@ def test_every_sink_holds_every_step_once_after_kills_right_after_final_and_twic
             sigkill(handle)  # right after step 2 is final: the sinks have barely begun
         if step == 5:
             # What the journal holds, as the ranks are told it (they forget batches up to it)
-            held = ray.get(handle.health.remote(), timeout=60)["durable_through"]
+            held = ray.get(handle.health.remote(), timeout=60)["journal_through"]
             sigkill(handle)
             sigkill(handle)  # twice in a row: the second dies while it replays
     health = ray.get(handle.close.remote(), timeout=240)

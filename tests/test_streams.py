@@ -167,7 +167,7 @@ def test_a_new_stream_clients_batches_are_owed_until_exported_whatever_step_is_j
     rec = quiet(driver)  # a new client: its first batch is number 1
     rec.stat(reward=np.array([7.0]))
     ack = rec.flush()
-    assert ack["durable_through"] is None and len(rec.sender.outbox) == 1
+    assert ack["journal_through"] is None and len(rec.sender.outbox) == 1
     epoch = ray.get(handle.health.remote())["epoch"]
     ray.kill(handle, no_restart=False)  # the window dies with the actor
     wait_for_new_incarnation(handle, epoch)

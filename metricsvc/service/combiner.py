@@ -51,7 +51,7 @@ class CombinerImpl:
         # Forwarded but not yet journaled, and the MetricWorker incarnation last heard
         # from: the restart protocol, shared with the client.
         self._outbox = Outbox(label=f"combiner {label!r}")
-        self.durable_through: int | None = None
+        self.journal_through: int | None = None
         self.rewinds: list[int] | None = None  # the run's, as the MetricWorker last said
         self.last_final_step: int | None = None
         self.calls = {"submit": 0, "forward": 0, "rejected_upstream": 0}
@@ -111,7 +111,7 @@ class CombinerImpl:
 
     def _ack(self, status: str, **extra: Any) -> dict[str, Any]:
         return {"status": status, "epoch": self.epoch, "rewinds": self.rewinds,
-                "durable_through": self.durable_through,
+                "journal_through": self.journal_through,
                 "last_final_step": self.last_final_step, **extra}
 
     # -- upstream ----------------------------------------------------------------------
@@ -174,7 +174,7 @@ class CombinerImpl:
                     break
             self.calls["forward"] += 1
             self.forwarded_batches += len(batches)
-            self.durable_through = ack.get("durable_through")
+            self.journal_through = ack.get("journal_through")
             self.rewinds = ack.get("rewinds")
             self.last_final_step = ack.get("last_final_step")
             self.metrics.report({**self._report(),
@@ -223,7 +223,7 @@ class CombinerImpl:
         return {**self._report(), "epoch": self.epoch, "local_ranks": sorted(self.local_ranks),
                 "gathering": {s: sorted(g.closed) for s, g in sorted(self._gathering.items())},
                 "forwarded_through": self._forwarded_through,
-                "durable_through": self.durable_through, "inflight": len(self._outbox),
+                "journal_through": self.journal_through, "inflight": len(self._outbox),
                 "calls": {**self.calls, "resent": self._outbox.resent,
                           "superseded": self._outbox.superseded},
                 "metrics_export": "on" if self.metrics.off is None else self.metrics.off}

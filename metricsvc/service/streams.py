@@ -1,6 +1,7 @@
 """Streams: records with no step barrier, merged apart in windows and folded into the
 step the driver names at export (AReaL's rollout paradigm). ``Streams`` is the component
-the aggregator holds: the windows, and how far each stream client is durable.
+the aggregator holds: the windows, and how far the journal holds each stream client's
+batches.
 
 A window lives in memory until its export, so a stream client keeps each batch it sent
 until the journal holds the step its window went into (``StreamLedger``), as a rank keeps
@@ -19,12 +20,12 @@ STREAM_RANK = 1 << 30  # streams declare after every rank: a rank's declaration 
 
 
 class StreamLedger:
-    """How far each stream client's batches are durable: exported into a step the journal
-    holds. Positions are the client's batch numbers (``seq``), which grow by one per batch
+    """How far the journal holds each stream client's batches: exported into a step the
+    journal holds. Positions are the client's batch numbers (``seq``), which grow by one per batch
     and reach the service in order."""
 
     def __init__(self) -> None:
-        self.durable: dict[tuple[str, str], int] = {}  # (stream, client) -> newest seq
+        self.held: dict[tuple[str, str], int] = {}  # (stream, client) -> newest seq
         self._exported: list[tuple[int, str, str, int]] = []  # (step, stream, client, seq)
 
     def exported(self, step: int, name: str, seqs: dict[str, int]) -> None:
@@ -41,18 +42,18 @@ class StreamLedger:
                 if is_int(seq):
                     self._advance((str(name), str(client)), int(seq))
 
-    def through(self, name: str, client: str, durable_step: int | None) -> int | None:
+    def through(self, name: str, client: str, journal_through: int | None) -> int | None:
         """Return the newest batch of ``client`` to stream ``name`` that a step up to
-        ``durable_step`` (the journal's newest) holds; None: none yet."""
-        if durable_step is not None and self._exported:
+        ``journal_through`` (the journal's newest) holds; None: none yet."""
+        if journal_through is not None and self._exported:
             later = []
             for entry in self._exported:
-                if entry[0] <= durable_step:
+                if entry[0] <= journal_through:
                     self._advance((entry[1], entry[2]), entry[3])
                 else:
                     later.append(entry)
             self._exported = later
-        return self.durable.get((name, client))
+        return self.held.get((name, client))
 
     def superseded(self, step: int, final_through: int | None) -> dict[str, dict[str, int]]:
         """What a rewind to ``step`` settles: ``{stream: {client: seq}}``, each client's
@@ -82,7 +83,7 @@ class StreamLedger:
         self.journaled(settled)
 
     def _advance(self, where: tuple[str, str], seq: int) -> None:
-        self.durable[where] = max(seq, self.durable.get(where, seq))
+        self.held[where] = max(seq, self.held.get(where, seq))
 
 
 class Streams:

@@ -218,7 +218,7 @@ class MetricWorkerImpl:
         return {"status": status, "epoch": self.epoch,
                 "rewinds": [r.to_step for r in self.history.rewinds] if self.history.rewinds
                 else [],
-                "durable_through": self.durable_through(),
+                "journal_through": self.journal_through(),
                 "last_final_step": self.engine.last_emitted, **extra}
 
     def _take(self, item: Batch | bytes) -> tuple[dict[str, Any], list[StepResult]]:
@@ -307,14 +307,14 @@ class MetricWorkerImpl:
         """Add a stream client's records to the current window of stream ``name``.
 
         The restart protocol of ``submit``, with the client's batch numbers for steps: the
-        ack's ``durable_through`` is the newest batch of ``client`` that a journaled step
+        ack's ``journal_through`` is the newest batch of ``client`` that a journaled step
         holds."""
         with self.lock:
             stale = self._intake("stream_submit", epoch)
             status, seq = ("epoch_changed", None) if stale else \
                 self.engine.submit_stream(name, client, batch)
-            durable = self.engine.streams.ledger.through(name, client, self.durable_through())
-            return self._ack(status, durable_through=durable,
+            journaled = self.engine.streams.ledger.through(name, client, self.journal_through())
+            return self._ack(status, journal_through=journaled,
                              **({} if seq is None else {"seq": seq}))
 
     def export_stream(self, name: str, step: int, close: bool = False) -> dict[str, float]:
@@ -337,7 +337,7 @@ class MetricWorkerImpl:
             self.sinks.publish(result.step, result.metrics, result.meta)
         self.results.changed.notify_all()
 
-    def durable_through(self) -> int | None:
+    def journal_through(self) -> int | None:
         """Return the last step the journal holds (clients may forget batches up to it)."""
         if self.journal_mark is None:  # no journal: nothing more durable than memory
             return self.engine.last_emitted
@@ -446,7 +446,7 @@ class MetricWorkerImpl:
                 "journal_duplicate_steps": journal["duplicate_steps"],
                 "journal": journal["path"],
                 **self.engine.health(),
-                "durable_through": self.durable_through(),
+                "journal_through": self.journal_through(),
                 "timer_errors": self.timer_errors,
                 "failing_sinks": sorted(name for name, h in sinks.items() if h["failing"]),
                 "calls": dict(self.calls),
