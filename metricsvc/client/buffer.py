@@ -81,7 +81,9 @@ class RecordBuffer:
         self.lock = threading.RLock()
         self.parts: list[Part] = []
         self.kinds: dict[str, int] = {}  # key -> its kind code in this step, in first order
-        self.seen: dict[str, int] = {}  # key -> recordings of it so far in this step
+        # key -> its recordings so far in this step, for a key recorded more than once (one
+        # recording, the common case, is its entry in ``kinds``: ``recordings``)
+        self.seen: dict[str, int] = {}
         self.expected: dict[str, int] = {}  # key -> the ranks expected to send it, if not all
         self._on_device = False  # a part or sketch of this step lives on a device
         self.sketches: dict[str, Any] = {}  # QUANTILES key -> its buckets
@@ -159,7 +161,7 @@ class RecordBuffer:
                                    cache=self.masks, top=top, tops=samples)
             sketches = self._sketches(values, mask, masks, each, code) if sketched else None
             # each top key's call number: its recordings before this one
-            calls = [self.seen.get(key, 0) for key in samples] if samples else []
+            calls = [self.recordings(key) for key in samples] if samples else []
             for rows in found:
                 self.keep(rows, code if each is None else tuple(map(each.__getitem__, rows.keys)),
                           expected, sketches)
@@ -190,7 +192,6 @@ class RecordBuffer:
             if kinds.keys().isdisjoint(keys):  # new in this step: the common case
                 self.names.claim(keys, codes, kinds, self.declarations, self.label)
                 kinds.update(zip(keys, each) if each else dict.fromkeys(keys, codes))
-                self.seen.update(dict.fromkeys(keys, 1))
                 sources = found.sources
             else:
                 sources = self._again(found, codes, each)
@@ -223,10 +224,10 @@ class RecordBuffer:
         self.names.claim(new, codes if each is None else tuple(
             c for k, c in zip(keys, each) if k not in kinds), kinds, self.declarations,
             self.label)
-        calls = [self.seen.get(k, 0) for k in keys]
-        for key, code in zip(keys, each or [codes] * len(keys)):
+        calls = [self.recordings(k) for k in keys]
+        for key, code, before in zip(keys, each or [codes] * len(keys), calls):
             kinds.setdefault(key, code)  # type: ignore[arg-type]
-            self.seen[key] = self.seen.get(key, 0) + 1
+            self.seen[key] = before + 1
         sources = found.sources
         if sources is not None and any(calls):  # the call of each key's recording
             calls_of = np.asarray(calls, dtype=np.float64)[:, None]
@@ -235,6 +236,11 @@ class RecordBuffer:
             sources = sources.clone() if is_tensor(sources) else sources.copy()
             sources[:, CALLS] = calls_of
         return sources
+
+    def recordings(self, key: str) -> int:
+        """How many times ``key`` was recorded in this step (its next recording's call
+        number)."""
+        return self.seen.get(key, 1 if key in self.kinds else 0)
 
     @contextlib.contextmanager
     def timed(self, key: str, code: int, device: bool = False) -> Iterator[None]:
