@@ -137,6 +137,10 @@ def test_a_collision_only_the_service_sees_is_reported_never_overwritten():
 @pytest.mark.parametrize(("call", "message"), [
     (lambda c: c.stat(torch.ones(3)), "stat\\(\\) got no values .* taken as the mask"),
     (lambda c: c.stat(), "stat\\(\\) got no values"),
+    (lambda c: c.stat(**{"text": torch.ones(2)}), "got no values.*never keys: 'text' went to"),
+    (lambda c: c.stat(**{"top": torch.ones(2)}), "got no values.*never keys: 'top' went to"),
+    (lambda c: c.stat(**{"reduce": torch.ones(2)}), "never keys: 'reduce' went to"),
+    (lambda c: c.stat(ids=[1, 2], reduce_type="sum"), "never keys: 'reduce_type', 'ids' went to"),
     (lambda c: c.scalar(), "scalar\\(\\) got no values"),
     (lambda c: c.denominator(), "denominator\\(\\) got no masks"),
     (lambda c: c.stat(**{"a/__foo/b": torch.ones(2)}), "key 'a/__foo/b': a path segment"),

@@ -176,10 +176,16 @@ class Tracker:
         if mask is not None and denominator is not None:
             raise ValueError("give either mask= or denominator=, not both")
         if not values:
+            own = {"reduce": None if reduce is ReduceType.AVG_MIN_MAX else reduce,
+                   "denominator": denominator, "reduce_type": reduce_type, "ids": ids,
+                   "top": top, "text": text}  # a key of such a name is taken as the argument
+            taken = [repr(name) for name, given in own.items() if given is not None]
             raise TypeError(
                 "stat() got no values to record: pass them as keywords, e.g. "
                 "stat(mask=m, loss=t)" + ("; a tensor passed positionally is taken as the "
                                           "mask" if mask is not None else "")
+                + (f"; stat()'s arguments are never keys: {', '.join(taken)} went to the "
+                   f"argument of that name (name the metric otherwise)" if taken else "")
             )
         kind = reduce_type if reduce_type is not None else reduce
         if kind.__class__ is not ReduceType:
