@@ -161,7 +161,7 @@ class RecordBuffer:
                                    cache=self.masks, top=top, tops=samples)
             sketches = self._sketches(values, mask, masks, each, code) if sketched else None
             # each top key's call number: its recordings before this one
-            calls = [self.recordings(key) for key in samples] if samples else []
+            calls = self.recordings(samples) if samples else []
             for rows in found:
                 self.keep(rows, code if each is None else tuple(map(each.__getitem__, rows.keys)),
                           expected, sketches)
@@ -224,7 +224,7 @@ class RecordBuffer:
         self.names.claim(new, codes if each is None else tuple(
             c for k, c in zip(keys, each) if k not in kinds), kinds, self.declarations,
             self.label)
-        calls = [self.recordings(k) for k in keys]
+        calls = self.recordings(keys)
         for key, code, before in zip(keys, each or [codes] * len(keys), calls):
             kinds.setdefault(key, code)  # type: ignore[arg-type]
             self.seen[key] = before + 1
@@ -237,10 +237,11 @@ class RecordBuffer:
             sources[:, CALLS] = calls_of
         return sources
 
-    def recordings(self, key: str) -> int:
-        """How many times ``key`` was recorded in this step (its next recording's call
+    def recordings(self, keys: Iterable[str]) -> list[int]:
+        """How many times each key was recorded in this step (its next recording's call
         number)."""
-        return self.seen.get(key, 1 if key in self.kinds else 0)
+        seen, kinds = self.seen, self.kinds
+        return [seen.get(key, 1 if key in kinds else 0) for key in keys]
 
     @contextlib.contextmanager
     def timed(self, key: str, code: int, device: bool = False) -> Iterator[None]:
