@@ -217,10 +217,15 @@ class Rank:
             return False
         if (self.last_closed is not None and step <= self.last_closed) or (
                 self.known and self.pending):
-            self.pending, self.known = {}, False
+            self.drop()
             return True
         self.open = step
         return False
+
+    def drop(self) -> None:
+        """A discard or a refused close: the records since the last close are gone, and the
+        next step named is taken."""
+        self.pending, self.known = {}, False
 
     def record(self, key: str, value: int) -> None:
         self.pending[key] = self.pending.get(key, 0) + value

@@ -128,7 +128,7 @@ def test_every_published_step_holds_exactly_what_was_recorded_for_it(make_worker
         def discard(self):
             """After a failed training step (an exception between recording and closing)."""
             assert self.client.discard() == len(self.model.pending)
-            self.model.pending, self.model.known = {}, False
+            self.model.drop()
 
         def teardown(self):
             self.client.wait_acks(timeout_s=60)

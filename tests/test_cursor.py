@@ -47,7 +47,7 @@ class Cursor(RuleBasedStateMachine):
         if step is not None and step < 0:
             with pytest.raises(TypeError, match=rf"{caller}\(step={step}\): step must be"):
                 self.cursor.close(step, caller)
-            self.model.pending, self.model.known = {}, False  # dropped, as a refusal does
+            self.model.drop()  # as a refusal does
             return
         if step is not None and self.model.name(step):
             with pytest.raises(StepMismatch, match=rf"{caller}\(step={step}\) refused.*"
@@ -63,7 +63,7 @@ class Cursor(RuleBasedStateMachine):
     @rule()
     def discard(self):
         assert self.cursor.discard() == len(self.model.pending)
-        self.model.pending, self.model.known = {}, False
+        self.model.drop()
 
     @invariant()
     def every_published_step_holds_what_was_recorded_for_it(self):
