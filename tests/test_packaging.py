@@ -176,6 +176,17 @@ def test_no_module_imports_another_modules_private_name():
     assert not crossing, crossing
 
 
+def _targets(node):
+    """What an assignment statement assigns to (none for any other node)."""
+    import ast
+
+    if isinstance(node, ast.Assign):
+        return node.targets
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target]
+    return []
+
+
 def test_every_memo_of_a_function_is_bounded():
     """A function whose results are kept by its arguments keeps a bounded number
     (``functools.lru_cache(maxsize=N)``): a memo keyed by what users name (a prefix, a
@@ -194,13 +205,9 @@ def test_every_memo_of_a_function_is_bounded():
         # a memo by hand: a function that looks a module's dict up and fills it on a miss
         # (``_X.get(key)`` then ``_X[key] = ...``); a registry, filled by one call and read
         # by others, is not one
-        empty = {target.id for node in tree.body
-                 for target, value in ([(t, node.value) for t in node.targets]
-                                       if isinstance(node, ast.Assign) else
-                                       [(node.target, node.value)]
-                                       if isinstance(node, ast.AnnAssign) else [])
-                 if isinstance(target, ast.Name) and isinstance(value, ast.Dict)
-                 and not value.keys}
+        empty = {target.id for node in tree.body for target in _targets(node)
+                 if isinstance(target, ast.Name) and isinstance(node.value, ast.Dict)
+                 and not node.value.keys}
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 read = {inner.func.value.id for inner in ast.walk(node)
@@ -222,13 +229,6 @@ def test_no_object_assigns_another_objects_attributes():
     ``self.buffer.label = ...``) is a method of that other part, moved home."""
     import ast
 
-    def targets(node):
-        if isinstance(node, (ast.Assign,)):
-            return node.targets
-        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            return [node.target]
-        return []
-
     def flatten(target):
         if isinstance(target, (ast.Tuple, ast.List)):
             for item in target.elts:
@@ -239,7 +239,7 @@ def test_no_object_assigns_another_objects_attributes():
     foreign = []
     for where, tree in _sources():
         for node in ast.walk(tree):
-            for target in (t for raw in targets(node) for t in flatten(raw)):
+            for target in (t for raw in _targets(node) for t in flatten(raw)):
                 if isinstance(target, ast.Attribute) and not target.attr.startswith("__") and not (
                         isinstance(target.value, ast.Name) and target.value.id in ("self", "cls")):
                     foreign.append(f"{where}:{node.lineno}: {ast.unparse(target)}")
