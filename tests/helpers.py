@@ -204,11 +204,13 @@ STEPS = (None, -2, -1, 0, 1, 2)  # a close names no step, or one relative to the
 class Rank:
     """The model: the open step, the last closed, whether the open step is the caller's
     (False after a discard or a refused close: the next step named is taken), the sums
-    recorded since the last close, and what each closed step holds."""
+    recorded since the last close and how many recordings of each key (the next one's call
+    number), and what each closed step holds."""
 
     def __init__(self, start: int) -> None:
         self.open, self.last_closed, self.known = start, None, True
         self.pending: dict[str, int] = {}
+        self.recorded: dict[str, int] = {}
         self.published: dict[int, dict[str, int]] = {}
 
     def name(self, step: int) -> bool:
@@ -225,15 +227,16 @@ class Rank:
     def drop(self) -> None:
         """A discard or a refused close: the records since the last close are gone, and the
         next step named is taken."""
-        self.pending, self.known = {}, False
+        self.pending, self.recorded, self.known = {}, {}, False
 
     def record(self, key: str, value: int) -> None:
         self.pending[key] = self.pending.get(key, 0) + value
+        self.recorded[key] = self.recorded.get(key, 0) + 1
 
     def close(self) -> None:
         self.published[self.open] = dict(self.pending)
-        self.last_closed, self.open, self.known, self.pending = self.open, self.open + 1, \
-            True, {}
+        self.last_closed, self.open, self.known = self.open, self.open + 1, True
+        self.pending, self.recorded = {}, {}
 
 
 # -- a service's merge without Ray ---------------------------------------------------------

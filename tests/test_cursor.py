@@ -70,6 +70,9 @@ class Cursor(RuleBasedStateMachine):
         assert self.sent == sorted(set(self.sent))  # steps only go forward, each sent once
         assert self.cursor.step == self.model.open
         assert sorted(self.buffer.keys()) == sorted(self.model.pending)
+        # each key's next call number (where its min and max came from): across re-recordings,
+        # discards, refusals and closes
+        assert self.buffer.recordings(KEYS) == [self.model.recorded.get(k, 0) for k in KEYS]
         assert self.published == {
             step: {key: float(v) for key, v in held.items()}
             for step, held in self.model.published.items()}
