@@ -20,8 +20,8 @@ STREAM_RANK = 1 << 30  # streams declare after every rank: a rank's declaration 
 
 
 class StreamLedger:
-    """How far the journal holds each stream client's batches: exported into a step the
-    journal holds. Positions are the client's batch numbers (``seq``), which grow by one per batch
+    """How far the journal holds each stream client's batches (exported into a journaled
+    step). Positions are the client's batch numbers (``seq``), which grow by one per batch
     and reach the service in order."""
 
     def __init__(self) -> None:
