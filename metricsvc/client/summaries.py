@@ -442,7 +442,7 @@ def sketch(values: Any, mask: Any, spec: SketchSpec, *, key: str = "value") -> A
             use = use & mask.reshape(-1)
         x = torch.where(use, x, 0.0)  # excluded positions land in the zero slot with weight 0
         mag = x.abs()
-        bounds = _device_bounds(spec.alpha, x.device)
+        bounds = _device_bounds(spec, x.device)
         # bounds[b-1] <= v < bounds[b] for a positive v, bounds[b-1] < v <= bounds[b] for -v
         up = torch.searchsorted(bounds, mag, right=True)
         down = torch.searchsorted(bounds, mag, right=False)
@@ -452,9 +452,9 @@ def sketch(values: Any, mask: Any, spec: SketchSpec, *, key: str = "value") -> A
 
 
 @functools.lru_cache(maxsize=16)  # a run has an accuracy or two, a device or few
-def _device_bounds(alpha: float, device: Any) -> Any:
-    """The bucket boundaries of accuracy ``alpha`` on ``device``, copied there once."""
-    return to_device(np.array(SketchSpec(alpha).bounds), device)
+def _device_bounds(spec: SketchSpec, device: Any) -> Any:
+    """The bucket boundaries on ``device``, copied there once per accuracy."""
+    return to_device(np.array(spec.bounds), device)
 
 
 def add_sketches(a: Any, b: Any) -> Any:
