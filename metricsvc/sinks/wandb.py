@@ -8,7 +8,8 @@ folder): it reads what the run's transaction logs already hold and writes only t
 In offline mode each incarnation gets its own ``offline-run-*-<id>`` folder, all with the
 one run id; ``wandb sync`` uploads them into one run.
 
-``close`` (called by ``worker.close()`` and at actor shutdown) always calls ``finish``.
+``close`` (called by ``worker.close()`` and at actor shutdown) always calls ``finish`` and
+waits for ``wandb-core`` to end.
 The API key is read by wandb from WANDB_API_KEY; this module never reads, prints or
 stores it.
 """
@@ -171,9 +172,18 @@ class WandbSink:
         return self._durable
 
     def close(self) -> None:
+        """Finish the run, then wait for wandb's process to end: ``finish`` returns before
+        it has closed the run's files, and an actor ended right after its close
+        (``stop_metric_worker``) lost their tail."""
         if self.run is not None:
+            import wandb
+
             self.run.finish()
             self.run = None
+            try:
+                wandb.teardown()  # this process's wandb-core: the sink's alone, in the actor
+            except SystemExit as ended:  # wandb's way to say its process failed
+                raise RuntimeError(f"wandb's process ended with code {ended.code}") from None
 
 
 BUILTIN = Builtin(
