@@ -288,6 +288,26 @@ def test_the_wandb_sink_closes_only_once_wandb_has_written_the_run_and_ended(tmp
     assert readback.wandb_history(tmp_path) == {0: {"x": 0.0}, 1: {"x": 1.0}}
 
 
+def test_the_wandb_sink_leaves_wandb_running_for_a_run_of_the_callers_own(tmp_path):
+    """Sinks run in the MetricWorker; one a caller runs beside a wandb run of its own
+    (``SinkDispatcher`` is public) leaves that run's wandb process alone at its close."""
+    import wandb
+
+    from metricsvc.sinks.wandb import WandbSink
+
+    own = wandb.init(mode="offline", dir=str(tmp_path / "own"), project="own",
+                     reinit="create_new", settings=wandb.Settings(console="off", silent=True))
+    sink = WandbSink()
+    sink.open(tmp_path / "sink")
+    sink.write(0, {"x": 1.0}, {})
+    sink.close()
+    own.log({"y": 2.0}, step=0)  # refused by wandb once its process has ended
+    own.finish()
+    wandb.teardown()
+    assert readback.wandb_history(tmp_path / "own") == {0: {"y": 2.0}}
+    assert readback.wandb_history(tmp_path / "sink") == {0: {"x": 1.0}}
+
+
 @pytest.mark.slow
 def test_moe_loads_reach_wandb_as_one_table_a_step_and_the_scalars_where_the_page_says(
         make_worker):

@@ -172,16 +172,19 @@ class WandbSink:
         return self._durable
 
     def close(self) -> None:
-        """Finish the run, then wait for wandb's process to end: ``finish`` returns before
-        it has closed the run's files, and an actor ended right after its close
-        (``stop_metric_worker``) lost their tail."""
+        """Finish the run, then wait for wandb's process to end unless another run of this
+        process still uses it: ``finish`` returns before wandb-core has closed the run's
+        files, and an actor ended right after its close (``stop_metric_worker``) lost
+        their tail."""
         if self.run is not None:
             import wandb
 
             self.run.finish()
             self.run = None
+            if wandb.setup().most_recent_active_run is not None:
+                return  # a run of the caller's own (sinks outside the MetricWorker)
             try:
-                wandb.teardown()  # this process's wandb-core: the sink's alone, in the actor
+                wandb.teardown()
             except SystemExit as ended:  # wandb's way to say its process failed
                 raise RuntimeError(f"wandb's process ended with code {ended.code}") from None
 
