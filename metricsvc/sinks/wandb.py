@@ -178,10 +178,13 @@ class WandbSink:
         their tail."""
         if self.run is not None:
             import wandb
+            from wandb.sdk import wandb_setup
 
             self.run.finish()
             self.run = None
-            if wandb.setup().most_recent_active_run is not None:
+            # (``singleton``, not ``wandb.setup``: that one starts wandb's process if none
+            # runs, as in mode "disabled", only for it to be torn down)
+            if wandb_setup.singleton().most_recent_active_run is not None:
                 return  # a run of the caller's own (sinks outside the MetricWorker)
             try:
                 wandb.teardown()
