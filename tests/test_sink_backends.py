@@ -254,35 +254,22 @@ def test_stop_metric_worker_closes_sinks_then_ends_the_actor(ray_cluster, tmp_pa
         metricsvc.get_metric_worker("stop-wandb")
 
 
-def _children() -> list[str]:
-    """The commands of this process's live children (/proc)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    with open(f"/proc/{pid}/cmdline", "rb") as g:
-                        found.append(g.read().replace(b"\0", b" ").decode())
-        except (OSError, IndexError, ValueError):
-            continue  # ended meanwhile
-    return found
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table in /proc")
 def test_the_wandb_sink_closes_only_once_wandb_has_written_the_run_and_ended(tmp_path):
     """``run.finish()`` returns before wandb-core has closed the run's files; an actor that
     ``stop_metric_worker`` ended right after its close lost their tail (the run in
     ``make test`` held no history and no exit record, though the sink had written both
     steps). The sink's close waits for wandb's process to end, so nothing is left to lose."""
+    import psutil
+
     from metricsvc.sinks.wandb import WandbSink, WandbSinkConfig
 
-    before = _children()
+    before = psutil.Process().children()
     sink = WandbSink(WandbSinkConfig(flush_interval_s=3600))  # wandb's own flush never fires
     sink.open(tmp_path)
     for step in range(2):
         sink.write(step, {"x": float(step)}, {})
     sink.close()
-    assert [c for c in _children() if c not in before] == []  # nothing of wandb's runs on
+    assert [c.cmdline() for c in psutil.Process().children() if c not in before] == []  # wandb's
     kinds = wandb_record_kinds(tmp_path)
     assert kinds.count("history") == 2 and kinds[-1] == "exit"
     assert readback.wandb_history(tmp_path) == {0: {"x": 0.0}, 1: {"x": 1.0}}
