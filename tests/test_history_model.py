@@ -40,6 +40,8 @@ from tests.helpers import crash, sigkill
 _services = itertools.count()
 VALUES = st.one_of(st.floats(-1e6, 1e6, allow_nan=False, width=32),
                    st.sampled_from([1e-30, -3.5e25, 7.0]))
+# A key of two that share TensorBoard's tag "acc_rate", or none
+TAGS = st.sampled_from([None, "acc rate", "acc_rate"])
 ALERT_ABOVE = 1e5  # m/max past it: an alert naming m/max's top samples
 
 
@@ -58,6 +60,9 @@ class RunHistoryMachine(RuleBasedStateMachine):
                     "alerts": [{"key": "m/max", "above": ALERT_ABOVE, "name": "m high"}],
                     "run": {"root": self.tmp.name, "experiment": "m", "trial": "t"}}
         self.model: dict[int, dict[str, float]] = {}
+        # step -> the key of the two sharing TensorBoard's tag "acc_rate" it recorded: the
+        # tag shows the first step's key for the run, the other never
+        self.tagged: dict[int, str] = {}
         # step -> what its meta names: extremes, top, nonfinite_first, alerts
         self.extremes: dict[int, dict[str, dict]] = {}
         self.samples: dict[int, dict[str, Any]] = {}
@@ -105,6 +110,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
 
     def _rewound(self, to_step: int) -> None:
         self.model = {s: m for s, m in self.model.items() if s <= to_step}
+        self.tagged = {s: k for s, k in self.tagged.items() if s <= to_step}
         self.extremes = {s: e for s, e in self.extremes.items() if s <= to_step}
         self.samples = {s: e for s, e in self.samples.items() if s <= to_step}
         self.next = to_step + 1
@@ -115,9 +121,9 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.handle = metricsvc.start_metric_worker(self.cfg)
         self.client = self._client()
 
-    @rule(value=VALUES, blocking=st.booleans())
-    def close_step(self, value: float, blocking: bool) -> None:
-        self.client.submit_metric({"x": value})
+    @rule(value=VALUES, blocking=st.booleans(), tag=TAGS)
+    def close_step(self, value: float, blocking: bool, tag: str | None = None) -> None:
+        self.client.submit_metric({"x": value, **({tag: value} if tag else {})})
         pair, first = [value, -value], 100 * self.next  # a tie at 0: row 0 is both
         # and a NaN in row 2; the two samples of each side with their text
         self.client.stat(ids=np.array([first, first + 1, first + 2]), top=2,
@@ -145,16 +151,18 @@ class RunHistoryMachine(RuleBasedStateMachine):
             self.client.flush(step=self.next)
             self.flushed = True
         self.model[self.next] = {"x": value, "m/mean": 0.0, "m/min": min(pair),
-                                 "m/max": max(pair)}
+                                 "m/max": max(pair), **({tag: value} if tag else {})}
+        if tag:
+            self.tagged[self.next] = tag
         self.next += 1
 
-    @rule(values=st.lists(VALUES, min_size=1, max_size=3))
-    def close_and_drop_the_client(self, values: list[float]) -> None:
+    @rule(values=st.lists(st.tuples(VALUES, TAGS), min_size=1, max_size=3))
+    def close_and_drop_the_client(self, values: list[tuple[float, str | None]]) -> None:
         """The rank closes steps with ``flush`` (no wait) and lets its client go at once,
         carrying on with a new one: what the old one handed over is delivered all the
         same."""
-        for value in values:
-            self.close_step(value, blocking=False)
+        for value, tag in values:
+            self.close_step(value, blocking=False, tag=tag)
         self.client = self._client()
         self.flushed = False
 
@@ -227,6 +235,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         metricsvc.stop_metric_worker(self.handle)
         self.cfg["run"] = {**self.cfg["run"], "trial": f"t{next(self.runs)}"}
         self.model, self.extremes, self.samples, self.next = {}, {}, {}, 0
+        self.tagged = {}
         self.flagged = set()
         self.handle = metricsvc.start_metric_worker(self.cfg)
         self.client = self._client()
@@ -275,7 +284,10 @@ class RunHistoryMachine(RuleBasedStateMachine):
         assert {s: m for s, (_, m) in sources.items()} == self.samples
         assert set(metricsvc.flagged_samples(run)) == self.flagged
         _same(report, self.model, 1e-9, "report")
-        _same(board, self.model, 1e-6, "tensorboard")
+        shown = self.tagged[min(self.tagged)] if self.tagged else None
+        _same(board, {s: {("acc_rate" if k == shown else k): v for k, v in m.items()
+                          if k not in self.tagged.values() or k == shown}
+                      for s, m in self.model.items()}, 1e-6, "tensorboard")
         # A sink slow to reopen after a restart: each step of each segment once, whatever
         # the run journals while it reopens (a rewind, its rerun)
         from tests.sink_fixtures import folded

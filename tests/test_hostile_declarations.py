@@ -61,8 +61,9 @@ def _plain(step, rank, **values):
 
 def test_keys_sharing_a_sink_tag_show_the_same_one_whatever_the_arrival_order():
     """'acc rate' and 'acc_rate' from two ranks shared one TensorBoard tag, which showed 1.0
-    at step 0 and 2.0 at step 1 for identical data (whichever arrived first). Now the name
-    written as its tag is shown every step, and the rank that sent the other is told."""
+    at step 0 and 2.0 at step 1 for identical data (whichever arrived first). Now, of names
+    a step brings together, the name written as its tag is shown, every step, and the rank
+    that sent the other is told."""
     from metricsvc.service.engine import Engine as Aggregator
     from metricsvc.sinks.base import tagged
 
@@ -79,9 +80,69 @@ def test_keys_sharing_a_sink_tag_show_the_same_one_whatever_the_arrival_order():
     assert shown == [{"acc_rate": 2.0}, {"acc_rate": 2.0}]
     told = [(rank, n) for rank, n in notices if n]
     assert told == [(1, "key 'acc_rate' shares the sink tag 'acc_rate' with key 'acc rate': "
-                        "sinks show 'acc_rate' under it (the name written as its tag, else "
-                        "the first alphabetically); rename one")]
+                        "sinks show 'acc_rate' under it (the first name the run showed under "
+                        "it; of names one step brings, the name written as its tag, else the "
+                        "first alphabetically); rename one")]
 
+
+
+def test_a_sink_tag_shows_one_name_for_the_whole_run_whichever_steps_hold_each(tmp_path):
+    """Two names sharing a sink tag on different steps (a validation key on some steps
+    only, say) filled one TensorBoard series with both: each step showed whichever of them
+    it held. The first name a run shows under a tag keeps it, across steps, a restart and
+    a rewind that does not reach back past it; the other is never shown under it."""
+    from metricsvc.service.engine import Engine
+    from metricsvc.sinks.base import tagged
+    from metricsvc.sinks.tensorboard import TensorboardSink
+    from tests import readback
+
+    told = []
+
+    def run(engine, steps, first=0):
+        out = []
+        for step, (zero, one) in enumerate(steps, first):
+            for rank, values in enumerate((zero, one)):
+                answer = engine.submit(_plain(step, rank, **values))
+                told.extend([(step, rank, answer.notice)] if answer.notice else [])
+            (done,) = answer.finished
+            out.append(done)
+        return out
+
+    steps = [({"acc rate": 1.0}, {"loss": 0.5}),  # "acc rate" takes the tag "acc_rate"
+             ({"acc rate": 1.0}, {"acc_rate": 2.0}),  # both: the first keeps it
+             ({"loss": 0.5}, {"acc_rate": 2.0}),  # the other alone: not under the tag
+             ({"acc rate": 3.0}, {"loss": 0.5})]
+    engine = Engine(world_size=2)
+    done = run(engine, steps)
+    sink = TensorboardSink()
+    sink.open(tmp_path)
+    for result in done:
+        sink.write(result.step, result.metrics, result.meta)
+    sink.close()
+    board = readback.tensorboard_scalars(tmp_path / "tensorboard")
+    assert {s: m.get("acc_rate") for s, m in board.items()} == {0: 1.0, 1: 1.0, 2: None,
+                                                                3: 3.0}
+    assert [tagged(r.metrics, r.meta).get("acc_rate") for r in done] == [1.0, 1.0, None, 3.0]
+    assert [r.meta.get("collisions") for r in done] == [
+        None, {"acc_rate": ["acc rate", "acc_rate"]}, {"acc_rate": ["acc rate", "acc_rate"]},
+        None]
+    assert [r.meta.get("sink_tags") for r in done] == [
+        None, {"acc_rate": "acc rate"}, {"acc_rate": "acc rate"}, None]
+    assert told == [(1, 1, "key 'acc_rate' shares the sink tag 'acc_rate' with key 'acc rate': "
+                           "sinks show 'acc rate' under it (the first name the run showed "
+                           "under it; of names one step brings, the name written as its tag, "
+                           "else the first alphabetically); rename one")]
+    # A restart continues from the journaled steps: the tag stays with "acc rate"
+    restarted = Engine(world_size=2)
+    restarted.restore({"step": r.step, "metrics": r.metrics, "meta": r.meta} for r in done)
+    (later,) = run(restarted, [({"loss": 0.5}, {"acc_rate": 4.0})], first=4)
+    assert "acc_rate" not in tagged(later.metrics, later.meta)
+    # A rewind before the step that gave the tag away: the rerun gives it afresh
+    restarted.rewind(-1, None, [], {})
+    (rerun,) = run(restarted, [({"loss": 0.5}, {"acc_rate": 5.0})])
+    assert tagged(rerun.metrics, rerun.meta)["acc_rate"] == 5.0
+    (after,) = run(restarted, [({"acc rate": 6.0}, {"loss": 0.5})], first=1)
+    assert "acc_rate" not in tagged(after.metrics, after.meta)
 
 def _blob(step, rank, keys, derived=b"", world_size=2):
     import numpy as np

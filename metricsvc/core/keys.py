@@ -98,9 +98,9 @@ def is_plain_part(value: str) -> bool:
 
 
 def tag_order(name: str, tag: str) -> tuple[bool, str]:
-    """Order the names sharing one sink tag: the first is the one sinks show. The name
-    written as its tag comes first, then the others alphabetically: the same name every
-    step, whatever order the keys arrived in."""
+    """Order the names one step brings under one sink tag: the name written as its tag
+    comes first, then the others alphabetically, whatever order the keys arrived in. The
+    first takes the tag for the run, if no earlier step gave it (``output.SinkTags``)."""
     return (name != tag, name)
 
 

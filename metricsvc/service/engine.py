@@ -213,7 +213,7 @@ class Engine:
             self._check_lag(batch.rank, step)  # only then can a rank lag
         self.pending[step] = target
         if fresh and fresh is not self._tags.last:  # keys a step before brought too: known
-            said = self._tags.notice(fresh)
+            said = self._tags.notice(fresh, step)
             if said is not None:
                 self.notices.tell(batch.rank, said)
         if ignored is not None:  # its data merged, its declaration not: it hears why
@@ -443,9 +443,11 @@ class Engine:
             if isinstance(declarations := meta.get("declarations"), dict):
                 self.declarations.restore(declarations, step)
             self.out.descriptions.restore(meta, step)
+            if isinstance(metrics := record.get("metrics"), dict):
+                self.out.tags.claim(tuple(metrics), step)
             if isinstance(stream_seqs := meta.get("stream_seqs"), dict):
                 self.streams.ledger.journaled(stream_seqs)
-            if self.alerts.rules and isinstance(metrics := record.get("metrics"), dict):
+            if self.alerts.rules and isinstance(metrics, dict):
                 self.alerts.remember(step, metrics)  # evaluated once already: never again
 
     def settled_by(self, to_step: int) -> dict[str, dict[str, int]]:
@@ -473,6 +475,7 @@ class Engine:
         self.deriver.restore(totals or {})
         self.declarations.forget_after(to_step)
         self.out.descriptions.forget_after(to_step)
+        self.out.tags.forget_after(to_step)
         self.alerts.rewound(before)
         self.newest_closed = self.pending.newest_closed(self.last_emitted)
         return superseded
@@ -570,17 +573,18 @@ class PendingSteps(dict[int, PendingStep]):
 
 class TagOwners:
     """The keys of the run by sink tag, to tell a rank whose new key shares a tag with
-    another key (``"acc rate"`` and ``"acc_rate"``) which of them sinks will show."""
+    another key (``"acc rate"`` and ``"acc_rate"``) which of them sinks will show: the
+    first the run showed (``output.SinkTags``)."""
 
     LIMIT = 100_000  # keys remembered; past it, new keys are not checked
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
-        self._owner: dict[str, str] = {}
+        self._owner: dict[str, tuple[str, int]] = {}  # tag -> (key shown, from step)
         self.last: tuple[str, ...] | None = None  # the last key tuple registered
 
-    def notice(self, keys: Sequence[str]) -> str | None:
-        """Register ``keys``; return what their sender must hear, or None."""
+    def notice(self, keys: Sequence[str], step: int) -> str | None:
+        """Register ``keys`` of ``step``; return what their sender must hear, or None."""
         if isinstance(keys, tuple):
             self.last = keys
         said = []
@@ -589,13 +593,14 @@ class TagOwners:
                 continue
             self._seen.add(key)
             tag = safe_tag(key)
-            held = self._owner.setdefault(tag, key)
+            held, at = self._owner.setdefault(tag, (key, step))
             if held != key:
-                shown = min(held, key, key=lambda n: tag_order(n, tag))
-                self._owner[tag] = shown
+                shown = min((at, tag_order(held, tag)), (step, tag_order(key, tag)))[1][1]
+                self._owner[tag] = (shown, min(at, step))
                 said.append(f"key {key!r} shares the sink tag {tag!r} with key {held!r}: "
-                            f"sinks show {shown!r} under it (the name written as its tag, "
-                            f"else the first alphabetically); rename one")
+                            f"sinks show {shown!r} under it (the first name the run showed "
+                            f"under it; of names one step brings, the name written as its "
+                            f"tag, else the first alphabetically); rename one")
         return "; ".join(said[:8]) or None
 
 

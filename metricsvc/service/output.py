@@ -91,7 +91,7 @@ class StepOutput:
         self.tables = Tables(tables)
         self.resolver = KindResolver(reduce_rules)
         self.rename = Renamer(renames)
-        self._tags: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
+        self.tags = SinkTags()
         self._held_plan: tuple = ([], b"", None)  # keys, codes, their KeyPlan
         self.deriver = deriver
         self.declarations = declarations
@@ -141,8 +141,8 @@ class StepOutput:
         """Finalise the public keys; evaluate the ``declared`` derived metrics over every
         record (the internal ones are their inputs only).
 
-        A name exported twice (two keys, a rename, a derived metric, or two names one sink
-        tag) keeps its first source and is listed in ``collisions``.
+        A name exported twice (two keys, a rename, a derived metric) keeps its first source
+        and is listed in ``collisions``.
         """
         metrics = finalize(keys, plan.kinds, merged.data, sketches=merged.sketches,
                            rules=self.output, collisions=collisions, exports=plan.exports)
@@ -154,17 +154,6 @@ class StepOutput:
                     collisions.setdefault(name, [name]).append(f"derived {key}")
                 else:
                     metrics[name] = value
-        # The names that sinks which sanitise names would merge under one tag, the first
-        # the one they show (``tag_order``); worked out again when the names change.
-        names = tuple(metrics)
-        if self._tags[0] != names:
-            by_tag: dict[str, list[str]] = {}
-            for name in names:
-                by_tag.setdefault(safe_tag(name), []).append(name)
-            self._tags = (names, {tag: sorted(same, key=lambda n, t=tag: tag_order(n, t))
-                                  for tag, same in by_tag.items() if len(same) > 1})
-        for tag, same in self._tags[1].items():
-            collisions[tag] = list(same)
         return metrics
 
     def finish(self, p: PendingStep, merged: Merged, lagging: list[int]) -> StepResult:
@@ -186,6 +175,10 @@ class StepOutput:
                     log.warning("step %d: stream %r holds records of version %d, %d versions "
                                 "old (max_staleness %d)", p.step, name, oldest,
                                 p.step - oldest, self.max_staleness)
+        hidden = self.tags.claim(tuple(metrics), p.step)
+        if hidden:  # names sinks that sanitise names leave out: another shows their tag
+            collisions.update(hidden)
+            meta["sink_tags"] = {tag: names[0] for tag, names in hidden.items()}
         starts = self.tables.starts
         for name in metrics if starts else ():
             if name.startswith(starts):  # a name a table may hold: the step's tables
@@ -288,6 +281,47 @@ class StepOutput:
                     "sum_squares": _sum_squares(row), "min": float(row[MIN]),
                     "max": float(row[MAX])}
         return out
+
+
+class SinkTags:
+    """The name each sink tag shows for the run. Sinks that sanitise names (TensorBoard,
+    MLflow, SwanLab, Trackio) give ``acc rate`` and ``acc_rate`` one tag: it shows the
+    first name a step exported under it (of names one step brings together, the first in
+    ``tag_order``) from then on, whichever of them a later step holds, so that its series
+    is one metric's. A rewind before the step that gave a tag gives it afresh."""
+
+    LIMIT = 100_000  # tags remembered; a step's new tags past it are decided by the step
+
+    def __init__(self) -> None:
+        self._shown: dict[str, tuple[str, int]] = {}  # tag -> (its name, the step giving it)
+        self._last: tuple[tuple[str, ...], dict[str, list[str]]] | None = None
+
+    def claim(self, names: tuple[str, ...], step: int) -> dict[str, list[str]]:
+        """Learn the tags of ``step``'s exported ``names``; return ``{tag: [the name it
+        shows, the names of this step it leaves out]}`` where this step has such names.
+        Steps that export the names of the step before cost one comparison."""
+        if self._last is not None and self._last[0] == names:
+            return self._last[1]  # their tags are all given: the same answer
+        by_tag: dict[str, list[str]] = {}
+        for name in names:
+            by_tag.setdefault(safe_tag(name), []).append(name)
+        hidden = {}
+        for tag, same in by_tag.items():
+            held = self._shown.get(tag)
+            shown = min(same, key=lambda n, t=tag: tag_order(n, t)) if held is None \
+                else held[0]
+            if held is None and len(self._shown) < self.LIMIT:
+                self._shown[tag] = (shown, step)
+            if len(same) > 1 or shown != same[0]:
+                hidden[tag] = [shown, *sorted((n for n in same if n != shown),
+                                              key=lambda n, t=tag: tag_order(n, t))]
+        self._last = (names, hidden)
+        return hidden
+
+    def forget_after(self, step: int) -> None:
+        """A rewind to ``step``: the tags later steps gave are given afresh."""
+        self._shown = {tag: held for tag, held in self._shown.items() if held[1] <= step}
+        self._last = None
 
 
 def _sum_squares(row: np.ndarray) -> float:

@@ -270,14 +270,19 @@ def sinks_model() -> type[Strict]:
 
 
 # -- what a sink may show ------------------------------------------------------------
-def tagged(metrics: Mapping[str, float], max_length: int = MAX_TAG_LENGTH) -> dict[str, float]:
-    """Return ``{safe_tag: value}``; of names sharing a tag the first in ``tag_order``
-    keeps it (the service lists such names in the step's ``meta["collisions"]``), never
-    a silent overwrite."""
+def tagged(metrics: Mapping[str, float], meta: Mapping[str, Any] | None = None,
+           max_length: int = MAX_TAG_LENGTH) -> dict[str, float]:
+    """Return ``{safe_tag: value}`` of a step's ``metrics``. A name whose tag the run shows
+    another name under (``meta["sink_tags"]``, from the service) is left out; of names
+    sharing a tag otherwise the first in ``tag_order`` keeps it, never a silent overwrite
+    (the service lists such names in the step's ``meta["collisions"]``)."""
     out: dict[str, float] = {}
     owner: dict[str, str] = {}
+    shown = (meta or {}).get("sink_tags") or {}
     for key, value in metrics.items():
         tag = safe_tag(key, max_length)
+        if shown.get(tag, key) != key:
+            continue
         held = owner.get(tag)
         if held is None or tag_order(key, tag) < tag_order(held, tag):
             owner[tag], out[tag] = key, value

@@ -98,7 +98,7 @@ class MlflowSink:
 
         now = int(time.time() * 1000)
         held = self._held.pop(step, ())
-        batch = [Metric(tag, float(v), now, step) for tag, v in tagged(metrics, 250).items()
+        batch = [Metric(tag, float(v), now, step) for tag, v in tagged(metrics, meta, 250).items()
                  if tag not in held]
         about = descriptions(meta, 230)  # a run tag per metric: "description/<metric>"
         if about:

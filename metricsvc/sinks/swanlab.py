@@ -101,7 +101,7 @@ class SwanlabSink:
 
     def write(self, step: int, metrics: Mapping[str, float], meta: Mapping[str, Any]) -> None:
         held = self._held.pop(step, ())
-        values: dict[str, Any] = {k: v for k, v in tagged(metrics).items() if k not in held}
+        values: dict[str, Any] = {k: v for k, v in tagged(metrics, meta).items() if k not in held}
         for name, hist in meta.get("histograms", {}).items():
             tag = safe_tag(name)
             if tag not in held and tag not in values:

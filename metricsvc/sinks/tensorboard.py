@@ -157,7 +157,7 @@ class TensorboardSink:
         held = self._held.pop(step, ())
         now = time.time()
         about = descriptions(meta)  # shown as each scalar's description in TensorBoard
-        for tag, value in tagged(metrics).items():
+        for tag, value in tagged(metrics, meta).items():
             if tag not in held:
                 summary = scalar(tag, value, summary_description=about.get(tag, ""))
                 self._write(Event(wall_time=now, step=step, summary=summary))

@@ -80,7 +80,7 @@ class TrackioSink:
                 steps=[step] * len(alerts),
                 alert_ids=[f"{step}/{a['rule']}/{a['value']!r}" for a in alerts])
         values = {(f"__{tag}" if tag in _RESERVED else tag): float(v)
-                  for tag, v in tagged(metrics).items()}
+                  for tag, v in tagged(metrics, meta).items()}
         self.storage.bulk_log(project=self.project, run=self.run, metrics_list=[values],
                               steps=[step], config=self._config)
         self._config = None
