@@ -175,7 +175,8 @@ class StepOutput:
                     log.warning("step %d: stream %r holds records of version %d, %d versions "
                                 "old (max_staleness %d)", p.step, name, oldest,
                                 p.step - oldest, self.max_staleness)
-        hidden = self.tags.claim(tuple(metrics), p.step)
+        names = tuple(metrics)  # the step before's names: their tags are given already
+        hidden = self.tags.hidden if names == self.tags.names else self.tags.claim(names, p.step)
         if hidden:  # names sinks that sanitise names leave out: another shows their tag
             collisions.update(hidden)
             meta["sink_tags"] = {tag: names[0] for tag, names in hidden.items()}
@@ -294,14 +295,15 @@ class SinkTags:
 
     def __init__(self) -> None:
         self._shown: dict[str, tuple[str, int]] = {}  # tag -> (its name, the step giving it)
-        self._last: tuple[tuple[str, ...], dict[str, list[str]]] | None = None
+        # The last names claimed and the answer: the same for a step of the same names
+        self.names: tuple[str, ...] | None = None
+        self.hidden: dict[str, list[str]] = {}
 
     def claim(self, names: tuple[str, ...], step: int) -> dict[str, list[str]]:
         """Learn the tags of ``step``'s exported ``names``; return ``{tag: [the name it
-        shows, the names of this step it leaves out]}`` where this step has such names.
-        Steps that export the names of the step before cost one comparison."""
-        if self._last is not None and self._last[0] == names:
-            return self._last[1]  # their tags are all given: the same answer
+        shows, the names of this step it leaves out]}`` where this step has such names."""
+        if names == self.names:
+            return self.hidden  # their tags are all given: the same answer
         by_tag: dict[str, list[str]] = {}
         for name in names:
             by_tag.setdefault(safe_tag(name), []).append(name)
@@ -315,13 +317,13 @@ class SinkTags:
             if len(same) > 1 or shown != same[0]:
                 hidden[tag] = [shown, *sorted((n for n in same if n != shown),
                                               key=lambda n, t=tag: tag_order(n, t))]
-        self._last = (names, hidden)
+        self.names, self.hidden = names, hidden
         return hidden
 
     def forget_after(self, step: int) -> None:
         """A rewind to ``step``: the tags later steps gave are given afresh."""
         self._shown = {tag: held for tag, held in self._shown.items() if held[1] <= step}
-        self._last = None
+        self.names = None
 
 
 def _sum_squares(row: np.ndarray) -> float:
