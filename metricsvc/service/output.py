@@ -175,11 +175,11 @@ class StepOutput:
                     log.warning("step %d: stream %r holds records of version %d, %d versions "
                                 "old (max_staleness %d)", p.step, name, oldest,
                                 p.step - oldest, self.max_staleness)
-        names = tuple(metrics)  # the step before's names: their tags are given already
+        names = tuple(metrics)  # the names of the step before: the same answer
         hidden = self.tags.hidden if names == self.tags.names else self.tags.claim(names, p.step)
-        if hidden:  # names sinks that sanitise names leave out: another shows their tag
-            collisions.update(hidden)
-            meta["sink_tags"] = {tag: names[0] for tag, names in hidden.items()}
+        if hidden:  # names that sinks which sanitise names leave out: another shows their tag
+            collisions.update((tag, list(listed)) for tag, listed in hidden.items())
+            meta["sink_tags"] = {tag: listed[0] for tag, listed in hidden.items()}
         starts = self.tables.starts
         for name in metrics if starts else ():
             if name.startswith(starts):  # a name a table may hold: the step's tables
