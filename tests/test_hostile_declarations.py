@@ -62,8 +62,8 @@ def _plain(step, rank, **values):
 def test_keys_sharing_a_sink_tag_show_the_same_one_whatever_the_arrival_order():
     """'acc rate' and 'acc_rate' from two ranks shared one TensorBoard tag, which showed 1.0
     at step 0 and 2.0 at step 1 for identical data (whichever arrived first). Now, of names
-    a step brings together, the name written as its tag is shown, every step, and the rank
-    that sent the other is told."""
+    a step brings together, the name written as its tag is shown, every step, and the ranks
+    of the step are told once (rank 0, which sent the name left out, heard nothing)."""
     from metricsvc.service.engine import Engine as Aggregator
     from metricsvc.sinks.base import tagged
 
@@ -79,10 +79,14 @@ def test_keys_sharing_a_sink_tag_show_the_same_one_whatever_the_arrival_order():
         assert done.meta["collisions"] == {"acc_rate": ["acc_rate", "acc rate"]}
     assert shown == [{"acc_rate": 2.0}, {"acc_rate": 2.0}]
     told = [(rank, n) for rank, n in notices if n]
-    assert told == [(1, "key 'acc_rate' shares the sink tag 'acc_rate' with key 'acc rate': "
-                        "sinks show 'acc_rate' under it (the first name the run showed under "
-                        "it; of names one step brings, the name written as its tag, else the "
-                        "first alphabetically); rename one")]
+    said = TAG_NOTICE.format(hidden="acc rate", tag="acc_rate", shown="acc_rate")
+    assert told == [(1, said), (0, said)]  # rank 0 at its next call: it had sent step 0
+
+
+TAG_NOTICE = ("name {hidden!r} shares the sink tag {tag!r} with {shown!r}: sinks show "
+              "{shown!r} under it (the first name the run showed under it; of names one "
+              "step brings, the name written as its tag, else the first alphabetically); "
+              "rename one")
 
 
 
@@ -128,21 +132,48 @@ def test_a_sink_tag_shows_one_name_for_the_whole_run_whichever_steps_hold_each(t
         None]
     assert [r.meta.get("sink_tags") for r in done] == [
         None, {"acc_rate": "acc rate"}, {"acc_rate": "acc rate"}, None]
-    assert told == [(1, 1, "key 'acc_rate' shares the sink tag 'acc_rate' with key 'acc rate': "
-                           "sinks show 'acc rate' under it (the first name the run showed "
-                           "under it; of names one step brings, the name written as its tag, "
-                           "else the first alphabetically); rename one")]
-    # A restart continues from the journaled steps: the tag stays with "acc rate"
+    # every rank of step 1 hears it once (rank 0 with its next batch)
+    said = TAG_NOTICE.format(hidden="acc_rate", tag="acc_rate", shown="acc rate")
+    assert told == [(1, 1, said), (2, 0, said)]
+    # A restart continues from the journaled steps: the tag stays with "acc rate", and what
+    # the ranks heard before is not said again
+    told.clear()
     restarted = Engine(world_size=2)
     restarted.restore({"step": r.step, "metrics": r.metrics, "meta": r.meta} for r in done)
     (later,) = run(restarted, [({"loss": 0.5}, {"acc_rate": 4.0})], first=4)
-    assert "acc_rate" not in tagged(later.metrics, later.meta)
-    # A rewind before the step that gave the tag away: the rerun gives it afresh
+    assert "acc_rate" not in tagged(later.metrics, later.meta) and told == []
+    # A rewind before the step that gave the tag away: the rerun gives it afresh, and the
+    # ranks hear which name it shows now
     restarted.rewind(-1, None, [], {})
     (rerun,) = run(restarted, [({"loss": 0.5}, {"acc_rate": 5.0})])
     assert tagged(rerun.metrics, rerun.meta)["acc_rate"] == 5.0
     (after,) = run(restarted, [({"acc rate": 6.0}, {"loss": 0.5})], first=1)
     assert "acc_rate" not in tagged(after.metrics, after.meta)
+    said = TAG_NOTICE.format(hidden="acc rate", tag="acc_rate", shown="acc_rate")
+    assert told == [(1, 1, said)]  # rank 1 in the same answer; rank 0 at its next call
+
+
+def test_after_a_restart_a_name_a_journaled_step_took_the_tag_from_is_told():
+    """The service restarted from its journal, where "acc rate" holds the tag "acc_rate";
+    a rank then sends "acc_rate", which sinks leave out. It heard nothing: what it was told
+    came from keys seen by this incarnation only."""
+    from metricsvc.service.engine import Engine
+
+    def step(engine, number, zero, one):
+        answers = [engine.submit(_plain(number, rank, **values))
+                   for rank, values in enumerate((zero, one))]
+        return answers[-1].finished[0], [a.notice for a in answers]
+
+    first = Engine(world_size=2)
+    done, _ = step(first, 0, {"acc rate": 1.0}, {"loss": 0.5})
+    restarted = Engine(world_size=2)
+    restarted.restore([{"step": done.step, "metrics": done.metrics, "meta": done.meta}])
+    later, notices = step(restarted, 1, {"loss": 0.5}, {"acc_rate": 2.0})
+    assert later.meta["sink_tags"] == {"acc_rate": "acc rate"}
+    said = TAG_NOTICE.format(hidden="acc_rate", tag="acc_rate", shown="acc rate")
+    assert notices == [None, said]
+    _, notices = step(restarted, 2, {"loss": 0.5}, {"acc_rate": 3.0})
+    assert notices == [said, None]  # rank 0 with its next batch; once each
 
 def _blob(step, rank, keys, derived=b"", world_size=2):
     import numpy as np

@@ -46,7 +46,7 @@ def scenario(name: str, handle, via: str | None) -> list:
     # metric follows from the order the batches came in (flushed together, a loaded
     # machine's sender threads sent rank 1's first now and then, in either topology)
     _heard("r0", lambda: r0.wait_acks(30), out)
-    r1.submit_metric({"x": 2.0, "x_y": 2.0})  # a tag collision: told
+    r1.submit_metric({"x": 2.0, "x_y": 2.0})  # a tag collision: both ranks told
     r1.flush(step=0)
     _heard("r1", lambda: r1.wait_acks(30), out)
 
@@ -109,7 +109,10 @@ def test_a_combiner_relays_every_refusal_late_batch_and_notice_word_for_word(mak
         ray.kill(ray.get_actor(combiner_name(cfg.name, node), namespace=cfg.namespace))
     kinds = {kind for _, kind, _ in want}
     assert {"BatchRejected", "LateBatch", "ServiceNotice"} <= kinds, want
-    assert len(want) == 7, "\n".join(map(str, want))
+    assert len(want) == 8, "\n".join(map(str, want))
+    # the tag collision: both ranks of the step hear it, rank 0 (its "x y" left out) too
+    assert [label for label, kind, said in want if "shares the sink tag" in said] == \
+        ["r1", "r0"]
     assert got == want
     assert _events(health["run_dir"]) == _events(flat_health["run_dir"])
     assert any(e.get("type") == "late_batch" for e in _events(health["run_dir"]))

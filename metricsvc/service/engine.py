@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from metricsvc.core.declare import Derived
-from metricsvc.core.keys import safe_tag, tag_order
 from metricsvc.core.limits import MAX_PENDING_STEPS, MAX_STEPS_AHEAD, Limits, Recent
 from metricsvc.core.reduce import OutputRules, ReduceType
 from metricsvc.core.wire import Batch, encode, key_cache, receive
@@ -103,7 +102,6 @@ class Engine:
         self.out = StepOutput(self.output, reduce_rules, renames, self.deriver,
                               self.declarations, max_staleness, tables)
         self.alerts = Alerts(alerts)
-        self._tags = TagOwners()  # which key each sink tag shows, for the run
         self._clock = clock
         self._keys = key_cache()  # key tuples checked before (ranks send them every step)
         self._costs: Recent = Recent(256)  # declarations -> (outputs, reads) they cost
@@ -208,14 +206,10 @@ class Engine:
         if declared:
             ignored = self.declarations.check(declared, step, batch.rank)
             self._check_cost(batch, pending.keys if pending is not None else ())
-        fresh = target.take(batch, digest)  # a kind clash raises: nothing was kept
+        target.take(batch, digest)  # a kind clash raises: nothing was kept
         if batch.final and (step + 1 in self.pending or batch.rank in self.lag.runs):
             self._check_lag(batch.rank, step)  # only then can a rank lag
         self.pending[step] = target
-        if fresh and fresh is not self._tags.last:  # keys a step before brought too: known
-            said = self._tags.notice(fresh, step)
-            if said is not None:
-                self.notices.tell(batch.rank, said)
         if ignored is not None:  # its data merged, its declaration not: it hears why
             self.notices.tell(batch.rank, ignored)
         if declared:
@@ -363,6 +357,13 @@ class Engine:
                     self.counts["alerts"] += len(alerts)
                 if cut:
                     result.meta["alerts_cut"] = cut
+            news = self.out.tags.news
+            if news:  # names a sink tag leaves out, new to the run: the step's ranks hear
+                said = "; ".join(news[:8]) + (f"; and {len(news) - 8} more" if len(news) > 8
+                                              else "")
+                news.clear()
+                for rank in sorted(pending.closed):
+                    self.notices.tell(rank, said)
             self.counts["partial"] += result.meta["partial"]
             self.counts["collisions"] += "collisions" in result.meta
             out.append(result)  # before forgetting it: a raise loses nothing
@@ -449,6 +450,7 @@ class Engine:
                 self.streams.ledger.journaled(stream_seqs)
             if self.alerts.rules and isinstance(metrics, dict):
                 self.alerts.remember(step, metrics)  # evaluated once already: never again
+        self.out.tags.news.clear()  # the ranks heard it from the incarnation that left it out
 
     def settled_by(self, to_step: int) -> dict[str, dict[str, int]]:
         """The stream batches a rewind to ``to_step`` settles (``StreamLedger.superseded``):
@@ -569,39 +571,6 @@ class PendingSteps(dict[int, PendingStep]):
                 self[step] = fresh
             else:
                 del self[step]
-
-
-class TagOwners:
-    """The keys of the run by sink tag, to tell a rank whose new key shares a tag with
-    another key (``"acc rate"`` and ``"acc_rate"``) which of them sinks will show: the
-    first the run showed (``output.SinkTags``)."""
-
-    LIMIT = 100_000  # keys remembered; past it, new keys are not checked
-
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-        self._owner: dict[str, tuple[str, int]] = {}  # tag -> (key shown, from step)
-        self.last: tuple[str, ...] | None = None  # the last key tuple registered
-
-    def notice(self, keys: Sequence[str], step: int) -> str | None:
-        """Register ``keys`` of ``step``; return what their sender must hear, or None."""
-        if isinstance(keys, tuple):
-            self.last = keys
-        said = []
-        for key in keys:
-            if key in self._seen or len(self._seen) >= self.LIMIT:
-                continue
-            self._seen.add(key)
-            tag = safe_tag(key)
-            held, at = self._owner.setdefault(tag, (key, step))
-            if held != key:
-                shown = min((at, tag_order(held, tag)), (step, tag_order(key, tag)))[1][1]
-                self._owner[tag] = (shown, min(at, step))
-                said.append(f"key {key!r} shares the sink tag {tag!r} with key {held!r}: "
-                            f"sinks show {shown!r} under it (the first name the run showed "
-                            f"under it; of names one step brings, the name written as its "
-                            f"tag, else the first alphabetically); rename one")
-        return "; ".join(said[:8]) or None
 
 
 # -- the run's ranks ---------------------------------------------------------------------

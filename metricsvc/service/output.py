@@ -289,12 +289,18 @@ class SinkTags:
     MLflow, SwanLab, Trackio) give ``acc rate`` and ``acc_rate`` one tag: it shows the
     first name a step exported under it (of names one step brings together, the first in
     ``tag_order``) from then on, whichever of them a later step holds, so that its series
-    is one metric's. A rewind before the step that gave a tag gives it afresh."""
+    is one metric's. A rewind before the step that gave a tag gives it afresh.
 
-    LIMIT = 100_000  # tags remembered; a step's new tags past it are decided by the step
+    What the ranks must hear: each name left out, the first time (``news``, taken by
+    whoever tells them); a restart does not say again what its journaled steps left out,
+    a rewind does for the rerun."""
+
+    LIMIT = 100_000  # tags (and names told) remembered; past it, a step decides its own
 
     def __init__(self) -> None:
         self._shown: dict[str, tuple[str, int]] = {}  # tag -> (its name, the step giving it)
+        self._told: dict[str, int] = {}  # a name left out -> the step that first did
+        self.news: list[str] = []  # what the ranks have not heard yet
         # The last names claimed and the answer: the same for a step of the same names
         self.names: tuple[str, ...] | None = None
         self.hidden: dict[str, list[str]] = {}
@@ -315,14 +321,24 @@ class SinkTags:
             if held is None and len(self._shown) < self.LIMIT:
                 self._shown[tag] = (shown, step)
             if len(same) > 1 or shown != same[0]:
-                hidden[tag] = [shown, *sorted((n for n in same if n != shown),
-                                              key=lambda n, t=tag: tag_order(n, t))]
+                left_out = sorted((n for n in same if n != shown),
+                                  key=lambda n, t=tag: tag_order(n, t))
+                hidden[tag] = [shown, *left_out]
+                for name in left_out:
+                    if name not in self._told and len(self._told) < self.LIMIT:
+                        self._told[name] = step
+                        self.news.append(
+                            f"name {name!r} shares the sink tag {tag!r} with {shown!r}: sinks "
+                            f"show {shown!r} under it (the first name the run showed under "
+                            f"it; of names one step brings, the name written as its tag, else "
+                            f"the first alphabetically); rename one")
         self.names, self.hidden = names, hidden
         return hidden
 
     def forget_after(self, step: int) -> None:
         """A rewind to ``step``: the tags later steps gave are given afresh."""
         self._shown = {tag: held for tag, held in self._shown.items() if held[1] <= step}
+        self._told = {name: at for name, at in self._told.items() if at <= step}
         self.names = None
 
 

@@ -96,13 +96,11 @@ class Collection:
 
     def add(self, part: Part, keys: Sequence[str], kinds: np.ndarray, expected: np.ndarray,
             sketches: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
-            from_stream: bool = False) -> Sequence[str]:
-        """Add a located part (``part.idx`` from ``locate``, completed here for new keys);
-        return the keys new to the collection (``keys`` itself when all are)."""
+            from_stream: bool = False) -> None:
+        """Add a located part (``part.idx`` from ``locate``, completed here for new keys)."""
         idx = part.idx
         new = idx < 0
         n_new = int(new.sum())
-        fresh: Sequence[str] = ()
         if n_new:
             start = len(self.keys)
             if start + n_new > len(self._codes):
@@ -123,7 +121,6 @@ class Collection:
             sketches = [(int(idx[row]), codes, counts) for row, codes, counts in sketches]
         self.parts.append(Part(part.order, part.rank, idx, part.rows, list(sketches),
                                part.sources))
-        return fresh
 
     def declare(self, declarations: Iterable[Derived],
                 about: Mapping[str, tuple[str, str]] | None = None) -> None:
@@ -224,9 +221,8 @@ class PendingStep(Collection):
         self.sources: list[tuple[int | None, int | None, Callable[[PendingStep], None]]] | None \
             = None
 
-    def take(self, batch: Batch, digest: bytes) -> Sequence[str]:
-        """Keep a rank's batch as a part (a final batch closes the step for its rank); return
-        the keys new to the step.
+    def take(self, batch: Batch, digest: bytes) -> None:
+        """Keep a rank's batch as a part (a final batch closes the step for its rank).
 
         Raises:
             BatchRejected: a key arrives with another kind than the step holds; nothing of
@@ -238,8 +234,8 @@ class PendingStep(Collection):
             sources = records.unknown_sources(len(idx))
             sources[batch.extreme_rows] = batch.extremes
         part = Part((0, batch.rank, batch.seq), batch.rank, idx, batch.data, [], sources)
-        fresh = self.add(part, batch.keys, batch.kinds, batch.expected,
-                         _sketches_of(batch) if batch.sketch_rows.size else ())
+        self.add(part, batch.keys, batch.kinds, batch.expected,
+                 _sketches_of(batch) if batch.sketch_rows.size else ())
         if batch.top_rows.size:  # kept with the part (``add`` gave every key its row)
             self.tops.append((batch.rank, idx[batch.top_rows], batch.top, batch.top_text))
         if batch.declared or batch.about:
@@ -248,7 +244,6 @@ class PendingStep(Collection):
         self.batches += 1
         if batch.final:
             self.closed.add(batch.rank)
-        return fresh
 
     def take_window(self, name: str, window: Window, order: tuple) -> None:
         """Fold the window of stream ``name`` in, merged as one part (``order``: where it
