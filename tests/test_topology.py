@@ -1,5 +1,7 @@
 """Node-level pre-aggregation: combiners forward each step in one call, results unchanged."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import ray
@@ -86,6 +88,13 @@ def test_per_node_start_places_one_combiner_on_each_node(make_worker):
     c.wait_submit()
     assert c.worker._actor_id == combiner._actor_id  # found by node id, without being told
     assert ray.get(handle.wait_final_res.remote(0, 30)) == {"x": 2.0}
+    # Its log lines carry the public name, as the MetricWorker's do: Ray names each actor
+    # in its worker's log file, and prefixes the lines it forwards with that name
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    named = {line for path in logs.glob("worker-*.out")
+             for line in path.read_text(errors="replace").splitlines()
+             if line.startswith(":actor_name:Combiner")}
+    assert named == {":actor_name:Combiner"}
     ray.kill(combiner)
 
 

@@ -229,7 +229,9 @@ class CombinerImpl:
                 "metrics_export": "on" if self.metrics.off is None else self.metrics.off}
 
 
-Combiner = ray.remote(num_cpus=0, max_restarts=3, max_concurrency=1088)(CombinerImpl)
+Combiner = ray.remote(num_cpus=0, max_restarts=3, max_concurrency=1088)(
+    type("Combiner", (CombinerImpl,), {"__doc__": CombinerImpl.__doc__}))
+# (Named Combiner so that Ray's log lines read "(Combiner pid=...)", as the MetricWorker's.)
 
 # Ray ends an actor once no handle refers to it; the combiners a driver starts live as
 # long as the driver does.
