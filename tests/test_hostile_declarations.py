@@ -175,6 +175,37 @@ def test_after_a_restart_a_name_a_journaled_step_took_the_tag_from_is_told():
     _, notices = step(restarted, 2, {"loss": 0.5}, {"acc_rate": 3.0})
     assert notices == [said, None]  # rank 0 with its next batch; once each
 
+def test_the_ranks_hear_of_a_value_left_out_where_two_sources_export_one_name():
+    """A rename makes key "a" export "b", which rank 1's key "b" exports too: the step shows
+    one of them ("a"'s: of sources one step brings, the first alphabetically) and listed
+    both in ``meta.collisions``, but no rank heard that a value was left out."""
+    from metricsvc.service.engine import Engine
+
+    def run(engine, steps):
+        notices, done = [], []
+        for step in steps:
+            for rank, values in enumerate(({"a": 1.0}, {"b": 2.0})):
+                answer = engine.submit(_plain(step, rank, **values))
+                notices.append((step, rank, answer.notice))
+            done += answer.finished
+            assert done[-1].metrics == {"b": 1.0}
+            assert done[-1].meta["collisions"] == {"b": ["a", "b"]}
+        return [(step, rank) for step, rank, n in notices if n], {n for *_, n in notices if n}, done
+
+    said = ("key 'b' exports the name 'b', as key 'a' does: the step shows key 'a''s value "
+            "under it, and leaves this one out (of sources one step brings, the first key "
+            "alphabetically; a derived metric yields to a key); rename one")
+    engine = Engine(world_size=2, renames={"a": "b"})
+    told, heard, done = run(engine, range(2))
+    assert told == [(0, 1), (1, 0)] and heard == {said}  # each rank once, rank 0 at step 1
+    # a restart: what the journal left out was heard; a rewind's rerun says it again
+    restarted = Engine(world_size=2, renames={"a": "b"})
+    restarted.restore({"step": r.step, "metrics": r.metrics, "meta": r.meta} for r in done)
+    assert run(restarted, [2])[:2] == ([], set())
+    restarted.rewind(-1, None, [], {})
+    assert run(restarted, [0])[:2] == ([(0, 1)], {said})
+
+
 def _blob(step, rank, keys, derived=b"", world_size=2):
     import numpy as np
 

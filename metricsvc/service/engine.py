@@ -357,8 +357,8 @@ class Engine:
                     self.counts["alerts"] += len(alerts)
                 if cut:
                     result.meta["alerts_cut"] = cut
-            news = self.out.tags.news
-            if news:  # names a sink tag leaves out, new to the run: the step's ranks hear
+            news = self.out.told.news
+            if news:  # values the step left out, new to the run: the step's ranks hear
                 said = "; ".join(news[:8]) + (f"; and {len(news) - 8} more" if len(news) > 8
                                               else "")
                 news.clear()
@@ -446,11 +446,13 @@ class Engine:
             self.out.descriptions.restore(meta, step)
             if isinstance(metrics := record.get("metrics"), dict):
                 self.out.tags.claim(tuple(metrics), step)
+            if isinstance(collisions := meta.get("collisions"), dict):
+                self.out.told.restore(collisions, step)
             if isinstance(stream_seqs := meta.get("stream_seqs"), dict):
                 self.streams.ledger.journaled(stream_seqs)
             if self.alerts.rules and isinstance(metrics, dict):
                 self.alerts.remember(step, metrics)  # evaluated once already: never again
-        self.out.tags.news.clear()  # the ranks heard it from the incarnation that left it out
+        self.out.told.news.clear()  # the ranks heard it from the incarnation that left it out
 
     def settled_by(self, to_step: int) -> dict[str, dict[str, int]]:
         """The stream batches a rewind to ``to_step`` settles (``StreamLedger.superseded``):
@@ -478,6 +480,7 @@ class Engine:
         self.declarations.forget_after(to_step)
         self.out.descriptions.forget_after(to_step)
         self.out.tags.forget_after(to_step)
+        self.out.told.forget_after(to_step)
         self.alerts.rewound(before)
         self.newest_closed = self.pending.newest_closed(self.last_emitted)
         return superseded

@@ -91,7 +91,8 @@ class StepOutput:
         self.tables = Tables(tables)
         self.resolver = KindResolver(reduce_rules)
         self.rename = Renamer(renames)
-        self.tags = SinkTags()
+        self.told = Told()
+        self.tags = SinkTags(self.told)
         self._held_plan: tuple = ([], b"", None)  # keys, codes, their KeyPlan
         self.deriver = deriver
         self.declarations = declarations
@@ -163,6 +164,10 @@ class StepOutput:
         collisions: dict[str, list[str]] = {}
         declared = self.declarations.of(p.declared) if p.declared else {}
         metrics = self.metrics(merged, p.keys, plan, declared, collisions)
+        for name, (kept, *others) in collisions.items() if collisions else ():
+            for other in others:  # a value left out: its rank hears it, once
+                if (name, other) not in self.told:
+                    self.told.say((name, other), p.step, left_out(name, kept, other))
         meta = merged.meta
         if p.stream_versions:  # the records' staleness: the step minus their versions
             for name, counts in p.stream_versions.items():
@@ -289,18 +294,14 @@ class SinkTags:
     MLflow, SwanLab, Trackio) give ``acc rate`` and ``acc_rate`` one tag: it shows the
     first name a step exported under it (of names one step brings together, the first in
     ``tag_order``) from then on, whichever of them a later step holds, so that its series
-    is one metric's. A rewind before the step that gave a tag gives it afresh.
+    is one metric's, and the ranks hear of each name it leaves out (``told``). A rewind
+    before the step that gave a tag gives it afresh."""
 
-    What the ranks must hear: each name left out, the first time (``news``, taken by
-    whoever tells them); a restart does not say again what its journaled steps left out,
-    a rewind does for the rerun."""
+    LIMIT = 100_000  # tags remembered; a step's new tags past it are decided by the step
 
-    LIMIT = 100_000  # tags (and names told) remembered; past it, a step decides its own
-
-    def __init__(self) -> None:
+    def __init__(self, told: Told) -> None:
         self._shown: dict[str, tuple[str, int]] = {}  # tag -> (its name, the step giving it)
-        self._told: dict[str, int] = {}  # a name left out -> the step that first did
-        self.news: list[str] = []  # what the ranks have not heard yet
+        self.told = told
         # The last names claimed and the answer: the same for a step of the same names
         self.names: tuple[str, ...] | None = None
         self.hidden: dict[str, list[str]] = {}
@@ -325,21 +326,64 @@ class SinkTags:
                                   key=lambda n, t=tag: tag_order(n, t))
                 hidden[tag] = [shown, *left_out]
                 for name in left_out:
-                    if name not in self._told and len(self._told) < self.LIMIT:
-                        self._told[name] = step
-                        self.news.append(
+                    if (tag, name) not in self.told:
+                        self.told.say((tag, name), step, (
                             f"name {name!r} shares the sink tag {tag!r} with {shown!r}: sinks "
                             f"show {shown!r} under it (the first name the run showed under "
                             f"it; of names one step brings, the name written as its tag, else "
-                            f"the first alphabetically); rename one")
+                            f"the first alphabetically); rename one"))
         self.names, self.hidden = names, hidden
         return hidden
 
     def forget_after(self, step: int) -> None:
         """A rewind to ``step``: the tags later steps gave are given afresh."""
         self._shown = {tag: held for tag, held in self._shown.items() if held[1] <= step}
-        self._told = {name: at for name, at in self._told.items() if at <= step}
         self.names = None
+
+
+class Told:
+    """What the ranks have heard of values a step leaves out (``collisions``: a second
+    source of one exported name, a name a sink tag does not show), by ``(name or tag, the
+    source left out)``: each once, from the first step that leaves it out. ``news``: what
+    they have not heard yet (the engine tells every rank of that step). A restart does not
+    say again what its journal left out (``restore``); a rewind's rerun says it afresh."""
+
+    LIMIT = 100_000  # what is remembered; past it, nothing new is said
+
+    def __init__(self) -> None:
+        self._at: dict[tuple[str, str], int] = {}  # what was said -> the step that said it
+        self.news: list[str] = []
+
+    def __contains__(self, about: tuple[str, str]) -> bool:
+        return about in self._at
+
+    def say(self, about: tuple[str, str], step: int, message: str) -> None:
+        """Have the ranks hear ``message`` about ``about``, unless they have."""
+        if about not in self._at and len(self._at) < self.LIMIT:
+            self._at[about] = step
+            self.news.append(message)
+
+    def restore(self, collisions: Mapping[str, list[str]], step: int) -> None:
+        """A journaled step's ``collisions``: heard by the ranks already."""
+        for name, listed in collisions.items():
+            for other in listed[1:] if isinstance(listed, list) else ():
+                self._at.setdefault((name, str(other)), step)
+
+    def forget_after(self, step: int) -> None:
+        """A rewind to ``step``: what later steps said is said afresh by their rerun."""
+        self._at = {about: at for about, at in self._at.items() if at <= step}
+
+
+def left_out(name: str, kept: str, other: str) -> str:
+    """What a rank hears when ``other``'s value of the exported ``name`` is left out for
+    ``kept``'s (each a key, or ``"derived <name>"``: ``StepOutput.metrics``)."""
+    def source(s: str) -> str:
+        return f"derived metric {s[8:]!r}" if s.startswith("derived ") else f"key {s!r}"
+
+    return (f"{source(other)} exports the name {name!r}, as {source(kept)} does: the step "
+            f"shows {source(kept)}'s value under it, and leaves this one out (of sources one "
+            f"step brings, the first key alphabetically; a derived metric yields to a key); "
+            f"rename one")
 
 
 def _sum_squares(row: np.ndarray) -> float:
