@@ -85,7 +85,9 @@ class NotSetUp(MetricsvcError, RuntimeError):
 
 class ServiceNotice(UserWarning):
     """A warning: the service dropped an earlier batch of this rank (e.g. a world-size
-    disagreement), or a sent batch could not be withdrawn."""
+    disagreement), ignored its declaration, left a value of its step out (two sources of
+    one name, a name a sink tag does not show), sees it lag, or a sent batch could not be
+    withdrawn."""
 
 
 def is_refusal(error: BaseException) -> bool:
