@@ -206,6 +206,20 @@ def test_the_ranks_hear_of_a_value_left_out_where_two_sources_export_one_name():
     assert run(restarted, [0])[:2] == ([(0, 1)], {said})
 
 
+def test_what_a_rank_hears_of_long_names_names_both_ends_in_a_line():
+    """Names past a sink tag's length share its tag when they differ only past it. The
+    notice quoted each name whole, four times: 1,300 characters for two keys of 300."""
+    from metricsvc.core.limits import MAX_TAG_LENGTH
+    from metricsvc.service.engine import Engine
+
+    engine = Engine(world_size=2)
+    long = "a" * (MAX_TAG_LENGTH + 45)
+    for rank, key in enumerate((f"{long}/x", f"{long}/y")):
+        notice = engine.submit(_plain(0, rank, **{key: 1.0})).notice
+    assert "/x" in notice and "/y" in notice and len(notice) < 600, notice
+    assert f"({len(long) + 2} characters)" in notice
+
+
 def _blob(step, rank, keys, derived=b"", world_size=2):
     import numpy as np
 

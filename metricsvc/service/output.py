@@ -328,10 +328,11 @@ class SinkTags:
                 for name in left_out:
                     if (tag, name) not in self.told:
                         self.told.say((tag, name), step, (
-                            f"name {name!r} shares the sink tag {tag!r} with {shown!r}: sinks "
-                            f"show {shown!r} under it (the first name the run showed under "
-                            f"it; of names one step brings, the name written as its tag, else "
-                            f"the first alphabetically); rename one"))
+                            f"name {quoted(name)} shares the sink tag {quoted(tag)} with "
+                            f"{quoted(shown)}: sinks show {quoted(shown)} under it (the first "
+                            f"name the run showed under it; of names one step brings, the "
+                            f"name written as its tag, else the first alphabetically); "
+                            f"rename one"))
         self.names, self.hidden = names, hidden
         return hidden
 
@@ -378,12 +379,21 @@ def left_out(name: str, kept: str, other: str) -> str:
     """What a rank hears when ``other``'s value of the exported ``name`` is left out for
     ``kept``'s (each a key, or ``"derived <name>"``: ``StepOutput.metrics``)."""
     def source(s: str) -> str:
-        return f"derived metric {s[8:]!r}" if s.startswith("derived ") else f"key {s!r}"
+        return f"derived metric {quoted(s[8:])}" if s.startswith("derived ") \
+            else f"key {quoted(s)}"
 
-    return (f"{source(other)} exports the name {name!r}, as {source(kept)} does: the step "
+    return (f"{source(other)} exports the name {quoted(name)}, as {source(kept)} does: the step "
             f"shows {source(kept)}'s value under it, and leaves this one out (of sources one "
             f"step brings, the first key alphabetically; a derived metric yields to a key); "
             f"rename one")
+
+
+def quoted(name: str) -> str:
+    """``name`` as a message quotes it: whole up to 80 characters, else both ends (names
+    past a sink tag's length differ at their ends) and its length."""
+    if len(name) <= 80:
+        return repr(name)
+    return f"{name[:40]!r}...{name[-24:]!r} ({len(name)} characters)"
 
 
 def _sum_squares(row: np.ndarray) -> float:
