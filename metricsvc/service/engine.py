@@ -357,11 +357,8 @@ class Engine:
                     self.counts["alerts"] += len(alerts)
                 if cut:
                     result.meta["alerts_cut"] = cut
-            news = self.out.told.news
-            if news:  # values the step left out, new to the run: the step's ranks hear
-                said = "; ".join(news[:8]) + (f"; and {len(news) - 8} more" if len(news) > 8
-                                              else "")
-                news.clear()
+            if self.out.told.news:  # values the step left out, new to the run: its ranks hear
+                said = self.out.told.take()
                 for rank in sorted(pending.closed):
                     self.notices.tell(rank, said)
             self.counts["partial"] += result.meta["partial"]
@@ -452,7 +449,7 @@ class Engine:
                 self.streams.ledger.journaled(stream_seqs)
             if self.alerts.rules and isinstance(metrics, dict):
                 self.alerts.remember(step, metrics)  # evaluated once already: never again
-        self.out.told.news.clear()  # the ranks heard it from the incarnation that left it out
+        self.out.told.take()  # the ranks heard it from the incarnation that left it out
 
     def settled_by(self, to_step: int) -> dict[str, dict[str, int]]:
         """The stream batches a rewind to ``to_step`` settles (``StreamLedger.superseded``):

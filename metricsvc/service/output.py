@@ -364,6 +364,13 @@ class Told:
             self._at[about] = step
             self.news.append(message)
 
+    def take(self) -> str | None:
+        """What the ranks have not heard yet, in one line (None: nothing); heard now."""
+        news, self.news = self.news, []
+        if not news:
+            return None
+        return "; ".join(news[:8]) + (f"; and {len(news) - 8} more" if len(news) > 8 else "")
+
     def restore(self, collisions: Mapping[str, list[str]], step: int) -> None:
         """A journaled step's ``collisions``: heard by the ranks already."""
         for name, listed in collisions.items():
