@@ -63,7 +63,8 @@ def test_keys_sharing_a_sink_tag_show_the_same_one_whatever_the_arrival_order():
     """'acc rate' and 'acc_rate' from two ranks shared one TensorBoard tag, which showed 1.0
     at step 0 and 2.0 at step 1 for identical data (whichever arrived first). Now, of names
     a step brings together, the name written as its tag is shown, every step, and the ranks
-    of the step are told once (rank 0, which sent the name left out, heard nothing)."""
+    of the step are told once (before, only rank 1 was: rank 0, which sent the name left out,
+    heard nothing)."""
     from metricsvc.service.engine import Engine as Aggregator
     from metricsvc.sinks.base import tagged
 
@@ -89,6 +90,14 @@ TAG_NOTICE = ("name {hidden!r} shares the sink tag {tag!r} with {shown!r}: sinks
               "rename one")
 
 
+def _two_ranks(engine, step, zero, one):
+    """Submit rank 0's ``zero`` then rank 1's ``one`` for ``step``; return the finished step
+    and what each rank heard."""
+    answers = [engine.submit(_plain(step, rank, **values))
+               for rank, values in enumerate((zero, one))]
+    (done,) = answers[-1].finished
+    return done, [answer.notice for answer in answers]
+
 
 def test_a_sink_tag_shows_one_name_for_the_whole_run_whichever_steps_hold_each(tmp_path):
     """Two names sharing a sink tag on different steps (a validation key on some steps
@@ -105,10 +114,8 @@ def test_a_sink_tag_shows_one_name_for_the_whole_run_whichever_steps_hold_each(t
     def run(engine, steps, first=0):
         out = []
         for step, (zero, one) in enumerate(steps, first):
-            for rank, values in enumerate((zero, one)):
-                answer = engine.submit(_plain(step, rank, **values))
-                told.extend([(step, rank, answer.notice)] if answer.notice else [])
-            (done,) = answer.finished
+            done, notices = _two_ranks(engine, step, zero, one)
+            told.extend((step, rank, n) for rank, n in enumerate(notices) if n)
             out.append(done)
         return out
 
@@ -159,21 +166,17 @@ def test_after_a_restart_a_name_a_journaled_step_took_the_tag_from_is_told():
     came from keys seen by this incarnation only."""
     from metricsvc.service.engine import Engine
 
-    def step(engine, number, zero, one):
-        answers = [engine.submit(_plain(number, rank, **values))
-                   for rank, values in enumerate((zero, one))]
-        return answers[-1].finished[0], [a.notice for a in answers]
-
     first = Engine(world_size=2)
-    done, _ = step(first, 0, {"acc rate": 1.0}, {"loss": 0.5})
+    done, _ = _two_ranks(first, 0, {"acc rate": 1.0}, {"loss": 0.5})
     restarted = Engine(world_size=2)
     restarted.restore([{"step": done.step, "metrics": done.metrics, "meta": done.meta}])
-    later, notices = step(restarted, 1, {"loss": 0.5}, {"acc_rate": 2.0})
+    later, notices = _two_ranks(restarted, 1, {"loss": 0.5}, {"acc_rate": 2.0})
     assert later.meta["sink_tags"] == {"acc_rate": "acc rate"}
     said = TAG_NOTICE.format(hidden="acc_rate", tag="acc_rate", shown="acc rate")
     assert notices == [None, said]
-    _, notices = step(restarted, 2, {"loss": 0.5}, {"acc_rate": 3.0})
+    _, notices = _two_ranks(restarted, 2, {"loss": 0.5}, {"acc_rate": 3.0})
     assert notices == [said, None]  # rank 0 with its next batch; once each
+
 
 def test_the_ranks_hear_of_a_value_left_out_where_two_sources_export_one_name():
     """A rename makes key "a" export "b", which rank 1's key "b" exports too: the step shows
@@ -184,12 +187,11 @@ def test_the_ranks_hear_of_a_value_left_out_where_two_sources_export_one_name():
     def run(engine, steps):
         notices, done = [], []
         for step in steps:
-            for rank, values in enumerate(({"a": 1.0}, {"b": 2.0})):
-                answer = engine.submit(_plain(step, rank, **values))
-                notices.append((step, rank, answer.notice))
-            done += answer.finished
-            assert done[-1].metrics == {"b": 1.0}
-            assert done[-1].meta["collisions"] == {"b": ["a", "b"]}
+            result, heard = _two_ranks(engine, step, {"a": 1.0}, {"b": 2.0})
+            notices += [(step, rank, n) for rank, n in enumerate(heard)]
+            done.append(result)
+            assert result.metrics == {"b": 1.0}
+            assert result.meta["collisions"] == {"b": ["a", "b"]}
         return [(step, rank) for step, rank, n in notices if n], {n for *_, n in notices if n}, done
 
     said = ("key 'b' exports the name 'b', as key 'a' does: the step shows key 'a''s value "
