@@ -1,7 +1,7 @@
 """Random mixes of what happens to a run, against a plain model of it (issue 35).
 
 Each run is flat or per node (the rank's batches through its node's combiner). Operations:
-close a step (``wait_submit``, or ``flush`` read back later), a client dropped with its
+close a step (``wait_submit``, or ``flush`` read back later) or several, a client dropped with its
 flushes unanswered (a new one carries on), ``discard``, ``rewind``,
 SIGKILL of the actor (Ray restarts it), a crash and a new driver resuming the folder
 (``resume_from_step``, or ``run.resume`` alone), a crash between the journal's record
@@ -13,15 +13,19 @@ sink slow to reopen after each restart (each step of a segment once) and ``wait_
 equal the model: every published step once, with the values recorded for it, where its
 min and max came from, its top samples (``stat(top=)`` with their text), where its NaN
 came from, its alerts, and the flagged samples of every alert of the run, superseded steps'
-included. ``METRICSVC_MODEL_EXAMPLES`` draws more runs (default 3, about a minute).
+included; and the rank hears of the key a sink tag leaves out once, again only after a
+rewind before the step that told it or a restart whose journal lacked that step.
+``METRICSVC_MODEL_EXAMPLES`` draws more runs (default 3, about a minute).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import tempfile
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,17 @@ class RunHistoryMachine(RuleBasedStateMachine):
         # step -> the key of the two sharing TensorBoard's tag "acc_rate" it recorded: the
         # tag shows the first step's key for the run, the other never
         self.tagged: dict[int, str] = {}
+        # What the rank hears of the key the tag leaves out (a ``ServiceNotice``): once,
+        # with the answer to the first step that leaves it out, and again only after a
+        # rewind to before that step or a restart whose journal lacks it. ``told``: key ->
+        # the step that told it, as the service holds it; ``unread``: told in answers to
+        # flushes not read yet; ``least``/``most``: how often the rank must / may have heard
+        self.told: dict[str, int] = {}
+        self.unread: list[str] = []
+        self.least: Counter[str] = Counter()
+        self.most: Counter[str] = Counter()
+        self.heard: list[warnings.WarningMessage] = []
+        self.hearing = None
         # step -> what its meta names: extremes, top, nonfinite_first, alerts
         self.extremes: dict[int, dict[str, dict]] = {}
         self.samples: dict[int, dict[str, Any]] = {}
@@ -84,6 +99,27 @@ class RunHistoryMachine(RuleBasedStateMachine):
         if self.flushed:
             self.client.wait_acks(timeout_s=60)
             self.flushed = False
+        self.least.update(self.unread)
+        self.most.update(self.unread)
+        self.unread = []
+
+    def _drop_client(self) -> None:
+        """A new client carries on; the old one's answers nobody reads (it may have read
+        some before: a flush reads the answers that are in)."""
+        self.client = self._client()
+        self.flushed = False
+        self.most.update(self.unread)
+        self.unread = []
+
+    def _killed(self) -> None:
+        """After a SIGKILL: a key told at a step the journal did not hold yet is told again
+        when the rank's resend of that step is final (the restart rebuilt what the ranks
+        heard from the journal); whether its answer is read before the check, the check says."""
+        from metricsvc.storage.journal import read_journal
+
+        path = Path(self.tmp.name) / "m" / self.cfg["run"]["trial"] / "metrics.jsonl"
+        held = {r["step"] for r in read_journal(path)} if path.exists() else set()
+        self.most.update(k for k, s in self.told.items() if s not in held)
 
     def _resume(self, from_step: int | None) -> None:
         run = {**self.cfg["run"], "resume": True}
@@ -112,6 +148,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
     def _rewound(self, to_step: int) -> None:
         self.model = {s: m for s, m in self.model.items() if s <= to_step}
         self.tagged = {s: k for s, k in self.tagged.items() if s <= to_step}
+        self.told = {k: s for k, s in self.told.items() if s <= to_step}
         self.extremes = {s: e for s, e in self.extremes.items() if s <= to_step}
         self.samples = {s: e for s, e in self.samples.items() if s <= to_step}
         self.next = to_step + 1
@@ -119,6 +156,9 @@ class RunHistoryMachine(RuleBasedStateMachine):
     @initialize(topology=st.sampled_from(["flat", "per_node"]))
     def start(self, topology: str) -> None:
         self.cfg["topology"] = topology
+        self.hearing = warnings.catch_warnings(record=True)
+        self.heard = self.hearing.__enter__()
+        warnings.simplefilter("always", ServiceNotice)
         self.handle = metricsvc.start_metric_worker(self.cfg)
         self.client = self._client()
 
@@ -155,7 +195,19 @@ class RunHistoryMachine(RuleBasedStateMachine):
                                  "m/max": max(pair), **({tag: value} if tag else {})}
         if tag:
             self.tagged[self.next] = tag
+            if tag != self.tagged[min(self.tagged)] and tag not in self.told:
+                self.told[tag] = self.next
+                self.unread.append(tag)
+                if blocking:  # its answer is read now
+                    self._settle()
         self.next += 1
+
+    @rule(steps=st.lists(st.tuples(VALUES, st.booleans(), TAGS), min_size=2, max_size=5))
+    def close_steps(self, steps: list[tuple[float, bool, str | None]]) -> None:
+        """Steps in a row, as training closes them (a key of the two sharing a tag on some
+        of them: what a sink shows under the tag, and what the rank hears, over steps)."""
+        for value, blocking, tag in steps:
+            self.close_step(value, blocking, tag)
 
     @rule(values=st.lists(st.tuples(VALUES, TAGS), min_size=1, max_size=3))
     def close_and_drop_the_client(self, values: list[tuple[float, str | None]]) -> None:
@@ -164,8 +216,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         same."""
         for value, tag in values:
             self.close_step(value, blocking=False, tag=tag)
-        self.client = self._client()
-        self.flushed = False
+        self._drop_client()
 
     @rule(value=VALUES)
     def discard(self, value: float) -> None:
@@ -185,6 +236,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
     def sigkill(self) -> None:
         self._settle()
         sigkill(self.handle)
+        self._killed()
 
     @rule(data=st.data())
     def crash_and_resume(self, data: st.DataObject) -> None:
@@ -236,7 +288,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         metricsvc.stop_metric_worker(self.handle)
         self.cfg["run"] = {**self.cfg["run"], "trial": f"t{next(self.runs)}"}
         self.model, self.extremes, self.samples, self.next = {}, {}, {}, 0
-        self.tagged = {}
+        self.tagged, self.told = {}, {}
         self.flagged = set()
         self.handle = metricsvc.start_metric_worker(self.cfg)
         self.client = self._client()
@@ -251,6 +303,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.recorder.flush()
         if kill:
             sigkill(self.handle)
+            self._killed()
         self.recorder.flush()  # resends what a restart lost, never what a rewind superseded
         window = ray.get(self.handle.export_stream.remote("s", self.next, True), timeout=60)
         mean = sum(values) / len(values)
@@ -296,10 +349,20 @@ class RunHistoryMachine(RuleBasedStateMachine):
         held, twice = folded(run / "reopening.jsonl")
         assert not twice, ("a step given twice in one segment", twice)
         _same(held, self.model, 1e-9, "a sink slow to reopen")
+        # What the rank heard of the key the tag leaves out: each time it was told
+        heard = Counter(m.group(1) for w in self.heard if issubclass(w.category, ServiceNotice)
+                        for m in re.finditer(r"name '([^']*)' shares the sink tag",
+                                             str(w.message)))
+        assert set(heard) <= set(PAIR), heard
+        for key in PAIR:
+            assert self.least[key] <= heard[key] <= self.most[key], (
+                key, heard[key], self.least[key], self.most[key], self.told)
 
     def teardown(self) -> None:
         from metricsvc.service.combiner import stop_combiners
 
+        if self.hearing is not None:
+            self.hearing.__exit__(None, None, None)
         try:
             if self.handle is not None:
                 ray.kill(self.handle, no_restart=True)
