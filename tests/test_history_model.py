@@ -145,6 +145,13 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.client = self._client()
         self.recorder = None
 
+    def _back_to(self) -> st.SearchStrategy[int]:
+        """A step to rewind to: any, or just before a step that told the rank of a key
+        the tag leaves out (the rerun tells it again: rare among any)."""
+        anywhere = st.integers(-1, self.next - 1)
+        told = sorted({s - 1 for s in self.told.values()})
+        return st.one_of(anywhere, st.sampled_from(told)) if told else anywhere
+
     def _rewound(self, to_step: int) -> None:
         self.model = {s: m for s, m in self.model.items() if s <= to_step}
         self.tagged = {s: k for s, k in self.tagged.items() if s <= to_step}
@@ -227,7 +234,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def rewind(self, data: st.DataObject) -> None:
         self._settle()
-        to_step = data.draw(st.integers(-1, self.next - 1), label="to_step")
+        to_step = data.draw(self._back_to(), label="to_step")
         ray.get(self.handle.rewind.remote(to_step=to_step), timeout=60)
         self._rewound(to_step)
         self.client = self._client()
@@ -244,7 +251,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         ray.get(self.handle.flush.remote(), timeout=60)  # what the crash may lose: nothing
         crash(self.handle)
         last = self.next - 1  # a checkpoint past it: steps the journal never held
-        from_step = data.draw(st.one_of(st.none(), st.integers(-1, last),
+        from_step = data.draw(st.one_of(st.none(), self._back_to(),
                                         st.integers(last + 1, last + 2)), label="from")
         if from_step is None:  # the run continues after the journal's last step
             self.next = max(self.model, default=-1) + 1
@@ -262,7 +269,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self._settle()
         ray.get(self.handle.flush.remote(), timeout=60)
         crash(self.handle)
-        to_step = data.draw(st.integers(-1, self.next - 1), label="to_step")
+        to_step = data.draw(self._back_to(), label="to_step")
         journal = JsonlSink()
         journal.open(Path(self.tmp.name) / "m" / self.cfg["run"]["trial"])
         journal.write_event(Rewind(to_step).event())
