@@ -22,10 +22,12 @@ nothing is in flight (a process that ends right after its call returns must not 
 Ray connects to an actor on a handle's first call, after the call returns) and leaves the
 answer to the caller's next call, which reads it if it is in by then (no thread wakes).
 An answer not in by then, and steps handed over meanwhile, go to the sender thread, which
-waits for each answer in turn. One delivery runs at a time, so steps reach the service in
-order (Ray does not promise to run an actor's calls in the order sent). Every batch is kept
-until an ack says the journal holds its step and is resent to a restarted actor that lacks
-it; a refused one is dropped at once (resending cannot help).
+waits for each answer in turn; an answer the caller leaves unread (``UNREAD_S``: a client
+dropped, a rank silent until its next step) the sender thread reads, so that a restarted
+actor's ``epoch_changed`` never leaves a step undelivered. One delivery runs at a time, so
+steps reach the service in order (Ray does not promise to run an actor's calls in the order
+sent). Every batch is kept until an ack says the journal holds its step and is resent to a
+restarted actor that lacks it; a refused one is dropped at once (resending cannot help).
 """
 
 from __future__ import annotations
@@ -341,6 +343,7 @@ class Sender:
         self._queue: deque[tuple[Batch, bytes, ray.ObjectRef | None]] = deque()
         self.answers: deque[Answer] = deque()  # answers in, not read yet
         self._pending: tuple[Batch, bytes, ray.ObjectRef] | None = None  # nobody waits on it
+        self._pending_at = 0.0  # when its call was made
         self.in_flight = 0  # handed over, not answered yet
         self._waiting = 0  # callers in ``wait_until``: the thread waits out a call made then
         self._thread: threading.Thread | None = None
@@ -364,8 +367,10 @@ class Sender:
                     self._send_lock.release()
             if issued is None or self._waiting:  # the thread delivers or waits it out
                 self._to_thread((batch, blob, issued))
-            else:
-                self._pending = (batch, blob, issued)
+            else:  # read by the caller's next call, else by the thread (``UNREAD_S``)
+                self._pending, self._pending_at = (batch, blob, issued), time.monotonic()
+                _queued.add(self)
+                self._start()  # no wake: the thread looks when it is due (``UNREAD_S``)
 
     def _exchange(self, blob: bytes, issued: ray.ObjectRef | None = None) -> Ack:
         """The one delivery: ``blob`` (owed in the outbox) through the restart protocol, the
@@ -417,12 +422,23 @@ class Sender:
         else:
             self._queue.append(item)
         _queued.add(self)  # kept until its queue is delivered, whether the caller keeps it
+        self._start()
+        self._work.notify()
+
+    def _start(self) -> None:
+        """Start the sender thread if none runs; under the lock."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=serve, args=(weakref.ref(self), self._work, self._queue),
                 daemon=True, name=f"metricsvc-{self.label}-sender")
             self._thread.start()
-        self._work.notify()
+
+    def unread_in(self) -> float | None:
+        """Seconds until the sender thread reads the answer to the call a hand-over made,
+        unless the caller does first (None: no such call)."""
+        with self._lock:
+            return None if self._pending is None else \
+                self._pending_at + UNREAD_S - time.monotonic()
 
     def _settle(self) -> None:
         """Read the answer of the call a hand-over made, here, if it is in and of this
@@ -432,6 +448,8 @@ class Sender:
                 return
             batch, blob, issued = self._pending
             self._pending = None
+            if not self._queue:
+                _queued.discard(self)
             try:  # one look: the answer if it is in
                 got = ray.get(issued, timeout=0)
             except BaseException:  # noqa: BLE001  not in yet, a refusal or a down actor:
@@ -514,31 +532,48 @@ class Sender:
 
 
 IDLE_S = 30.0  # a sender thread ends after this long without work
-_queued: set[Sender] = set()  # the senders whose threads have batches queued: kept alive
+UNREAD_S = 1.0  # an answer the caller leaves unread this long, the sender thread reads
+# The senders whose threads have batches queued, or an answer to read: kept alive
+_queued: set[Sender] = set()
 
 
 def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) -> None:
     """A sender thread: deliver ``sender``'s queued batches one at a time, oldest first.
 
-    A sender is kept (``_queued``) while batches are queued (a client dropped meanwhile
-    still has them delivered); the thread holds it only while it delivers, and idle holds
+    A sender is kept (``_queued``) while batches are queued or an answer waits to be read
+    (a client dropped meanwhile still has them delivered); an answer the caller leaves
+    unread ``UNREAD_S`` the thread reads (``Sender._settle``: an ``epoch_changed`` one goes
+    to the queue). The thread holds the sender only while it delivers or reads, and idle holds
     no Ray reference. A thread other than the one in ``ray.shutdown()`` that frees a Ray
     reference meanwhile ends the process (Ray: "The core worker has already been shutdown
     ... The process will exit"): an idle thread that ends (``IDLE_S``) frees none, and a
-    client is freed by whoever drops it, or by its thread after the last queued batch,
-    never later."""
+    client is freed by whoever drops it, or by its thread after the last batch or answer
+    it had, never later. Idle, it looks once each ``UNREAD_S``, so that a hand-over's call
+    wakes no thread."""
+    rested = 0.0  # seconds waited with nothing to do
     while True:
         with work:
             woke = False
             while not queue:
-                if not work.wait(timeout=IDLE_S) and not queue:
+                owner = sender()
+                unread = None if owner is None else owner.unread_in()
+                del owner
+                if unread is not None and unread <= 0:
+                    break  # an answer the caller left unread: read here
+                if rested >= IDLE_S:
                     owner = sender()
                     if owner is not None:
                         owner.idle()
                     return
+                waited = not work.wait(timeout=UNREAD_S if unread is None else unread)
+                rested = rested + UNREAD_S if waited and unread is None and not queue else 0.0
                 woke = True
-        live = sender()  # alive: kept in _queued while its queue holds batches
+        rested = 0.0
+        live = sender()  # alive: kept in _queued while it has work
         if live is None:
             return
-        live.deliver_first(woke)
+        if queue:
+            live.deliver_first(woke)
+        else:
+            live._settle()
         del live

@@ -13,7 +13,7 @@ import ray
 
 from metricsvc.client import MetricClient
 from metricsvc.errors import BatchRejected
-from tests.helpers import wait_for_new_incarnation
+from tests.helpers import sigkill, wait_for_new_incarnation
 
 
 class Paused:
@@ -302,6 +302,34 @@ def test_batches_handed_over_are_delivered_though_the_client_is_dropped_at_once(
         del c
         gc.collect()
     assert ray.get(handle.wait_final_res.remote(3, 30)) == {"x": 3.0}
+
+
+def test_a_flush_a_restarted_actor_turned_away_is_delivered_though_the_rank_calls_no_more(
+        make_worker):
+    """The first flush after the actor restarted names the incarnation before: the new one
+    merges nothing and answers ``epoch_changed``. That answer was read, and the batch
+    resent, only at the rank's next call; a rank that made none (its client dropped, or a
+    rank silent until its next step, an evaluation long) never delivered the step: "step 1
+    not final after 30 s: no rank has submitted it yet" (the model of a run's history found
+    it). The sender thread now reads an answer the caller has left unread for a while."""
+    import gc
+
+    handle, cfg = make_worker(world_size=2)
+    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in (0, 1)]
+    for c in clients:
+        c.submit_metric({"x": 0.0})
+        c.flush()
+    for c in clients:
+        c.wait_acks(timeout_s=30)
+    sigkill(handle)
+    for r, c in enumerate(clients):
+        c.submit_metric({"x": float(r)})
+        c.flush()
+    kept = clients[0]  # rank 0 keeps its client and calls no more; rank 1 drops its own
+    del clients, c
+    gc.collect()
+    assert ray.get(handle.wait_final_res.remote(1, 30)) == {"x": 0.5}
+    assert kept.in_flight == 0
 
 
 @pytest.mark.slow
