@@ -369,8 +369,9 @@ class Sender:
                 self._to_thread((batch, blob, issued))
             else:  # read by the caller's next call, else by the thread (``UNREAD_S``)
                 self._pending, self._pending_at = (batch, blob, issued), time.monotonic()
-                _queued.add(self)
-                self._start()  # no wake: the thread looks when it is due (``UNREAD_S``)
+                _queued.add(self)  # kept until its answer is read
+                if self._thread is None:
+                    self._to_thread(None)
 
     def _exchange(self, blob: bytes, issued: ray.ObjectRef | None = None) -> Ack:
         """The one delivery: ``blob`` (owed in the outbox) through the restart protocol, the
@@ -414,31 +415,24 @@ class Sender:
             newest = self.outbox.newest()
             return None if newest is None else self._exchange(newest)
 
-    def _to_thread(self, item: tuple[Batch, bytes, ray.ObjectRef | None],
+    def _to_thread(self, item: tuple[Batch, bytes, ray.ObjectRef | None] | None,
                    first: bool = False) -> None:
-        """Queue ``item`` for the sender thread (started if idle); under the lock."""
-        if first:
-            self._queue.appendleft(item)
-        else:
-            self._queue.append(item)
-        _queued.add(self)  # kept until its queue is delivered, whether the caller keeps it
-        self._start()
-        self._work.notify()
-
-    def _start(self) -> None:
-        """Start the sender thread if none runs; under the lock."""
+        """Queue ``item`` for the sender thread, started if idle (None: only the answer to
+        the call a hand-over made, for the thread to read if the caller does not: no wake,
+        the thread looks when it is due, ``UNREAD_S``); under the lock."""
+        _queued.add(self)  # kept until its queue is delivered and its answer read
+        if item is not None:
+            if first:
+                self._queue.appendleft(item)
+            else:
+                self._queue.append(item)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=serve, args=(weakref.ref(self), self._work, self._queue),
                 daemon=True, name=f"metricsvc-{self.label}-sender")
             self._thread.start()
-
-    def unread_in(self) -> float | None:
-        """Seconds until the sender thread reads the answer to the call a hand-over made,
-        unless the caller does first (None: no such call)."""
-        with self._lock:
-            return None if self._pending is None else \
-                self._pending_at + UNREAD_S - time.monotonic()
+        if item is not None:
+            self._work.notify()
 
     def _settle(self) -> None:
         """Read the answer of the call a hand-over made, here, if it is in and of this
@@ -555,8 +549,9 @@ def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) 
         with work:
             woke = False
             while not queue:
-                owner = sender()
-                unread = None if owner is None else owner.unread_in()
+                owner = sender()  # seconds until it reads the answer the caller has not:
+                unread = None if owner is None or owner._pending is None else \
+                    owner._pending_at + UNREAD_S - time.monotonic()
                 del owner
                 if unread is not None and unread <= 0:
                     break  # an answer the caller left unread: read here
