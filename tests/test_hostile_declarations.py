@@ -208,6 +208,33 @@ def test_the_ranks_hear_of_a_value_left_out_where_two_sources_export_one_name():
     assert run(restarted, [0])[:2] == ([(0, 1)], {said})
 
 
+def test_a_derived_metric_left_out_for_a_renamed_key_names_that_key():
+    """A rename makes key "x" export "y", the name a declared derived metric has too: the
+    step shows "x"'s value (a derived metric yields to a key), but ``meta.collisions`` and
+    the notice named the exported name as the key kept ("as key 'y' does"), a key no rank
+    sent."""
+    import numpy as np
+
+    from metricsvc.core import records
+    from metricsvc.core.declare import Derived, encode_derived
+    from metricsvc.core.reduce import ReduceType
+    from metricsvc.service.engine import Engine
+
+    declared = encode_derived([Derived("y", "sum(n)", {"n": "y/__n"})])
+    engine = Engine(world_size=2, renames={"x": "y"})
+    for rank in (0, 1):
+        values = {"x": [1.0 + rank], "y/__n": [2.0, 5.0]}
+        data = np.stack([records.summarize_array(np.asarray(v)) for v in values.values()])
+        answer = engine.submit(Batch.build(
+            step=0, rank=rank, world_size=2, seq=0, final=True, keys=list(values), data=data,
+            kinds=[int(ReduceType.SUM)] * 2, expected=[0] * 2, derived=declared))
+    (done,) = answer.finished
+    assert done.metrics == {"y": 3.0}
+    assert done.meta["collisions"] == {"y": ["x", "derived y"]}
+    assert answer.notice.startswith("derived metric 'y' exports the name 'y', as key 'x' "
+                                    "does: the step shows key 'x''s value under it")
+
+
 def test_what_a_rank_hears_of_long_names_names_both_ends_in_a_line():
     """Names past a sink tag's length share its tag when they differ only past it. The
     notice quoted each name whole, four times: 1,300 characters for two keys of 300."""

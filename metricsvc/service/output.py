@@ -151,8 +151,12 @@ class StepOutput:
             derived = self.deriver.derive(declared, keys, plan.kinds, merged.data, self.output)
             for key, value in derived.items():
                 name = self.rename(key)
-                if name in metrics:
-                    collisions.setdefault(name, [name]).append(f"derived {key}")
+                if name in metrics:  # shown: the key's value (a key that exports it alone)
+                    exports = plan.exports
+                    kept = collisions.get(name) or [next(
+                        keys[row] for exported, row in zip(exports.names, exports.rows)
+                        if exported == name and merged.data[row, COUNT] > 0)]
+                    collisions[name] = [*kept, f"derived {key}"]
                 else:
                     metrics[name] = value
         return metrics
