@@ -24,7 +24,8 @@ answer to the caller's next call, which reads it if it is in by then (no thread 
 An answer not in by then, and steps handed over meanwhile, go to the sender thread, which
 waits for each answer in turn; an answer the caller leaves unread (``UNREAD_S``: a client
 dropped, a rank silent until its next step) the sender thread reads, so that a restarted
-actor's ``epoch_changed`` never leaves a step undelivered. One delivery runs at a time, so
+actor's ``epoch_changed`` never leaves a step undelivered; what a dropped client's answers
+would raise is logged (``Sender._say``). One delivery runs at a time, so
 steps reach the service in order (Ray does not promise to run an actor's calls in the order
 sent). Every batch is kept until an ack says the journal holds its step and is resent to a
 restarted actor that lacks it; a refused one is dropped at once (resending cannot help).
@@ -325,9 +326,10 @@ class Sender:
     """The delivery of one client's batches; see the module's docstring."""
 
     def __init__(self, service: ServiceHandle, method: str, label: str, *args: Any,
-                 max_inflight: int = 256, by_seq: bool = False) -> None:
-        """Batches go to ``service.method(*args, blob, epoch)``. ``by_seq``: acks'
-        ``journal_through`` counts batch numbers (a stream client's), else steps."""
+                 owner: object, max_inflight: int = 256, by_seq: bool = False) -> None:
+        """Batches go to ``service.method(*args, blob, epoch)``, for ``owner`` (the client
+        whose callers read the answers). ``by_seq``: acks' ``journal_through`` counts batch
+        numbers (a stream client's), else steps."""
         self.service, self.method, self.args = service, method, args
         self.label = label
         # Sent but not yet in the service's journal (resent after a restart), and the
@@ -348,6 +350,8 @@ class Sender:
         self._waiting = 0  # callers in ``wait_until``: the thread waits out a call made then
         self._thread: threading.Thread | None = None
         self.wakes = 0  # times the sender thread woke from waiting for work (counted)
+        self.orphan = False  # its owner is gone: answers are logged, nobody reads them
+        weakref.finalize(owner, self._orphaned)
 
     def hand_over(self, batch: Batch, blob: bytes) -> None:
         """Deliver ``batch`` without waiting: the call made here if nothing is in flight
@@ -453,16 +457,40 @@ class Sender:
                 return
         with self._send_lock:  # what ``deliver`` does with an ack of this incarnation
             self.outbox.heard(got, blob)
-        with self._lock:
-            self.in_flight -= 1
-            self.answers.append((batch, got, None))
-            self._cv.notify_all()
+        self._answered((batch, got, None))
 
     def _answered(self, answer: Answer) -> None:
         with self._lock:
             self.in_flight -= 1
-            self.answers.append(answer)
-            self._cv.notify_all()
+            if not self.orphan:
+                self.answers.append(answer)
+                self._cv.notify_all()
+                return
+        self._say(answer)
+
+    def _orphaned(self) -> None:
+        """The owner is gone: what it left unread, and each answer from now on, is logged;
+        no caller is left to raise it to."""
+        with self._lock:
+            self.orphan = True
+            unread = list(self.answers)
+            self.answers.clear()
+        for answer in unread:
+            self._say(answer)
+
+    def _say(self, answer: Answer) -> None:
+        """Log what an answer nobody reads would have raised or warned: a refusal, a batch
+        not delivered, a batch its step was published without."""
+        batch, ack, error = answer
+        if error is not None:
+            fate = "refused" if is_refusal(error) else "not delivered"
+            said = f"was {fate} ({type(error).__name__}: {str(error).splitlines()[0]})"
+        elif ack is not None and ack.get("status") == "late":
+            said = "was not merged: its step was published without it"
+        else:
+            return
+        log.warning("%s: the batch of step %d %s, and its client was dropped before reading "
+                    "it", self.label, batch.step, said)
 
     def idle(self) -> None:
         """The sender thread ends (idle): the next hand-over starts a new one."""

@@ -384,3 +384,49 @@ def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_pro
     assert "RAY False 0" in out.stdout, out.stdout + out.stderr[-2000:]
     refused = next(line for line in out.stdout.splitlines() if line.startswith("REFUSED"))
     assert "ray.shutdown() was called" in refused
+
+
+def test_a_refusal_nobody_reads_is_logged_once_its_client_is_dropped(make_worker):
+    """A rank drops its client (a worker object replaced, say) after a flush the service
+    refuses: the answer, read by the sender thread or not yet in, was raised to nobody and
+    said nowhere (an answer nobody reads cannot raise). It is logged, naming the rank, the
+    step and the refusal, as asyncio logs an exception no one retrieved: one dropped with the
+    answer in at once, one dropped before it came when the thread reads it."""
+    import gc
+    import logging
+
+    handle, cfg = make_worker(world_size=2)
+    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in (0, 1)]
+    for c in clients:
+        c.submit_metric({"x": 1.0})
+        c.flush()
+    for c in clients:
+        c.wait_acks(timeout_s=30)
+    ray.get(handle.close.remote(), timeout=30)
+    said, heard = [], threading.Event()
+
+    class Heard(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+            heard.set()
+
+    logger = logging.getLogger("metricsvc.transport")
+    logger.addHandler(handler := Heard(logging.WARNING))
+    try:
+        for c in clients:
+            c.submit_metric({"x": 2.0})
+            c.flush()  # refused: the service is closed
+        assert clients[0].sender.wait_until(1, timeout_s=30)  # its answer in, not read
+        del clients[0], c
+        gc.collect()
+        assert len(said) == 1 and said[0].startswith("rank 0: the batch of step 1 was refused")
+        heard.clear()
+        del clients[0]  # rank 1's, its answer not in yet
+        gc.collect()
+        assert heard.wait(30), said
+    finally:
+        logger.removeHandler(handler)
+    assert [line.split(":")[0] for line in said] == ["rank 0", "rank 1"]
+    for line in said:
+        assert "the batch of step 1 was refused (ServiceClosed: " in line and line.endswith(
+            "its client was dropped before reading it"), line

@@ -371,7 +371,7 @@ class MetricClient(Tracker):
                                      namespace or default_namespace(), via, self.rank, retry_s)
         super().__init__(RecordBuffer(sketch_spec, compile))  # the client is its own tracker
         self.cursor = StepCursor(self.rank, self.world_size, start_step, self.buffer)
-        self.sender = Sender(self.service, "submit", f"rank {self.rank}",
+        self.sender = Sender(self.service, "submit", f"rank {self.rank}", owner=self,
                              max_inflight=max_inflight)
         self._timed_out: int | None = None  # a wait_submit's step whose answer is not in
         if via is not None and worker is None:
@@ -479,7 +479,7 @@ class MetricClient(Tracker):
         """Wait until every close is answered; return the acks not read yet, oldest first.
         Raises what the first refused or late one raises (see ``flush``), or
         ``GetTimeoutError`` after ``timeout_s``. Call it before the process ends: an answer
-        nobody reads cannot raise."""
+        nobody reads cannot raise (a dropped client's is logged)."""
         if not self.sender.wait_until(1, timeout_s):
             raise ray.exceptions.GetTimeoutError(
                 f"rank {self.rank}: {self.in_flight} flushes unanswered after {timeout_s} s")
@@ -663,7 +663,8 @@ class StreamRecorder(Tracker):
         self._closed = False
         # Batches are numbered (seq) in the order sent: the position acks count in
         self.sender = Sender(service, "stream_submit", f"stream {name!r}", self.name,
-                             self.client_id, max_inflight=max_inflight, by_seq=True)
+                             self.client_id, owner=self, max_inflight=max_inflight,
+                             by_seq=True)
 
     @property
     def rpc_count(self) -> int:
