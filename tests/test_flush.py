@@ -3,6 +3,7 @@ call made (the answer not waited for), never an actor round trip; acks are read
 later, errors still reach the caller, in-flight flushes are bounded, and what a restarted
 actor lost is resent (issue 15)."""
 
+import logging
 import os
 import signal
 import threading
@@ -386,6 +387,27 @@ def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_pro
     assert "ray.shutdown() was called" in refused
 
 
+class Logged(logging.Handler):
+    """The transport's warnings while in the ``with`` block: ``said``, and ``heard`` set
+    at each."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.said, self.heard = [], threading.Event()
+        self.logger = logging.getLogger("metricsvc.transport")
+
+    def emit(self, record):
+        self.said.append(record.getMessage())
+        self.heard.set()
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+
+
 def test_a_refusal_nobody_reads_is_logged_once_its_client_is_dropped(make_worker):
     """A rank drops its client (a worker object replaced, say) after a flush the service
     refuses: the answer, read by the sender thread or not yet in, was raised to nobody and
@@ -393,7 +415,6 @@ def test_a_refusal_nobody_reads_is_logged_once_its_client_is_dropped(make_worker
     step and the refusal, as asyncio logs an exception no one retrieved: one dropped with the
     answer in at once, one dropped before it came when the thread reads it."""
     import gc
-    import logging
 
     handle, cfg = make_worker(world_size=2)
     clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in (0, 1)]
@@ -403,30 +424,40 @@ def test_a_refusal_nobody_reads_is_logged_once_its_client_is_dropped(make_worker
     for c in clients:
         c.wait_acks(timeout_s=30)
     ray.get(handle.close.remote(), timeout=30)
-    said, heard = [], threading.Event()
-
-    class Heard(logging.Handler):
-        def emit(self, record):
-            said.append(record.getMessage())
-            heard.set()
-
-    logger = logging.getLogger("metricsvc.transport")
-    logger.addHandler(handler := Heard(logging.WARNING))
-    try:
+    with Logged() as logged:
         for c in clients:
             c.submit_metric({"x": 2.0})
             c.flush()  # refused: the service is closed
         assert clients[0].sender.wait_until(1, timeout_s=30)  # its answer in, not read
         del clients[0], c
         gc.collect()
+        said = logged.said
         assert len(said) == 1 and said[0].startswith("rank 0: the batch of step 1 was refused")
-        heard.clear()
+        logged.heard.clear()
         del clients[0]  # rank 1's, its answer not in yet
         gc.collect()
-        assert heard.wait(30), said
-    finally:
-        logger.removeHandler(handler)
+        assert logged.heard.wait(30), said
     assert [line.split(":")[0] for line in said] == ["rank 0", "rank 1"]
     for line in said:
         assert "the batch of step 1 was refused (ServiceClosed: " in line and line.endswith(
             "its client was dropped before reading it"), line
+
+
+def test_a_late_batch_nobody_reads_is_logged_once_its_client_is_dropped(make_worker):
+    """The same for a batch that came after its step was published without it (the
+    straggler timeout): its rank would hear ``LateBatch``; dropped, the log says it."""
+    import gc
+
+    handle, cfg = make_worker(world_size=2, straggler_timeout_s=0.3)
+    early, late = (MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in (0, 1))
+    early.submit_metric({"x": 1.0})
+    early.wait_submit(step=0, timeout_s=30)
+    assert ray.get(handle.wait_final_res.remote(0, 30)) == {"x": 1.0}
+    with Logged() as logged:
+        late.submit_metric({"x": 2.0})
+        late.flush()
+        del late
+        gc.collect()
+        assert logged.heard.wait(30)
+    assert logged.said == ["rank 1: the batch of step 0 was not merged: its step was published "
+                           "without it, and its client was dropped before reading it"]
