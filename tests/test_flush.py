@@ -305,6 +305,18 @@ def test_batches_handed_over_are_delivered_though_the_client_is_dropped_at_once(
     assert ray.get(handle.wait_final_res.remote(3, 30)) == {"x": 3.0}
 
 
+def two_ranks_past_step_0(make_worker):
+    """A service of two ranks, and their clients, step 0 (x = 0.0) final and acked."""
+    handle, cfg = make_worker(world_size=2)
+    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in (0, 1)]
+    for c in clients:
+        c.submit_metric({"x": 0.0})
+        c.flush()
+    for c in clients:
+        c.wait_acks(timeout_s=30)
+    return handle, clients
+
+
 def test_a_flush_a_restarted_actor_turned_away_is_delivered_though_the_rank_calls_no_more(
         make_worker):
     """The first flush after the actor restarted names the incarnation before: the new one
@@ -315,13 +327,7 @@ def test_a_flush_a_restarted_actor_turned_away_is_delivered_though_the_rank_call
     it). The sender thread now reads an answer the caller has left unread for a while."""
     import gc
 
-    handle, cfg = make_worker(world_size=2)
-    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in (0, 1)]
-    for c in clients:
-        c.submit_metric({"x": 0.0})
-        c.flush()
-    for c in clients:
-        c.wait_acks(timeout_s=30)
+    handle, clients = two_ranks_past_step_0(make_worker)
     sigkill(handle)
     for r, c in enumerate(clients):
         c.submit_metric({"x": float(r)})
@@ -416,13 +422,7 @@ def test_a_refusal_nobody_reads_is_logged_once_its_client_is_dropped(make_worker
     answer in at once, one dropped before it came when the thread reads it."""
     import gc
 
-    handle, cfg = make_worker(world_size=2)
-    clients = [MetricClient(None, rank=r, world_size=2, name=cfg.name) for r in (0, 1)]
-    for c in clients:
-        c.submit_metric({"x": 1.0})
-        c.flush()
-    for c in clients:
-        c.wait_acks(timeout_s=30)
+    handle, clients = two_ranks_past_step_0(make_worker)
     ray.get(handle.close.remote(), timeout=30)
     with Logged() as logged:
         for c in clients:
