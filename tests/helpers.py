@@ -196,6 +196,21 @@ def merged(buffer: Any) -> dict[str, Any]:
     return dict(zip(batch.keys, batch.data))
 
 
+def summed_batch(rank: int, derived: bytes, step: int = 0, **values: Any) -> Any:
+    """Rank ``rank``'s final batch of ``step`` (of two ranks) without a client: each of
+    ``values`` (numbers) one SUM record, with the declarations ``derived`` (wire form)."""
+    from metricsvc.core import records
+    from metricsvc.core.reduce import ReduceType
+    from metricsvc.core.wire import Batch
+
+    keys = list(values)
+    data = np.stack([records.summarize_array(np.asarray(v, dtype=float))
+                     for v in values.values()])
+    return Batch.build(step=step, rank=rank, world_size=2, seq=step, final=True, keys=keys,
+                       data=data, kinds=[int(ReduceType.SUM)] * len(keys),
+                       expected=[0] * len(keys), derived=derived)
+
+
 # -- a rank's calls against a plain model of which records belong to which step ----------
 KEYS = ("a", "b", "c/sum")  # two stat(reduce="sum") keys and a plain one (a sum by its name)
 STEPS = (None, -2, -1, 0, 1, 2)  # a close names no step, or one relative to the open step

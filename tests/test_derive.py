@@ -11,8 +11,8 @@ from metricsvc.core.declare import Derived, decode_declarations, encode_derived
 from metricsvc.core.formula import parse
 from metricsvc.core.keys import is_internal
 from metricsvc.core.reduce import OutputRules, ReduceType
-from metricsvc.core.wire import Batch
 from metricsvc.service.derive import Deriver
+from tests.helpers import summed_batch
 
 RULES = OutputRules()
 
@@ -169,14 +169,6 @@ def test_formulas_are_parsed_once_and_their_inputs_listed():
                                                  "std(e)") is f
 
 
-def _batch(rank, derived, **values):
-    keys = list(values)
-    data = np.stack([records.summarize_array(np.asarray(v, dtype=float)) for v in values.values()])
-    return Batch.build(step=0, rank=rank, world_size=2, seq=0, final=True, keys=keys,
-                               data=data, kinds=[int(ReduceType.SUM)] * len(keys),
-                               expected=[0] * len(keys), derived=derived)
-
-
 def test_the_service_evaluates_what_ranks_declare_and_refuses_a_bad_declaration():
     from metricsvc.errors import BatchRejected
     from metricsvc.service.engine import Engine as Aggregator
@@ -184,11 +176,11 @@ def test_the_service_evaluates_what_ranks_declare_and_refuses_a_bad_declaration(
     agg = Aggregator(world_size=2)
     share = Derived("a/share", "sum(a) / (sum(a) + sum(b))", {"a": "a/__n", "b": "a/__m"})
     with pytest.raises(BatchRejected, match="derived metric 'x': .*unknown function 'open'"):
-        agg.submit(_batch(0, b'[["x", "open(a)", [["a", "k"]]]]', **{"a/__n": [1.0]}))
-    agg.submit(_batch(0, encode_derived([share]), **{"a/__n": [1.0, 2.0], "a/__m": [1.0],
-                                                      "a/__stray": [5.0]}))
-    (done,) = agg.submit(_batch(1, encode_derived([share]), **{"a/__n": [3.0],
-                                                               "a/__m": [3.0]})).finished
+        agg.submit(summed_batch(0, b'[["x", "open(a)", [["a", "k"]]]]', **{"a/__n": [1.0]}))
+    agg.submit(summed_batch(0, encode_derived([share]),
+                            **{"a/__n": [1.0, 2.0], "a/__m": [1.0], "a/__stray": [5.0]}))
+    (done,) = agg.submit(summed_batch(1, encode_derived([share]),
+                                      **{"a/__n": [3.0], "a/__m": [3.0]})).finished
     assert done.metrics == {"a/share": 0.6}  # over both ranks' records
     assert done.meta["declarations"] == {"a/share": [share.formula, sorted(share.inputs.items())]}
     assert done.meta["internal_ignored"] == ["a/__stray"]  # read by nothing: said, not shown
@@ -199,10 +191,8 @@ OTHER = Derived("a/share", "sum(b) / sum(a)", {"a": "a/__n", "b": "a/__m"})
 
 
 def _step(agg, step, rank, decl, n, m):
-    b = _batch(rank, encode_derived([decl]), **{"a/__n": [n], "a/__m": [m]})
-    return agg.submit(Batch.build(step=step, rank=rank, world_size=2, seq=step,
-                                          final=True, keys=b.keys, data=b.data, kinds=b.kinds,
-                                          expected=b.expected, derived=b.derived))
+    return agg.submit(summed_batch(rank, encode_derived([decl]), step,
+                                   **{"a/__n": [n], "a/__m": [m]}))
 
 
 @pytest.mark.parametrize("first", [0, 1])

@@ -213,21 +213,15 @@ def test_a_derived_metric_left_out_for_a_renamed_key_names_that_key():
     step shows "x"'s value (a derived metric yields to a key), but ``meta.collisions`` and
     the notice named the exported name as the key kept ("as key 'y' does"), a key no rank
     sent."""
-    import numpy as np
-
-    from metricsvc.core import records
-    from metricsvc.core.declare import Derived, encode_derived
-    from metricsvc.core.reduce import ReduceType
+    from metricsvc.core.declare import encode_derived
     from metricsvc.service.engine import Engine
+    from tests.helpers import summed_batch
 
     declared = encode_derived([Derived("y", "sum(n)", {"n": "y/__n"})])
     engine = Engine(world_size=2, renames={"x": "y"})
     for rank in (0, 1):
-        values = {"x": [1.0 + rank], "y/__n": [2.0, 5.0]}
-        data = np.stack([records.summarize_array(np.asarray(v)) for v in values.values()])
-        answer = engine.submit(Batch.build(
-            step=0, rank=rank, world_size=2, seq=0, final=True, keys=list(values), data=data,
-            kinds=[int(ReduceType.SUM)] * 2, expected=[0] * 2, derived=declared))
+        answer = engine.submit(summed_batch(rank, declared, **{"x": [1.0 + rank],
+                                                               "y/__n": [2.0, 5.0]}))
     (done,) = answer.finished
     assert done.metrics == {"y": 3.0}
     assert done.meta["collisions"] == {"y": ["x", "derived y"]}
