@@ -3,9 +3,11 @@ builders tests share, and a service's merge without Ray (``LocalService``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -209,6 +211,27 @@ def summed_batch(rank: int, derived: bytes, step: int = 0, **values: Any) -> Any
     return Batch.build(step=step, rank=rank, world_size=2, seq=step, final=True, keys=keys,
                        data=data, kinds=[int(ReduceType.SUM)] * len(keys),
                        expected=[0] * len(keys), derived=derived)
+
+
+class Logged(logging.Handler):
+    """The transport's warnings while in the ``with`` block: ``said``, and ``heard`` set
+    at each."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.said, self.heard = [], threading.Event()
+        self.logger = logging.getLogger("metricsvc.transport")
+
+    def emit(self, record):
+        self.said.append(record.getMessage())
+        self.heard.set()
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
 
 
 # -- a rank's calls against a plain model of which records belong to which step ----------

@@ -3,7 +3,6 @@ call made (the answer not waited for), never an actor round trip; acks are read
 later, errors still reach the caller, in-flight flushes are bounded, and what a restarted
 actor lost is resent (issue 15)."""
 
-import logging
 import os
 import signal
 import threading
@@ -14,7 +13,7 @@ import ray
 
 from metricsvc.client import MetricClient
 from metricsvc.errors import BatchRejected
-from tests.helpers import sigkill, wait_for_new_incarnation
+from tests.helpers import Logged, sigkill, wait_for_new_incarnation
 
 
 class Paused:
@@ -391,27 +390,6 @@ def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_pro
     assert "RAY False 0" in out.stdout, out.stdout + out.stderr[-2000:]
     refused = next(line for line in out.stdout.splitlines() if line.startswith("REFUSED"))
     assert "ray.shutdown() was called" in refused
-
-
-class Logged(logging.Handler):
-    """The transport's warnings while in the ``with`` block: ``said``, and ``heard`` set
-    at each."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.said, self.heard = [], threading.Event()
-        self.logger = logging.getLogger("metricsvc.transport")
-
-    def emit(self, record):
-        self.said.append(record.getMessage())
-        self.heard.set()
-
-    def __enter__(self):
-        self.logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self)
 
 
 def test_a_refusal_nobody_reads_is_logged_once_its_client_is_dropped(make_worker):
