@@ -14,7 +14,8 @@ equal the model: every published step once, with the values recorded for it, whe
 min and max came from, its top samples (``stat(top=)`` with their text), where its NaN
 came from, its alerts, and the flagged samples of every alert of the run, superseded steps'
 included; and the rank hears of the key a sink tag leaves out once, again only after a
-rewind before the step that told it or a restart whose journal lacked that step.
+rewind before the step that told it or a restart whose journal lacked that step; and no
+dropped client's batch is logged as refused, undelivered or left out of its step.
 ``METRICSVC_MODEL_EXAMPLES`` draws more runs (default 3, about a minute).
 """
 
@@ -39,7 +40,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import metricsvc
 from metricsvc.client import MetricClient
 from metricsvc.errors import ServiceClosed, ServiceNotice
-from tests.helpers import crash, sigkill
+from tests.helpers import Logged, crash, sigkill
 
 _services = itertools.count()
 VALUES = st.one_of(st.floats(-1e6, 1e6, allow_nan=False, width=32),
@@ -79,6 +80,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.most: Counter[str] = Counter()
         self.heard: list[warnings.WarningMessage] = []
         self.hearing = None
+        self.logged = Logged()  # what a dropped client's unread answers said: nothing here
         # step -> what its meta names: extremes, top, nonfinite_first, alerts
         self.extremes: dict[int, dict[str, dict]] = {}
         self.samples: dict[int, dict[str, Any]] = {}
@@ -165,6 +167,7 @@ class RunHistoryMachine(RuleBasedStateMachine):
         self.cfg["topology"] = topology
         self.hearing = warnings.catch_warnings(record=True)
         self.heard = self.hearing.__enter__()
+        self.logged.__enter__()
         warnings.simplefilter("always", ServiceNotice)
         self.handle = metricsvc.start_metric_worker(self.cfg)
         self.client = self._client()
@@ -364,12 +367,16 @@ class RunHistoryMachine(RuleBasedStateMachine):
         for key in PAIR:
             assert self.least[key] <= heard[key] <= self.most[key], (
                 key, heard[key], self.least[key], self.most[key], self.told)
+        # No dropped client's batch was refused, left undelivered or left out of its step
+        assert not [s for s in self.logged.said if "dropped before reading it" in s], \
+            self.logged.said
 
     def teardown(self) -> None:
         from metricsvc.service.combiner import stop_combiners
 
         if self.hearing is not None:
             self.hearing.__exit__(None, None, None)
+        self.logged.__exit__()
         try:
             if self.handle is not None:
                 ray.kill(self.handle, no_restart=True)
