@@ -208,9 +208,8 @@ class MetricsConfig(Strict):
     enabled: bool = Field(True, description="report the service's health as Ray metrics")
     interval_s: float = Field(
         5.0, gt=0, le=3600,
-        description="seconds between two reports of the health (Ray exports every 10 s by "
-                    "default and drops a gauge not set for two of its intervals: keep it "
-                    "under twice Ray's metrics_report_interval_ms)")
+        description="seconds between two reports of the health: how fresh its series are "
+                    "(Ray exports every 10 s by default, each series at the value last set)")
     export: list[str] = Field(
         default_factory=list,
         description="finished-step metrics (glob patterns of exported names, e.g. 'actor/*') "
