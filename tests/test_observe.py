@@ -111,22 +111,24 @@ def test_a_gauge_keeps_its_value_between_two_reports_past_rays_gauge_ttl(make_wo
     """Ray drops a gauge whose emitter stopped exporting it for two of its export intervals
     (the session cluster's: 2 s, so 4 s); a live actor's last value is exported every
     interval, set again or not. So the health may be reported less often than Ray exports
-    (``metrics.interval_s``, 5 s by default against Ray's 10 s): here one report, then
-    nothing set for more than those 4 s, and the gauge is there at every scrape."""
-    handle, cfg = make_worker(world_size=1, metrics={"interval_s": 8.0})
+    (``metrics.interval_s``, 5 s by default against Ray's 10 s): here the one report of a
+    closed service's final state (the actor lives on), then none, and the gauge is there at
+    every scrape, well past those 4 s."""
+    handle, cfg = make_worker(world_size=1, metrics={"interval_s": 3600.0})
     client = MetricClient(None, rank=0, world_size=1, name=cfg.name)
     client.scalar(x=1.0)
     client.wait_submit(step=0, timeout_s=30)
+    assert ray.get(handle.close.remote())["metrics_export"]["reports"] == 1
     service = {"service": cfg.name}
     deadline = time.monotonic() + 60
-    while not values(scrape(), "ray_metricsvc_last_final_step", **service):  # the report
+    while not values(scrape(), "ray_metricsvc_last_final_step", **service):
         assert time.monotonic() < deadline
         time.sleep(0.3)
-    seen, until = [], time.monotonic() + 5.5  # past the 4 s, before the next report at 16 s
+    seen, until = [], time.monotonic() + 6.0
     while time.monotonic() < until:
         seen.append(values(scrape(), "ray_metricsvc_last_final_step", **service))
         time.sleep(0.5)
-    assert ray.get(handle.health.remote())["metrics_export"]["reports"] == 1  # none between
+    assert ray.get(handle.health.remote())["metrics_export"]["reports"] == 1  # none since
     assert len(seen) >= 8 and all(v == [0.0] for v in seen), seen
 
 
