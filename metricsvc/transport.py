@@ -438,20 +438,27 @@ class Sender:
         if item is not None:
             self._work.notify()
 
-    def _settle(self) -> None:
+    def _settle(self, look: bool = False) -> None:
         """Read the answer of the call a hand-over made, here, if it is in and of this
-        incarnation; else leave it to the sender thread, which waits it out."""
+        incarnation; else leave it to the sender thread, which waits it out. ``look``: the
+        thread's look at an answer the caller left unread; one not in yet stays the
+        caller's (the thread looks again ``UNREAD_S`` later)."""
         with self._lock:
             if self._pending is None:
                 return
             batch, blob, issued = self._pending
+            try:  # one look: the answer if it is in
+                got = ray.get(issued, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                if look:
+                    self._pending_at = time.monotonic()
+                    return
+                got = None
+            except BaseException:  # noqa: BLE001  a refusal or a down actor: the thread's
+                got = None
             self._pending = None
             if not self._queue:
                 _queued.discard(self)
-            try:  # one look: the answer if it is in
-                got = ray.get(issued, timeout=0)
-            except BaseException:  # noqa: BLE001  not in yet, a refusal or a down actor:
-                got = None         # the thread's
             if got is None or got.get("status") == "epoch_changed":
                 self._to_thread((batch, blob, issued), first=True)
                 return
@@ -598,5 +605,5 @@ def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) 
         if queue:
             live.deliver_first(woke)
         else:
-            live._settle()
+            live._settle(look=True)
         del live
