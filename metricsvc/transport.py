@@ -23,8 +23,9 @@ Ray connects to an actor on a handle's first call, after the call returns) and l
 answer to the caller's next call, which reads it if it is in by then (no thread wakes).
 An answer not in by then, and steps handed over meanwhile, go to the sender thread, which
 waits for each answer in turn; an answer the caller leaves unread (``UNREAD_S``: a client
-dropped, a rank silent until its next step) the sender thread reads, so that a restarted
-actor's ``epoch_changed`` never leaves a step undelivered; what a dropped client's answers
+dropped, a rank silent until its next step) the sender thread reads once it is in (until
+then it stays the caller's), so that a restarted actor's ``epoch_changed`` never leaves a
+step undelivered; what a dropped client's answers
 would raise is logged (``Sender._say``). One delivery runs at a time, so
 steps reach the service in order (Ray does not promise to run an actor's calls in the order
 sent). Every batch is kept until an ack says the journal holds its step and is resent to a
@@ -571,9 +572,10 @@ def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) 
 
     A sender is kept (``_queued``) while batches are queued or an answer waits to be read
     (a client dropped meanwhile still has them delivered); an answer the caller leaves
-    unread ``UNREAD_S`` the thread reads (``Sender._settle``: an ``epoch_changed`` one goes
-    to the queue). The thread holds the sender only while it delivers or reads, and idle holds
-    no Ray reference. A thread other than the one in ``ray.shutdown()`` that frees a Ray
+    unread ``UNREAD_S`` the thread reads once it is in (``Sender._settle``: an
+    ``epoch_changed`` one goes to the queue; one not in yet is looked at again). The
+    thread holds the sender only while it delivers or reads, and idle holds no Ray
+    reference. A thread other than the one in ``ray.shutdown()`` that frees a Ray
     reference meanwhile ends the process (Ray: "The core worker has already been shutdown
     ... The process will exit"): an idle thread that ends (``IDLE_S``) frees none, and a
     client is freed by whoever drops it, or by its thread after the last batch or answer
