@@ -25,11 +25,11 @@ An answer not in by then, and steps handed over meanwhile, go to the sender thre
 waits for each answer in turn; an answer the caller leaves unread (``UNREAD_S``: a client
 dropped, a rank silent until its next step) the sender thread reads once it is in (until
 then it stays the caller's), so that a restarted actor's ``epoch_changed`` never leaves a
-step undelivered; what a dropped client's answers
-would raise is logged (``Sender._say``). One delivery runs at a time, so
-steps reach the service in order (Ray does not promise to run an actor's calls in the order
-sent). Every batch is kept until an ack says the journal holds its step and is resent to a
-restarted actor that lacks it; a refused one is dropped at once (resending cannot help).
+step undelivered; what a dropped client's answers would raise is logged (``Sender._say``).
+One delivery runs at a time, so steps reach the service in order (Ray does not promise to
+run an actor's calls in the order sent). Every batch is kept until an ack says the journal
+holds its step and is resent to a restarted actor that lacks it; a refused one is dropped
+at once (resending cannot help).
 """
 
 from __future__ import annotations
