@@ -229,6 +229,28 @@ def test_a_derived_metric_left_out_for_a_renamed_key_names_that_key():
                                     "does: the step shows key 'x''s value under it")
 
 
+def test_two_derived_metrics_renamed_onto_one_name_show_the_first_and_name_it():
+    """Renames may map two declared derived metrics onto one name: the step shows the first
+    and names it as the one kept. Finding the kept source among the keys' exports alone
+    (none exports the name) ended the step's finish in StopIteration: the step was never
+    published."""
+    from metricsvc.core.declare import encode_derived
+    from metricsvc.service.engine import Engine
+    from tests.helpers import summed_batch
+
+    declared = encode_derived([Derived("p", "sum(n)", {"n": "p/__n"}),
+                               Derived("q", "2 * sum(n)", {"n": "p/__n"})])
+    engine = Engine(world_size=2, renames={"p": "z", "q": "z"})
+    for rank in (0, 1):
+        answer = engine.submit(summed_batch(rank, declared, **{"p/__n": [2.0]}))
+    (done,) = answer.finished
+    assert done.metrics == {"z": 4.0}
+    assert done.meta["collisions"] == {"z": ["derived p", "derived q"]}
+    assert answer.notice.startswith("derived metric 'q' exports the name 'z', as derived "
+                                    "metric 'p' does: the step shows derived metric 'p''s "
+                                    "value under it")
+
+
 def test_what_a_rank_hears_of_long_names_names_both_ends_in_a_line():
     """Names past a sink tag's length share its tag when they differ only past it. The
     notice quoted each name whole, four times: 1,300 characters for two keys of 300."""

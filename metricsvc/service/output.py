@@ -149,16 +149,18 @@ class StepOutput:
                            rules=self.output, collisions=collisions, exports=plan.exports)
         if declared:  # (what the deriver says of a step is read only then)
             derived = self.deriver.derive(declared, keys, plan.kinds, merged.data, self.output)
+            shown: dict[str, str] = {}  # name -> the derived metric shown under it
             for key, value in derived.items():
                 name = self.rename(key)
-                if name in metrics:  # shown: the key's value (a key that exports it alone)
-                    exports = plan.exports
-                    kept = collisions.get(name) or [next(
-                        keys[row] for exported, row in zip(exports.names, exports.rows)
-                        if exported == name and merged.data[row, COUNT] > 0)]
-                    collisions[name] = [*kept, f"derived {key}"]
-                else:
+                if name not in metrics:
                     metrics[name] = value
+                    shown[name] = f"derived {key}"
+                    continue
+                exports = plan.exports  # else a key's value (the one key that exports it)
+                kept = collisions.get(name) or [shown.get(name) or next(
+                    keys[row] for exported, row in zip(exports.names, exports.rows)
+                    if exported == name and merged.data[row, COUNT] > 0)]
+                collisions[name] = [*kept, f"derived {key}"]
         return metrics
 
     def finish(self, p: PendingStep, merged: Merged, lagging: list[int]) -> StepResult:
