@@ -124,12 +124,13 @@ def test_a_gauge_keeps_its_value_between_two_reports_past_rays_gauge_ttl(make_wo
     while not values(scrape(), "ray_metricsvc_last_final_step", **service):
         assert time.monotonic() < deadline
         time.sleep(0.3)
-    seen, until = [], time.monotonic() + 6.0
-    while time.monotonic() < until:
-        seen.append(values(scrape(), "ray_metricsvc_last_final_step", **service))
+    seen, first = [], time.monotonic()
+    while not seen or seen[-1][0] - first < 6.0:  # scrapes over 6 s, however slow each is
+        got = values(scrape(), "ray_metricsvc_last_final_step", **service)
+        seen.append((time.monotonic(), got))
         time.sleep(0.5)
     assert ray.get(handle.health.remote())["metrics_export"]["reports"] == 1  # none since
-    assert len(seen) >= 8 and all(v == [0.0] for v in seen), seen
+    assert len(seen) >= 4 and all(v == [0.0] for _, v in seen), seen
 
 
 def test_the_nodes_export_on_ports_no_outgoing_connection_can_take(ray_cluster):
