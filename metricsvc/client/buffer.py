@@ -286,10 +286,12 @@ class RecordBuffer:
 
     # -- closing -------------------------------------------------------------------------
     def take_batch(self, *, step: int, rank: int, world_size: int, seq: int,
-                   final: bool) -> Batch:
+                   final: bool, then: str | None = None) -> Batch:
         """Return everything recorded as one wire batch (one host copy per device) and
-        start afresh."""
+        start afresh (``then``: the new window's label, if it is another)."""
         with self.lock:
+            if then is not None:
+                self.label = then
             if self.timings:
                 self._read_timings()
             keys, data, codes, expected, extremes, sketches = self._merged()
@@ -637,9 +639,9 @@ class StepCursor:
             self.seq += 1
             self.last_closed, self.known = step, True
             self.step = step + 1
-            self.buffer.opened(f"step {step + 1}")
             return self.buffer.take_batch(step=step, rank=self.rank,
-                                          world_size=self.world_size, seq=self.seq, final=True)
+                                          world_size=self.world_size, seq=self.seq, final=True,
+                                          then=f"step {step + 1}")
 
     def name(self, step: int, caller: str) -> None:
         """Move to the step the caller names, if nothing recorded is pending for the open
