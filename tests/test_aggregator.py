@@ -407,3 +407,23 @@ def test_a_resend_of_an_old_step_is_told_apart_by_the_journals_meta():
     with pytest.raises(BatchRejected, match="step 30: conflict.*comes after the rank"):
         forgetful.submit(sent[30, 0])  # its ranks kept, its digests not: never merged twice
     assert forgetful.submit(sent[5, 0]).status == "late"  # forgotten whole: journaled as late
+
+
+def test_a_steps_samples_are_located_only_where_a_min_max_or_nonfinite_value_is_shown(
+        monkeypatch):
+    """Locating where each value came from reads every rank's rows (1024 ranks: 6 ms a
+    step): a step that shows no min, no max and no non-finite value never pays it."""
+    located = []
+    winners = records.winners
+    monkeypatch.setattr(records, "winners", lambda *a: located.append(1) or winners(*a))
+    agg = Aggregator(world_size=2)
+    for rank in (0, 1):  # means only
+        done = agg.submit(batch(0, rank, kind=ReduceType.MEAN, x=[1.0, 2.0 + rank])).finished
+    assert located == [] and done[0].metrics == {"x": 1.75}
+    for rank in (0, 1):  # a mean with a NaN: where it came from is said
+        done = agg.submit(batch(1, rank, kind=ReduceType.MEAN,
+                                x=[1.0, np.nan if rank else 2.0])).finished
+    assert located == [1] and done[0].meta["nonfinite_first"] == {"x": {"rank": 1}}
+    for rank in (0, 1):  # a max: its rank is named
+        done = agg.submit(batch(2, rank, kind=ReduceType.MAX, x=[1.0, 5.0 - rank])).finished
+    assert located == [1, 1] and done[0].meta["extremes"] == {"x": {"rank": 0}}

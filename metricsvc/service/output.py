@@ -207,8 +207,9 @@ class StepOutput:
                 meta["top"] = top
                 meta.setdefault("tables", {}).update(
                     {f"top/{name}": top_table(name, rows) for name, rows in top.items()})
-        if merged.winners:  # the rank (and sample) each exported min and max came from,
-            sources, first = self.extremes(p.keys, plan, merged, metrics)  # each first NaN's
+        # the rank (and sample) each exported min and max came from, each first NaN's
+        if plan.extremes or "nonfinite" in meta:
+            sources, first = self.extremes(p.keys, plan, merged, metrics)
             if sources:
                 meta["extremes"] = sources
             if first:
@@ -251,7 +252,7 @@ class StepOutput:
         sample's id, its position (``row``, ``col``), the ``call`` (and a non-finite
         value's ``kind``)."""
         found = {}
-        for side, (part_of, src) in zip(LOCATED, merged.winners):
+        for side, (part_of, src) in zip(LOCATED, merged.winners()):
             found[side] = (part_of.tolist(), src)
         out: dict[str, dict[str, Any]] = {}
         first: dict[str, dict[str, Any]] = {}

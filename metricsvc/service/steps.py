@@ -40,9 +40,9 @@ class Part:
 class Merged:
     """A collection's records merged in merge order: ``data`` (a record per key), each
     key's kind code, expected contributors and whether a stream sent it, how many ranks
-    contributed each, the merged sketches by key row, and, where asked for, for the min
-    and for the max the part each key's value came from (-1: none) and that part's sources
-    of it (None where no part carries any); a finished step's ``meta`` (``finish``)."""
+    contributed each, the merged sketches by key row, the parts in merge order with their
+    rows and key indices concatenated (``winners`` reads them), and a finished step's
+    ``meta`` (``finish``)."""
 
     data: np.ndarray
     codes: np.ndarray
@@ -51,10 +51,38 @@ class Merged:
     contributors: np.ndarray
     sketches: dict[int, Sketch]
     parts: list[Part]
-    winners: list[tuple[np.ndarray, np.ndarray | None]]
+    rows: np.ndarray
+    idx: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
     # stat(top=k): each rank's samples, (rank, key rows in the step, [n, NTOP], payloads)
     tops: list[tuple[int, np.ndarray, np.ndarray, tuple]] = field(default_factory=list)
+
+    def winners(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """For the min, the max and the first non-finite value (``records.LOCATED``): the
+        part each key's value came from (-1: none) and that part's sources of it (None
+        where no part carries any). The first part in merge order holding the value wins
+        (ranks by number, then batches). Worked out only when asked: most steps export
+        no min or max and hold no non-finite value."""
+        parts, rows, idx = self.parts, self.rows, self.idx
+        if not parts:
+            return []
+        sizes = np.fromiter(map(len, map(attrgetter("idx"), parts)), np.int64, len(parts))
+        owner = np.repeat(np.arange(len(parts)), sizes)
+        known = None
+        if any(p.sources is not None for p in parts):  # the others' are unknown
+            known = np.concatenate([p.sources if p.sources is not None
+                                    else records.unknown_sources(len(p.idx)) for p in parts])
+        out = []
+        for won in records.winners(rows, idx, self.data):
+            hit = won >= 0
+            part_of = np.full(len(won), -1, dtype=np.int64)
+            part_of[hit] = owner[won[hit]]
+            src = None
+            if known is not None:
+                src = records.unknown_sources(len(won))
+                src[hit] = known[won[hit]]
+            out.append((part_of, src))
+        return out
 
 
 class Collection:
@@ -137,10 +165,8 @@ class Collection:
         self._expected = np.concatenate([self._expected, np.zeros(grow, dtype=np.int32)])
         self._from_stream = np.concatenate([self._from_stream, np.zeros(grow, dtype=bool)])
 
-    def merged(self, locate: bool = False) -> Merged:
-        """The parts merged in merge order (ranks by number, then stream windows); with
-        ``locate``, where each key's min and max came from: the first part in merge order
-        holding the value wins (ranks by number, then batches)."""
+    def merged(self) -> Merged:
+        """The parts merged in merge order (ranks by number, then stream windows)."""
         n = len(self.keys)
         held = self._ordered
         if held is None or held[0] != len(self.parts):  # worked out once for the parts held
@@ -155,40 +181,24 @@ class Collection:
         data = records.merge_grouped(rows, idx, n) if parts else records.identity(n)
         sketch_parts: dict[int, list[Sketch]] = {}
         rank_rows: dict[int, list[np.ndarray]] = {}
-        sourced = False
         for part in parts:
             for row, codes, counts in part.sketches:
                 sketch_parts.setdefault(row, []).append((codes, counts))
             if part.rank is not None:
                 rank_rows.setdefault(part.rank, []).append(part.idx)
-            sourced = sourced or part.sources is not None
         # One part's rows are distinct keys; several parts of a rank may share keys.
-        contributors = np.zeros(n, dtype=np.int32)
-        for of_rank in rank_rows.values():
-            contributors[of_rank[0] if len(of_rank) == 1
-                         else np.unique(np.concatenate(of_rank))] += 1
+        if len(rank_rows) == len(parts):  # a part a rank, none from a stream: the common case
+            contributors = np.bincount(idx, minlength=n).astype(np.int32)
+        else:
+            held_rows = [of[0] if len(of) == 1 else np.unique(np.concatenate(of))
+                         for of in rank_rows.values()]
+            contributors = (np.bincount(np.concatenate(held_rows), minlength=n).astype(np.int32)
+                            if held_rows else np.zeros(n, dtype=np.int32))
         sketches = {}
         for row, of_row in sketch_parts.items():
             sketches[row] = merge_sparse(of_row)
-        winners = []  # for the min and for the max: the part it came from, its source
-        if locate and parts:
-            sizes = np.fromiter(map(len, map(attrgetter("idx"), parts)), np.int64, len(parts))
-            owner = np.repeat(np.arange(len(parts)), sizes)
-            known = None
-            if sourced:  # some part carries sources: the others' are unknown
-                known = np.concatenate([p.sources if p.sources is not None
-                                        else records.unknown_sources(len(p.idx)) for p in parts])
-            for won in records.winners(rows, idx, data):
-                hit = won >= 0
-                part_of = np.full(len(won), -1, dtype=np.int64)
-                part_of[hit] = owner[won[hit]]
-                src = None
-                if known is not None:
-                    src = records.unknown_sources(len(won))
-                    src[hit] = known[won[hit]]
-                winners.append((part_of, src))
         return Merged(data, self._codes[:n], self._expected[:n], self._from_stream[:n],
-                      contributors, sketches, parts, winners)
+                      contributors, sketches, parts, rows, idx)
 
 
 def _sketches_of(batch: Batch) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -321,7 +331,7 @@ class PendingStep(Collection):
         return sorted(set(range(self.size())) - self.closed)
 
     def finish(self, now: float) -> Merged:
-        """The step merged, the min's and max's sources located, with its ``meta``: partial
+        """The step merged, with its ``meta``: partial
         or not, its ranks, the missing ones, its batches and keys, its age (first batch to
         final), its streams, and its batches' digests (what tells a resend from a rerun
         after a restart)."""
@@ -344,7 +354,7 @@ class PendingStep(Collection):
             meta["streams"] = list(self.streams)
             meta["stream_seqs"] = {name: dict(seqs) for name, seqs in self.stream_seqs.items()}
         meta["digests"] = digests
-        merged = self.merged(locate=True)
+        merged = self.merged()
         merged.meta.update(meta)
         return replace(merged, tops=self.tops) if self.tops else merged
 
