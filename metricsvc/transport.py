@@ -22,10 +22,11 @@ nothing is in flight (a process that ends right after its call returns must not 
 Ray connects to an actor on a handle's first call, after the call returns) and leaves the
 answer to the caller's next call, which reads it if it is in by then (no thread wakes).
 An answer not in by then, and steps handed over meanwhile, go to the sender thread, which
-waits for each answer in turn; an answer the caller leaves unread (``UNREAD_S``: a client
-dropped, a rank silent until its next step) the sender thread reads once it is in (until
-then it stays the caller's), so that a restarted actor's ``epoch_changed`` never leaves a
-step undelivered; what a dropped client's answers would raise is logged (``Sender._say``).
+waits for each answer in turn. An answer the caller leaves unread (``UNREAD_S``: a client
+dropped, a rank silent until its next step) is read once it is in (until then it stays the
+caller's) by the process's one looker (``look``: one ``ray.wait`` for every sender's), so
+that a restarted actor's ``epoch_changed`` never leaves a step undelivered; what a dropped
+client's answers would raise is logged (``Sender._say``).
 One delivery runs at a time, so steps reach the service in order (Ray does not promise to
 run an actor's calls in the order sent). Every batch is kept until an ack says the journal
 holds its step and is resent to a restarted actor that lacks it; a refused one is dropped
@@ -35,6 +36,7 @@ at once (resending cannot help).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -372,11 +374,11 @@ class Sender:
                     self._send_lock.release()
             if issued is None or self._waiting:  # the thread delivers or waits it out
                 self._to_thread((batch, blob, issued))
-            else:  # read by the caller's next call, else by the thread (``UNREAD_S``)
-                self._pending, self._pending_at = (batch, blob, issued), time.monotonic()
-                _queued.add(self)  # kept until its answer is read
-                if self._thread is None:
-                    self._to_thread(None)
+                return
+            # read by the caller's next call, else by the looker (``UNREAD_S``)
+            self._pending, self._pending_at = (batch, blob, issued), time.monotonic()
+            _queued.add(self)  # kept until its answer is read
+        look_later()
 
     def _exchange(self, blob: bytes, issued: ray.ObjectRef | None = None) -> Ack:
         """The one delivery: ``blob`` (owed in the outbox) through the restart protocol, the
@@ -420,30 +422,45 @@ class Sender:
             newest = self.outbox.newest()
             return None if newest is None else self._exchange(newest)
 
-    def _to_thread(self, item: tuple[Batch, bytes, ray.ObjectRef | None] | None,
+    def _to_thread(self, item: tuple[Batch, bytes, ray.ObjectRef | None],
                    first: bool = False) -> None:
-        """Queue ``item`` for the sender thread, started if idle (None: only the answer to
-        the call a hand-over made, for the thread to read if the caller does not: no wake,
-        the thread looks when it is due, ``UNREAD_S``); under the lock."""
+        """Queue ``item`` for the sender thread, started if idle; under the lock."""
         _queued.add(self)  # kept until its queue is delivered and its answer read
-        if item is not None:
-            if first:
-                self._queue.appendleft(item)
-            else:
-                self._queue.append(item)
+        if first:
+            self._queue.appendleft(item)
+        else:
+            self._queue.append(item)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=serve, args=(weakref.ref(self), self._work, self._queue),
                 daemon=True, name=f"metricsvc-{self.label}-sender")
             self._thread.start()
-        if item is not None:
-            self._work.notify()
+        self._work.notify()
 
-    def _settle(self, look: bool = False) -> None:
+    def unread(self, now: float) -> ray.ObjectRef | None:
+        """The answer the caller has left unread ``UNREAD_S`` or longer, if any (the
+        looker's)."""
+        with self._lock:
+            pending = self._pending
+            if pending is None or now - self._pending_at < UNREAD_S:
+                return None
+            return pending[2]
+
+    def look(self, issued: ray.ObjectRef, ready: bool) -> None:
+        """The looker's verdict on the answer ``issued`` the caller left unread: one in
+        (``ready``) is read here (``_settle``); one not in yet stays the caller's, looked at
+        again ``UNREAD_S`` later."""
+        with self._lock:
+            if self._pending is None or self._pending[2] is not issued:
+                return  # the caller read it meanwhile
+            if not ready:
+                self._pending_at = time.monotonic()
+                return
+        self._settle()
+
+    def _settle(self) -> None:
         """Read the answer of the call a hand-over made, here, if it is in and of this
-        incarnation; else leave it to the sender thread, which waits it out. ``look``: the
-        thread's look at an answer the caller left unread; one not in yet stays the
-        caller's (the thread looks again ``UNREAD_S`` later)."""
+        incarnation; else leave it to the sender thread, which waits it out."""
         with self._lock:
             if self._pending is None:
                 return
@@ -451,9 +468,6 @@ class Sender:
             try:  # one look: the answer if it is in
                 got = ray.get(issued, timeout=0)
             except ray.exceptions.GetTimeoutError:
-                if look:
-                    self._pending_at = time.monotonic()
-                    return
                 got = None
             except BaseException:  # noqa: BLE001  a refusal or a down actor: the thread's
                 got = None
@@ -561,8 +575,8 @@ class Sender:
                 self._waiting -= 1
 
 
-IDLE_S = 30.0  # a sender thread ends after this long without work
-UNREAD_S = 1.0  # an answer the caller leaves unread this long, the sender thread reads
+IDLE_S = 30.0  # a sender thread, or the looker, ends after this long without work
+UNREAD_S = 1.0  # an answer the caller leaves unread this long, the looker reads
 # The senders whose threads have batches queued, or an answer to read: kept alive
 _queued: set[Sender] = set()
 
@@ -571,41 +585,71 @@ def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) 
     """A sender thread: deliver ``sender``'s queued batches one at a time, oldest first.
 
     A sender is kept (``_queued``) while batches are queued or an answer waits to be read
-    (a client dropped meanwhile still has them delivered); an answer the caller leaves
-    unread ``UNREAD_S`` the thread reads once it is in (``Sender._settle``: an
-    ``epoch_changed`` one goes to the queue; one not in yet is looked at again). The
-    thread holds the sender only while it delivers or reads, and idle holds no Ray
-    reference. A thread other than the one in ``ray.shutdown()`` that frees a Ray
-    reference meanwhile ends the process (Ray: "The core worker has already been shutdown
-    ... The process will exit"): an idle thread that ends (``IDLE_S``) frees none, and a
-    client is freed by whoever drops it, or by its thread after the last batch or answer
-    it had, never later. Idle, it looks once each ``UNREAD_S``, so that a hand-over's call
-    wakes no thread."""
-    rested = 0.0  # seconds waited with nothing to do
+    (a client dropped meanwhile still has them delivered). The thread holds the sender
+    only while it delivers, and idle holds no Ray reference. A thread other than the one
+    in ``ray.shutdown()`` that frees a Ray reference meanwhile ends the process (Ray: "The
+    core worker has already been shutdown ... The process will exit"): an idle thread that
+    ends (``IDLE_S``) frees none, and a client is freed by whoever drops it, or by its
+    thread after the last batch it had, never later."""
     while True:
         with work:
             woke = False
             while not queue:
-                owner = sender()  # seconds until it reads the answer the caller has not:
-                unread = None if owner is None or owner._pending is None else \
-                    owner._pending_at + UNREAD_S - time.monotonic()
-                del owner
-                if unread is not None and unread <= 0:
-                    break  # an answer the caller left unread: read here
-                if rested >= IDLE_S:
+                if not work.wait(timeout=IDLE_S) and not queue:
                     owner = sender()
                     if owner is not None:
                         owner.idle()
                     return
-                waited = not work.wait(timeout=UNREAD_S if unread is None else unread)
-                rested = rested + UNREAD_S if waited and unread is None and not queue else 0.0
                 woke = True
-        rested = 0.0
         live = sender()  # alive: kept in _queued while it has work
         if live is None:
             return
-        if queue:
-            live.deliver_first(woke)
-        else:
-            live._settle(look=True)
+        live.deliver_first(woke)
         del live
+
+
+_looker: threading.Thread | None = None  # the process's, while it runs
+_looker_lock = threading.Lock()
+
+
+def look_later() -> None:
+    """Have the process's looker read the answers callers leave unread (started if it is
+    not running)."""
+    global _looker
+    with _looker_lock:
+        if _looker is None:
+            _looker = threading.Thread(target=look, daemon=True, name="metricsvc-looker")
+            _looker.start()
+
+
+def look() -> None:
+    """The looker: once each ``UNREAD_S``, the answers callers have left unread that long,
+    looked at together (one ``ray.wait``, for 256 ranks' clients in a process as for one);
+    each one in is read by its sender (``Sender.look``: an ``epoch_changed`` one goes to
+    its thread's queue), each one not in yet stays its caller's. Callers that read their
+    answers in time (the common case) cost it one wake a second, and no Ray call. It ends
+    after ``IDLE_S`` with no answer out, and asleep holds no sender and no Ray reference
+    (``serve``)."""
+    global _looker
+    rested = 0.0
+    while True:
+        time.sleep(UNREAD_S)
+        now = time.monotonic()
+        due = [(sender, sender.unread(now)) for sender in list(_queued)]
+        due = [(sender, issued) for sender, issued in due if issued is not None]
+        if due:
+            refs = [issued for _, issued in due]
+            try:
+                refs = ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+            except BaseException:  # noqa: BLE001  Ray shut down: each sender's look says so
+                pass
+            ready = {ref.hex() for ref in refs}
+            for sender, issued in due:
+                sender.look(issued, issued.hex() in ready)
+            del due, refs, sender, issued
+        with _looker_lock:  # a hand-over's answer is seen here, or starts a new looker
+            rested = 0.0 if any(sender.unread(math.inf) is not None
+                                for sender in list(_queued)) else rested + UNREAD_S
+            if rested >= IDLE_S:
+                _looker = None
+                return
