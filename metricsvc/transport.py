@@ -502,17 +502,20 @@ class Sender:
 
     def _say(self, answer: Answer) -> None:
         """Log what an answer nobody reads would have raised or warned: a refusal, a batch
-        not delivered, a batch its step was published without."""
+        not delivered, a batch its step was published without, a notice."""
         batch, ack, error = answer
+        said = []
         if error is not None:
             fate = "refused" if is_refusal(error) else "not delivered"
-            said = f"was {fate} ({type(error).__name__}: {str(error).splitlines()[0]})"
-        elif ack is not None and ack.get("status") == "late":
-            said = "was not merged: its step was published without it"
-        else:
-            return
-        log.warning("%s: the batch of step %d %s, and its client was dropped before reading "
-                    "it", self.label, batch.step, said)
+            said.append(f"was {fate} ({type(error).__name__}: {str(error).splitlines()[0]})")
+        elif ack is not None:
+            if ack.get("status") == "late":
+                said.append("was not merged: its step was published without it")
+            if ack.get("notice"):
+                said.append(f"came with a notice: {ack['notice']}")
+        for what in said:
+            log.warning("%s: the batch of step %d %s, and its client was dropped before "
+                        "reading it", self.label, batch.step, what)
 
     def idle(self) -> None:
         """The sender thread ends (idle): the next hand-over starts a new one."""

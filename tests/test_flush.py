@@ -482,6 +482,29 @@ def test_a_refusal_nobody_reads_is_logged_once_its_client_is_dropped(make_worker
             "its client was dropped before reading it"), line
 
 
+def test_a_notice_nobody_reads_is_logged_once_its_client_is_dropped(make_worker):
+    """The same for a notice (a ``ServiceNotice`` its rank would be warned of): here, that
+    TensorBoard's tag of two of its keys shows one of them. Dropped, the client's notice
+    was said nowhere."""
+    import gc
+
+    handle, cfg = make_worker(world_size=1, sinks={"tensorboard": {}})
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({"acc rate": 1.0})  # the tag's key for the run
+    c.wait_submit(step=0, timeout_s=30)
+    with Logged() as logged:
+        c.submit_metric({"acc_rate": 2.0})  # the tag shows the other: the rank hears it
+        c.flush()
+        assert c.sender.wait_until(1, timeout_s=30)  # its answer in, not read
+        del c
+        gc.collect()
+    assert len(logged.said) == 1, logged.said
+    said = logged.said[0]
+    assert said.startswith("rank 0: the batch of step 1 came with a notice: ") and said.endswith(
+        ", and its client was dropped before reading it"), said
+    assert "'acc rate'" in said and "'acc_rate'" in said
+
+
 def test_a_late_batch_nobody_reads_is_logged_once_its_client_is_dropped(make_worker):
     """The same for a batch that came after its step was published without it (the
     straggler timeout): its rank would hear ``LateBatch``; dropped, the log says it."""
