@@ -648,7 +648,10 @@ def look() -> None:
                 pass
             ready = {ref.hex() for ref in refs}
             for sender, issued in due:
-                sender.look(issued, issued.hex() in ready)
+                try:
+                    sender.look(issued, issued.hex() in ready)
+                except Exception:  # the others' answers are still looked at
+                    log.exception("%s: reading an answer left unread failed", sender.label)
             del due, refs, sender, issued
         with _looker_lock:  # a hand-over's answer is seen here, or starts a new looker
             rested = 0.0 if any(sender.unread(math.inf) is not None
