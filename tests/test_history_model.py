@@ -13,9 +13,10 @@ sink slow to reopen after each restart (each step of a segment once) and ``wait_
 equal the model: every published step once, with the values recorded for it, where its
 min and max came from, its top samples (``stat(top=)`` with their text), where its NaN
 came from, its alerts, and the flagged samples of every alert of the run, superseded steps'
-included; and the rank hears of the key a sink tag leaves out once, again only after a
-rewind before the step that told it or a restart whose journal lacked that step; and no
-dropped client's batch is logged as refused, undelivered or left out of its step.
+included; and the rank hears of the key a sink tag leaves out (warned, or logged where its
+client was dropped unread) once, again only after a rewind before the step that told it or
+a restart whose journal lacked that step; and no dropped client's batch is logged as
+refused, undelivered or left out of its step.
 ``METRICSVC_MODEL_EXAMPLES`` draws more runs (default 3, about a minute).
 """
 
