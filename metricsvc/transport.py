@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -613,6 +614,15 @@ def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) 
 
 _looker: threading.Thread | None = None  # the process's, while it runs
 _looker_lock = threading.Lock()
+
+
+def _forget_looker() -> None:
+    """A forked child has none of its parent's threads (nor a lock one of them held)."""
+    global _looker, _looker_lock
+    _looker, _looker_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_looker)
 
 
 def look_later() -> None:

@@ -317,6 +317,25 @@ def test_answers_many_clients_leave_unread_are_read_by_one_looker_not_a_thread_e
     assert [a["status"] for c in clients for a in c.wait_acks(timeout_s=0)] == ["merged"] * 8
 
 
+def test_a_process_forked_while_the_looker_runs_starts_a_looker_of_its_own(make_worker):
+    """A child forked while the looker runs (a data loader's worker, say) has no such
+    thread: had it kept the parent's word for it, its clients' unread answers would never
+    be read, and a restarted actor's ``epoch_changed`` never acted on."""
+    from metricsvc import transport
+
+    handle, cfg = make_worker(world_size=1)
+    c = MetricClient(None, rank=0, world_size=1, name=cfg.name)
+    c.submit_metric({"x": 1.0})
+    c.flush()  # its answer is left to the looker, started here
+    assert transport._looker is not None and transport._looker.is_alive()
+    pid = os.fork()
+    if pid == 0:  # the child: no looker, and a lock no thread of the parent's holds
+        os._exit(0 if transport._looker is None and transport._looker_lock.acquire(False)
+                 else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    c.wait_acks(timeout_s=30)
+
+
 def test_an_idle_sender_thread_holds_no_ray_reference_and_never_its_client(make_worker):
     """A Ray reference that a thread other than the one shutting Ray down frees while
     ``ray.shutdown()`` runs ends the process (Ray: "The core worker has already been
