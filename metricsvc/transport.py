@@ -36,7 +36,6 @@ at once (resending cannot help).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -379,7 +378,8 @@ class Sender:
             # read by the caller's next call, else by the looker (``UNREAD_S``)
             self._pending, self._pending_at = (batch, blob, issued), time.monotonic()
             _queued.add(self)  # kept until its answer is read
-        look_later()
+        if _looker is None:
+            look_later()
 
     def _exchange(self, blob: bytes, issued: ray.ObjectRef | None = None) -> Ack:
         """The one delivery: ``blob`` (owed in the outbox) through the restart protocol, the
@@ -579,7 +579,7 @@ class Sender:
                 self._waiting -= 1
 
 
-IDLE_S = 30.0  # a sender thread, or the looker, ends after this long without work
+IDLE_S = 30.0  # a sender thread ends after this long without work
 UNREAD_S = 1.0  # an answer the caller leaves unread this long, the looker reads
 # The senders whose threads have batches queued, or an answer to read: kept alive
 _queued: set[Sender] = set()
@@ -612,7 +612,7 @@ def serve(sender: weakref.ref[Sender], work: threading.Condition, queue: deque) 
         del live
 
 
-_looker: threading.Thread | None = None  # the process's, while it runs
+_looker: threading.Thread | None = None  # the process's, once a hand-over needs it
 _looker_lock = threading.Lock()
 
 
@@ -626,8 +626,7 @@ os.register_at_fork(after_in_child=_forget_looker)
 
 
 def look_later() -> None:
-    """Have the process's looker read the answers callers leave unread (started if it is
-    not running)."""
+    """Have the process's looker read the answers callers leave unread (started once)."""
     global _looker
     with _looker_lock:
         if _looker is None:
@@ -640,11 +639,8 @@ def look() -> None:
     looked at together (one ``ray.wait``, for 256 ranks' clients in a process as for one);
     each one in is read by its sender (``Sender.look``: an ``epoch_changed`` one goes to
     its thread's queue), each one not in yet stays its caller's. Callers that read their
-    answers in time (the common case) cost it one wake a second, and no Ray call. It ends
-    after ``IDLE_S`` with no answer out, and asleep holds no sender and no Ray reference
-    (``serve``)."""
-    global _looker
-    rested = 0.0
+    answers in time (the common case) cost it one wake a second, and no Ray call. It runs
+    as long as the process, and asleep holds no sender and no Ray reference (``serve``)."""
     while True:
         time.sleep(UNREAD_S)
         now = time.monotonic()
@@ -663,9 +659,3 @@ def look() -> None:
                 except Exception:  # the others' answers are still looked at
                     log.exception("%s: reading an answer left unread failed", sender.label)
             del due, refs, sender, issued
-        with _looker_lock:  # a hand-over's answer is seen here, or starts a new looker
-            rested = 0.0 if any(sender.unread(math.inf) is not None
-                                for sender in list(_queued)) else rested + UNREAD_S
-            if rested >= IDLE_S:
-                _looker = None
-                return

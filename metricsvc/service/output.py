@@ -15,6 +15,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from metricsvc.core.records import (
     Top,
     best_of,
     describe_source,
+    winners,
 )
 from metricsvc.core.reduce import (
     AUTO,
@@ -250,10 +252,14 @@ class StepOutput:
         each key's first non-finite value came from, by key: the rank (or the stream)
         whose record holds it, and, where that rank's client was given ``ids=``, the
         sample's id, its position (``row``, ``col``), the ``call`` (and a non-finite
-        value's ``kind``)."""
-        found = {}
-        for side, (part_of, src) in zip(LOCATED, merged.winners()):
-            found[side] = (part_of.tolist(), src)
+        value's ``kind``). The first part in merge order holding the value wins (ranks by
+        number, then batches: ``records.winners``)."""
+        parts = merged.parts
+        ends = np.cumsum(np.fromiter(map(len, map(attrgetter("idx"), parts)), np.int64,
+                                     len(parts)))  # each part's rows end there in ``rows``
+        found = {}  # side -> each key's winning row, and the part it is in
+        for side, won in zip(LOCATED, winners(merged.rows, merged.idx, merged.data)):
+            found[side] = (won.tolist(), np.searchsorted(ends, won, side="right").tolist())
         out: dict[str, dict[str, Any]] = {}
         first: dict[str, dict[str, Any]] = {}
         todo = []  # (key row, side, name, where it goes)
@@ -264,14 +270,15 @@ class StepOutput:
         for i in np.flatnonzero(merged.data[:, NONFINITE] > 0).tolist():
             todo.append((i, "nonfinite", keys[i], first))
         for i, side, name, into in todo:
-            part_of, src = found[side]
-            if part_of[i] < 0 or name in into:
+            row, part = found[side][0][i], found[side][1][i]
+            if row < 0 or name in into:
                 continue
-            of = merged.parts[part_of[i]]
+            of = parts[part]
             where: dict[str, Any] = ({"rank": of.rank} if of.rank is not None
                                      else {"stream": of.order[1]})
-            if src is not None:  # some client gave ids: the sample, where known
-                where.update(describe_source(src[i], side))
+            if of.sources is not None:  # its client gave ids: the sample, where known
+                where.update(describe_source(of.sources[row - int(ends[part]) + len(of.idx)],
+                                             side))
             into[name] = where
         return out, first
 

@@ -41,8 +41,8 @@ class Merged:
     """A collection's records merged in merge order: ``data`` (a record per key), each
     key's kind code, expected contributors and whether a stream sent it, how many ranks
     contributed each, the merged sketches by key row, the parts in merge order with their
-    rows and key indices concatenated (``winners`` reads them), and a finished step's
-    ``meta`` (``finish``)."""
+    rows and key indices concatenated (where a min or max came from is read there:
+    ``StepOutput.extremes``), and a finished step's ``meta`` (``finish``)."""
 
     data: np.ndarray
     codes: np.ndarray
@@ -56,33 +56,6 @@ class Merged:
     meta: dict[str, Any] = field(default_factory=dict)
     # stat(top=k): each rank's samples, (rank, key rows in the step, [n, NTOP], payloads)
     tops: list[tuple[int, np.ndarray, np.ndarray, tuple]] = field(default_factory=list)
-
-    def winners(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """For the min, the max and the first non-finite value (``records.LOCATED``): the
-        part each key's value came from (-1: none) and that part's sources of it (None
-        where no part carries any). The first part in merge order holding the value wins
-        (ranks by number, then batches). Worked out only when asked: most steps export
-        no min or max and hold no non-finite value."""
-        parts, rows, idx = self.parts, self.rows, self.idx
-        if not parts:
-            return []
-        sizes = np.fromiter(map(len, map(attrgetter("idx"), parts)), np.int64, len(parts))
-        owner = np.repeat(np.arange(len(parts)), sizes)
-        known = None
-        if any(p.sources is not None for p in parts):  # the others' are unknown
-            known = np.concatenate([p.sources if p.sources is not None
-                                    else records.unknown_sources(len(p.idx)) for p in parts])
-        out = []
-        for won in records.winners(rows, idx, self.data):
-            hit = won >= 0
-            part_of = np.full(len(won), -1, dtype=np.int64)
-            part_of[hit] = owner[won[hit]]
-            src = None
-            if known is not None:
-                src = records.unknown_sources(len(won))
-                src[hit] = known[won[hit]]
-            out.append((part_of, src))
-        return out
 
 
 class Collection:
