@@ -258,12 +258,12 @@ def test_a_flush_wakes_no_thread_when_the_answer_before_it_is_in(make_worker):
     assert [c.wait_final_res(s, 30)["x"] for s in (0, 3, 12)] == [0.0, 3.0, 12.0]
 
 
-def test_an_answer_still_out_when_the_thread_looks_stays_for_the_callers_next_flush(
+def test_an_answer_still_out_when_the_looker_looks_stays_for_the_callers_next_flush(
         make_worker):
-    """The sender thread looks at an answer the caller has left unread for ``UNREAD_S``.
-    One not in yet stays the caller's: the thread looks again later, and the next flush,
-    the answer in by then, reads it and makes its own call. The thread took the batch over
-    instead and waited for the answer itself: a flush that came before the thread had
+    """The looker looks at an answer the caller has left unread for ``UNREAD_S``. One not
+    in yet stays the caller's: the looker looks again later, and the next flush, the
+    answer in by then, reads it and makes its own call. The sender thread took the batch
+    over instead and waited for the answer itself: a flush that came before it had
     handled the answer was queued behind it, and on 2 cores with 1024 ranks' clients in 4
     processes (``bench_scale``) that doubled the latency from the last flush to the final
     result per node (320-370 ms before, 515-880 ms)."""
@@ -275,7 +275,7 @@ def test_an_answer_still_out_when_the_thread_looks_stays_for_the_callers_next_fl
     c.wait_submit()
     callers = calling_threads(c)
     sender = c.sender
-    with Paused(handle):  # no answer while the thread looks
+    with Paused(handle):  # no answer while the looker looks
         c.submit_metric({"x": 1.0})
         c.flush()
         first = sender._pending_at
@@ -403,7 +403,7 @@ def test_a_flush_a_restarted_actor_turned_away_is_delivered_though_the_rank_call
     resent, only at the rank's next call; a rank that made none (its client dropped, or a
     rank silent until its next step, an evaluation long) never delivered the step: "step 1
     not final after 30 s: no rank has submitted it yet" (the model of a run's history found
-    it). The sender thread now reads an answer the caller has left unread for a while."""
+    it). The looker now reads an answer the caller has left unread for a while."""
     import gc
 
     handle, clients = two_ranks_past_step_0(make_worker)
@@ -474,10 +474,10 @@ def test_after_ray_shutdown_a_waiting_sender_neither_starts_ray_nor_ends_the_pro
 
 def test_a_refusal_nobody_reads_is_logged_once_its_client_is_dropped(make_worker):
     """A rank drops its client (a worker object replaced, say) after a flush the service
-    refuses: the answer, read by the sender thread or not yet in, was raised to nobody and
+    refuses: the answer, read by the looker or not yet in, was raised to nobody and
     said nowhere (an answer nobody reads cannot raise). It is logged, naming the rank, the
     step and the refusal, as asyncio logs an exception no one retrieved: one dropped with the
-    answer in at once, one dropped before it came when the thread reads it."""
+    answer in at once, one dropped before it came when the looker reads it."""
     import gc
 
     handle, clients = two_ranks_past_step_0(make_worker)
