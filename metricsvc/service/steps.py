@@ -160,13 +160,10 @@ class Collection:
             if part.rank is not None:
                 rank_rows.setdefault(part.rank, []).append(part.idx)
         # One part's rows are distinct keys; several parts of a rank may share keys.
-        if len(rank_rows) == len(parts):  # a part a rank, none from a stream: the common case
-            contributors = np.bincount(idx, minlength=n).astype(np.int32)
-        else:
-            held_rows = [of[0] if len(of) == 1 else np.unique(np.concatenate(of))
-                         for of in rank_rows.values()]
-            contributors = (np.bincount(np.concatenate(held_rows), minlength=n).astype(np.int32)
-                            if held_rows else np.zeros(n, dtype=np.int32))
+        held = [of[0] if len(of) == 1 else np.unique(np.concatenate(of))
+                for of in rank_rows.values()]
+        contributors = (np.bincount(np.concatenate(held), minlength=n).astype(np.int32)
+                        if held else np.zeros(n, dtype=np.int32))
         sketches = {}
         for row, of_row in sketch_parts.items():
             sketches[row] = merge_sparse(of_row)
