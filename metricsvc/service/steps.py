@@ -160,8 +160,9 @@ class Collection:
             if part.rank is not None:
                 rank_rows.setdefault(part.rank, []).append(part.idx)
         # One part's rows are distinct keys; several parts of a rank may share keys.
-        held = [of[0] if len(of) == 1 else np.unique(np.concatenate(of))
-                for of in rank_rows.values()]
+        held = []
+        for of in rank_rows.values():
+            held.append(of[0] if len(of) == 1 else np.unique(np.concatenate(of)))
         contributors = (np.bincount(np.concatenate(held), minlength=n).astype(np.int32)
                         if held else np.zeros(n, dtype=np.int32))
         sketches = {}
