@@ -12,6 +12,7 @@ from metricsvc.client import MetricClient
 from metricsvc.client.summaries import summarize
 from metricsvc.client.tensors import accelerator_path_on_cpu
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, NONFINITE, SUM, SUM_LO
+from metricsvc.core.reduce import ReduceType
 from tests.helpers import each_of
 
 
@@ -106,3 +107,22 @@ def test_plain_numbers_recorded_again_merge_with_the_block_they_came_in():
     assert rows["a"][COUNT] == 2 and rows["a"][SUM] == 4.0 and rows["a"][MAX] == 3.0
     assert rows["b"][COUNT] == 1 and rows["b"][SUM] == 2.0 and rows["c"][SUM] == 5.0
     assert rows["d"][MIN] == 4.0
+
+
+def test_keys_recorded_again_with_a_kind_each_merge_and_a_clash_records_nothing():
+    """Micro-batches of a built-in family (one kind per key) repeat their keys every call:
+    a new key among them joins, a key of another kind refuses the whole call by name."""
+    c = MetricClient(None, rank=0, world_size=1)
+    c.record_as({"a": ReduceType.SUM, "b": ReduceType.MAX}, {"a": 1.0, "b": 2.0})
+    c.record_as({"a": ReduceType.SUM, "b": ReduceType.MAX, "n": ReduceType.MIN},
+                {"a": 3.0, "b": 5.0, "n": 4.0})
+    with pytest.raises(ValueError, match=r"key 'b' was recorded as MAX .* as MIN would mix"):
+        c.record_as({"z": ReduceType.SUM, "a": ReduceType.SUM, "b": ReduceType.MIN},
+                    {"z": 9.0, "a": 100.0, "b": -1.0})
+    assert c.pending_keys() == ["a", "b", "n"]
+    batch = c.buffer.take_batch(step=0, rank=0, world_size=1, seq=0, final=True)
+    rows = dict(zip(batch.keys, batch.data))
+    assert rows["a"][COUNT] == 2 and rows["a"][SUM] == 4.0
+    assert rows["b"][MAX] == 5.0 and rows["n"][MIN] == 4.0
+    assert dict(zip(batch.keys, batch.kinds.tolist())) == {
+        "a": int(ReduceType.SUM), "b": int(ReduceType.MAX), "n": int(ReduceType.MIN)}

@@ -22,6 +22,8 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, is_not
 from typing import Any
 
 import numpy as np
@@ -212,22 +214,25 @@ class RecordBuffer:
     def _again(self, found: Rows, codes: int | tuple[int, ...],
                each: tuple[int, ...] | None) -> Any:
         """Keys of which some were recorded before in this step: every kind checked before
-        the buffer is touched (a bad call records nothing); their sources' call numbers."""
-        kinds, keys = self.kinds, found.keys
-        for i, key in enumerate(keys):
-            held, code = kinds.get(key), codes if each is None else each[i]
-            if held is not None and held != code:
-                raise ValueError(f"key {key!r} was recorded as {kind_name(held)} in "
-                                 f"{self.label}; recording it as {kind_name(code)} would mix "
-                                 f"reductions")
-        new = tuple(k for k in keys if k not in kinds)
-        self.names.claim(new, codes if each is None else tuple(
-            c for k, c in zip(keys, each) if k not in kinds), kinds, self.declarations,
-            self.label)
-        calls = self.recordings(keys)
-        for key, code, before in zip(keys, each or [codes] * len(keys), calls):
-            kinds.setdefault(key, code)  # type: ignore[arg-type]
-            self.seen[key] = before + 1
+        the buffer is touched (a bad call records nothing); their sources' call numbers.
+        Micro-batches repeat a call's keys every time: the keys are walked by ``map`` and
+        sets, not key by key in Python."""
+        kinds, keys, seen = self.kinds, found.keys, self.seen
+        held = list(map(kinds.get, keys))
+        wanted = repeat(codes) if each is None else each
+        if not ({*held} <= {None, codes} if each is None else
+                all(h is None or h == c for h, c in zip(held, each))):
+            key, was, code = next((k, h, c) for k, h, c in zip(keys, held, wanted)
+                                  if h is not None and h != c)
+            raise ValueError(f"key {key!r} was recorded as {kind_name(was)} in {self.label}; "
+                             f"recording it as {kind_name(code)} would mix reductions")
+        if None in held:
+            new = [(k, c) for k, h, c in zip(keys, held, wanted) if h is None]
+            self.names.claim(tuple(k for k, _ in new), codes if each is None else tuple(
+                c for _, c in new), kinds, self.declarations, self.label)
+            kinds.update(new)
+        calls = list(map(seen.get, keys, map(is_not, held, repeat(None))))
+        seen.update(zip(keys, map(add, calls, repeat(1))))
         sources = found.sources
         if sources is not None and any(calls):  # the call of each key's recording
             calls_of = np.asarray(calls, dtype=np.float64)[:, None]
@@ -240,8 +245,8 @@ class RecordBuffer:
     def recordings(self, keys: Iterable[str]) -> list[int]:
         """How many times each key was recorded in this step (its next recording's call
         number)."""
-        seen, kinds = self.seen, self.kinds
-        return [seen.get(key, 1 if key in kinds else 0) for key in keys]
+        keys = list(keys)
+        return list(map(int, map(self.seen.get, keys, map(self.kinds.__contains__, keys))))
 
     @contextlib.contextmanager
     def timed(self, key: str, code: int, device: bool = False) -> Iterator[None]:
