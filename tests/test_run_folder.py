@@ -222,6 +222,35 @@ def test_stop_with_a_slow_sink_writes_or_dead_letters_every_step_and_never_close
                for i in range(0, len(writes), 2))
 
 
+@pytest.mark.slow
+def test_a_driver_that_ends_without_close_gives_its_sinks_the_configured_close_timeout(
+        tmp_path, joined_env):
+    """A driver that ends without ``close()`` is closed by the exit hook
+    ``start_metric_worker`` registers, and Ray ends the service right after it. The hook
+    waited 60 s whatever ``sinks.delivery.close_timeout_s`` said: with a longer one, a sink
+    still writing at 60 s was ended with the actor, and its step was neither written nor
+    dead-lettered. The hook waits for the close the config sets, and a little more."""
+    trace = tmp_path / "trace.txt"
+    script = textwrap.dedent(f"""
+        import ray, metricsvc
+        from metricsvc.client import MetricClient
+        ray.init(log_to_driver=False)
+        metricsvc.start_metric_worker({{
+            "name": "exit-slow", "run": {{"root": {str(tmp_path)!r}, "trial": "t"}},
+            "sinks": {{"console": None, "delivery": {{"close_timeout_s": 100}},
+                      "custom": [{{"target": "tests.sink_fixtures:SlowSink",
+                                  "options": {{"seconds": 65, "trace": {str(trace)!r}}}}}]}}}})
+        c = MetricClient(None, rank=0, world_size=1, name="exit-slow")
+        c.submit_metric({{"x": 1.0}})
+        c.wait_submit(timeout_s=60)
+        # no close(), no stop: the script just ends, the sink still writing its step
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, env=joined_env(PYTHONPATH=str(ROOT)), timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert trace.read_text().split() == ["write-start", "write-end", "close"]
+
+
 def test_a_client_of_an_actor_stopped_for_good_fails_at_once(ray_cluster, tmp_path, caplog):
     cfg = config(tmp_path, "gone-for-good")
     handle = metricsvc.start_metric_worker(cfg)
