@@ -116,8 +116,9 @@ def start_metric_worker(
 
         start_node_combiners(cfg, [n["NodeID"] for n in ray.nodes() if n.get("Alive")])
     # Registered after ray.init's own exit hook, so it runs first, while Ray still answers:
-    # a driver that ends without close() must not lose what the sinks buffer.
-    atexit.register(_close_at_exit, handle)
+    # a driver that ends without close() must not lose what the sinks buffer. It waits for
+    # the close the config gives the sinks: Ray ends the service once the driver has ended.
+    atexit.register(_close_at_exit, handle, cfg.sinks.delivery.close_timeout_s + ANSWER_S)
     return handle
 
 
@@ -263,11 +264,14 @@ def service_health(worker: Any, timeout_s: float | None = 60.0) -> dict[str, Any
     return ray_get(worker.health.remote(), timeout=timeout_s)
 
 
-def _close_at_exit(handle: Any) -> None:
+ANSWER_S = 30.0  # beyond the sinks' close timeout: how long a closing actor may take to answer
+
+
+def _close_at_exit(handle: Any, timeout_s: float) -> None:
     if not ray.is_initialized():
         return
     try:
-        ray.get(handle.close.remote(), timeout=60)
+        ray.get(handle.close.remote(), timeout=timeout_s)
     except Exception as err:  # already closed, killed or never started: nothing to save
         log.debug("closing the MetricWorker at exit: %s", err)
 
