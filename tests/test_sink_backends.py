@@ -216,8 +216,8 @@ def wandb_record_kinds(root):
 @pytest.mark.slow
 def test_a_driver_that_exits_without_close_still_finishes_the_wandb_run(tmp_path):
     """The exit hook closes the service, and the close waits for wandb's run to end. The
-    close is given 150 s: in a loaded ``make test`` wandb's start alone took more than the
-    default 30 s, and the close gave up on it (by design: the steps were dead-lettered)."""
+    close is given 150 s: in a loaded ``make test`` wandb's start and finish took more than
+    the default 30 s, and the close gave up on the run (by design: it dead-letters)."""
     script = textwrap.dedent(f"""
         import os
         import ray, metricsvc
