@@ -245,8 +245,8 @@ class RecordBuffer:
     def recordings(self, keys: Iterable[str]) -> list[int]:
         """How many times each key was recorded in this step (its next recording's call
         number)."""
-        keys = list(keys)
-        return list(map(int, map(self.seen.get, keys, map(self.kinds.__contains__, keys))))
+        seen, kinds = self.seen, self.kinds
+        return [seen.get(key, 1 if key in kinds else 0) for key in keys]
 
     @contextlib.contextmanager
     def timed(self, key: str, code: int, device: bool = False) -> Iterator[None]:
