@@ -468,8 +468,8 @@ class Sender:
             batch, blob, issued = self._pending
             try:  # one look: the answer if it is in
                 got = ray.get(issued, timeout=0)
-            except BaseException:  # noqa: BLE001  not in yet, a refusal or a down actor:
-                got = None         # the thread's
+            except BaseException:  # noqa: BLE001  not in, refused, the actor down: the thread's
+                got = None
             self._pending = None
             if not self._queue:
                 _queued.discard(self)
