@@ -222,6 +222,29 @@ def test_stop_with_a_slow_sink_writes_or_dead_letters_every_step_and_never_close
                for i in range(0, len(writes), 2))
 
 
+def test_a_stop_while_an_earlier_close_still_runs_waits_for_it_and_loses_no_step(
+        ray_cluster, tmp_path):
+    """A caller whose own wait for ``close`` ran out (or another caller's close, still
+    running) and then a stop: the stop's close returns once the first close has closed the
+    sinks. A second close answered at once, and the kill right after it ended a sink in the
+    middle of a write: its step was neither written nor dead-lettered."""
+    trace = tmp_path / "trace.txt"
+    cfg = config(tmp_path, "close-twice", sinks={
+        "console": None, "jsonl": {},
+        "custom": [{"target": "tests.sink_fixtures:SlowSink",
+                    "options": {"seconds": 2, "trace": str(trace)}}]})
+    handle = metricsvc.start_metric_worker(cfg)
+    one_step("close-twice", 1.0)
+    ray.get(handle.wait_final_res.remote(0, 10))
+    first = handle.close.remote()
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        ray.get(first, timeout=0.5)  # the slow sink is still writing step 0
+    health = metricsvc.stop_metric_worker(handle)
+    assert trace.read_text().split() == ["write-start", "write-end", "close"]
+    assert health["sinks"]["slow"]["written"] == 1
+    assert health["sinks"]["slow"]["dead_lettered"] == 0 and not health["sink_errors"]
+
+
 @pytest.mark.slow
 def test_a_driver_that_ends_without_close_gives_its_sinks_the_configured_close_timeout(
         tmp_path, joined_env):
