@@ -147,6 +147,7 @@ class MetricWorkerImpl:
         self.combiners: dict[str, dict[str, Any]] = {}  # label -> its last reported health
         self._timer: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._shut = threading.Event()  # set once the first close has closed the sinks
         self.timer_errors = 0
         self.live = LiveMetrics(cfg.name, enabled=cfg.metrics.enabled, export=cfg.metrics.export)
         self.reporter = Reporter(self.live, self.health, self.results, cfg.metrics.interval_s)
@@ -469,18 +470,26 @@ class MetricWorkerImpl:
 
     @ray.method(concurrency_group="control")
     def close(self) -> dict[str, Any]:
-        """Flush and close every sink, then let go of the run folder; a second call is
-        harmless. Returns ``health()``."""
+        """Flush and close every sink, then let go of the run folder; returns ``health()``.
+        A later call (another caller's, or one made while the first still runs) returns
+        once the first has closed the sinks, within the first's ``close_timeout_s``."""
         with self.lock:  # none runs once this is set, none starts after it
             first = not self.closed
             self.closed = True
             self._stopped.set()
-        if first:
+        if not first:
+            # A stop's kill follows its close: answered before the sinks are closed, it
+            # would end a sink mid-write, its step neither written nor dead-lettered.
+            self._shut.wait()
+            return self.health()
+        try:
             self.sinks.close()
             self.reporter.stop()  # the final state, reported once more
             if self._owner_fd is not None:
                 os.close(self._owner_fd)  # the folder may have a new owner now
                 self._owner_fd = None
+        finally:
+            self._shut.set()
         return self.health()
 
     def start(self) -> None:
