@@ -245,6 +245,25 @@ def test_a_stop_while_an_earlier_close_still_runs_waits_for_it_and_loses_no_step
     assert health["sinks"]["slow"]["dead_lettered"] == 0 and not health["sink_errors"]
 
 
+def test_a_stop_waits_past_its_timeout_for_a_close_the_service_still_answers_through(
+        ray_cluster, tmp_path):
+    """``timeout_s`` guards a service that does not answer; a close still running in one
+    that answers is waited for (``close_timeout_s`` bounds it). The stop gave up after
+    ``timeout_s`` in all: the steps a slow sink had not written were then lost with the
+    driver (its default, 120 s, undercut any close timeout over about 90 s)."""
+    trace = tmp_path / "trace.txt"
+    cfg = config(tmp_path, "stop-waits", sinks={
+        "console": None, "jsonl": {}, "delivery": {"close_timeout_s": 60},
+        "custom": [{"target": "tests.sink_fixtures:SlowSink",
+                    "options": {"seconds": 3, "trace": str(trace)}}]})
+    handle = metricsvc.start_metric_worker(cfg)
+    one_step("stop-waits", 1.0)
+    ray.get(handle.wait_final_res.remote(0, 10))
+    health = metricsvc.stop_metric_worker(handle, timeout_s=1)
+    assert trace.read_text().split() == ["write-start", "write-end", "close"]
+    assert health["sinks"]["slow"]["written"] == 1 and not health["sink_errors"]
+
+
 @pytest.mark.slow
 def test_a_driver_that_ends_without_close_gives_its_sinks_the_configured_close_timeout(
         tmp_path, joined_env):
