@@ -4,6 +4,8 @@ tail, no leaked secret. Real faults on real files and a real local Ray cluster."
 import json
 import logging
 import math
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -264,6 +266,23 @@ def test_a_stop_waits_past_its_timeout_for_a_close_the_service_still_answers_thr
     assert health["sinks"]["slow"]["written"] == 1 and not health["sink_errors"]
 
 
+def test_a_stop_gives_up_on_a_service_that_stops_answering(ray_cluster, tmp_path):
+    """Waiting for a close never hangs: a service that answers nothing (its process
+    stopped) is given up once it has been silent for ``timeout_s``."""
+    handle = metricsvc.start_metric_worker(config(tmp_path, "stop-silent"))
+    one_step("stop-silent", 1.0)
+    pid = ray.get(handle.health.remote(), timeout=60)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            metricsvc.stop_metric_worker(handle, timeout_s=1)
+        assert time.monotonic() - start < 10
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ray.kill(handle, no_restart=True)
+
+
 @pytest.mark.slow
 def test_a_driver_that_ends_without_close_gives_its_sinks_the_configured_close_timeout(
         tmp_path, joined_env):
@@ -271,7 +290,7 @@ def test_a_driver_that_ends_without_close_gives_its_sinks_the_configured_close_t
     ``start_metric_worker`` registers, and Ray ends the service right after it. The hook
     waited 60 s whatever ``sinks.delivery.close_timeout_s`` said: with a longer one, a sink
     still writing at 60 s was ended with the actor, and its step was neither written nor
-    dead-lettered. The hook waits for the close the config sets, and a little more."""
+    dead-lettered. The hook waits for the whole close while the service answers."""
     trace = tmp_path / "trace.txt"
     script = textwrap.dedent(f"""
         import ray, metricsvc

@@ -117,8 +117,8 @@ def start_metric_worker(
         start_node_combiners(cfg, [n["NodeID"] for n in ray.nodes() if n.get("Alive")])
     # Registered after ray.init's own exit hook, so it runs first, while Ray still answers:
     # a driver that ends without close() must not lose what the sinks buffer. It waits for
-    # the close the config gives the sinks: Ray ends the service once the driver has ended.
-    atexit.register(_close_at_exit, handle, cfg.sinks.delivery.close_timeout_s + ANSWER_S)
+    # the whole close: Ray ends the service once the driver has ended.
+    atexit.register(_close_at_exit, handle)
     return handle
 
 
@@ -226,12 +226,12 @@ def stop_metric_worker(handle: Any = None, *, name: str | None = None,
     The sinks get ``sinks.delivery.close_timeout_s``; a step a sink has not taken by then
     is dead-lettered, and the returned health says so per sink (``dead_lettered``,
     ``in_flight_at_close``, ``lost``). ``timeout_s`` only guards an actor that does not
-    answer: keep it above ``close_timeout_s``. Call this (or ``worker.close.remote()``) before
-    ``ray.shutdown()``: Ray ends an actor's child processes first, and wandb's writer is
-    one of them.
+    answer: a close it still answers through is waited for (``close_timeout_s`` bounds
+    it). Call this (or ``worker.close.remote()``) before ``ray.shutdown()``: Ray ends an
+    actor's child processes first, and wandb's writer is one of them.
     """
     handle = handle or get_metric_worker(name, namespace)
-    health = ray_get(handle.close.remote(), timeout=timeout_s)
+    health = _closed(handle, timeout_s)
     ray.kill(handle, no_restart=True)
     # The combiners this driver started for it (per_node): closed, the service refuses
     # what they would still forward
@@ -264,14 +264,24 @@ def service_health(worker: Any, timeout_s: float | None = 60.0) -> dict[str, Any
     return ray_get(worker.health.remote(), timeout=timeout_s)
 
 
-ANSWER_S = 30.0  # beyond the sinks' close timeout: how long a closing actor may take to answer
+ANSWER_S = 30.0  # how long a closing service may go without answering at the driver's exit
 
 
-def _close_at_exit(handle: Any, timeout_s: float) -> None:
+def _closed(handle: Any, answer_s: float) -> dict[str, Any]:
+    """Close the service and return its last health, waiting as long as the close runs
+    and the service answers (its sinks' ``close_timeout_s`` bounds the close). A service
+    silent for ``answer_s`` raises ``GetTimeoutError``."""
+    ref = handle.close.remote()
+    while not ray.wait([ref], timeout=answer_s)[0]:
+        service_health(handle, answer_s)  # still closing, and answering
+    return ray_get(ref)
+
+
+def _close_at_exit(handle: Any) -> None:
     if not ray.is_initialized():
         return
     try:
-        ray.get(handle.close.remote(), timeout=timeout_s)
+        _closed(handle, ANSWER_S)
     except Exception as err:  # already closed, killed or never started: nothing to save
         log.debug("closing the MetricWorker at exit: %s", err)
 
