@@ -247,6 +247,27 @@ def test_a_stop_while_an_earlier_close_still_runs_waits_for_it_and_loses_no_step
     assert health["sinks"]["slow"]["dead_lettered"] == 0 and not health["sink_errors"]
 
 
+def test_a_flush_while_a_close_runs_says_true_only_once_the_sinks_have_the_steps(
+        ray_cluster, tmp_path):
+    """The actor's ``flush()`` says every finished step has reached the sinks: during a
+    close it said so at once, while a slow sink was still writing the last step."""
+    trace = tmp_path / "trace.txt"
+    cfg = config(tmp_path, "flush-closing", sinks={
+        "console": None, "jsonl": {},
+        "custom": [{"target": "tests.sink_fixtures:SlowSink",
+                    "options": {"seconds": 2, "trace": str(trace)}}]})
+    handle = metricsvc.start_metric_worker(cfg)
+    one_step("flush-closing", 1.0)
+    ray.get(handle.wait_final_res.remote(0, 10))
+    closing = handle.close.remote()
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        ray.get(closing, timeout=0.5)  # the slow sink is still writing step 0
+    assert ray.get(handle.flush.remote(0.2), timeout=30) is False  # not within 0.2 s
+    assert ray.get(handle.flush.remote(20), timeout=30) is True
+    assert trace.read_text().split()[:2] == ["write-start", "write-end"]
+    metricsvc.stop_metric_worker(handle)
+
+
 def test_a_stop_waits_past_its_timeout_for_a_close_the_service_still_answers_through(
         ray_cluster, tmp_path):
     """``timeout_s`` guards a service that does not answer; a close still running in one
