@@ -147,7 +147,6 @@ class MetricWorkerImpl:
         self.combiners: dict[str, dict[str, Any]] = {}  # label -> its last reported health
         self._timer: threading.Thread | None = None
         self._stopped = threading.Event()
-        self._shut = threading.Event()  # set once the first close has closed the sinks
         self.timer_errors = 0
         self.live = LiveMetrics(cfg.name, enabled=cfg.metrics.enabled, export=cfg.metrics.export)
         self.reporter = Reporter(self.live, self.health, self.results, cfg.metrics.interval_s)
@@ -465,7 +464,8 @@ class MetricWorkerImpl:
     # -- lifecycle -------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every finished step so far has been handed to the sinks."""
+        """Wait until every finished step so far has been handed to the sinks (during a
+        close: until the close has written or dead-lettered each); True if it has."""
         return self.sinks.flush(timeout_s)
 
     @ray.method(concurrency_group="control")
@@ -480,16 +480,13 @@ class MetricWorkerImpl:
         if not first:
             # A stop's kill follows its close: answered before the sinks are closed, it
             # would end a sink mid-write, its step neither written nor dead-lettered.
-            self._shut.wait()
+            self.sinks.wait_closed()
             return self.health()
-        try:
-            self.sinks.close()
-            self.reporter.stop()  # the final state, reported once more
-            if self._owner_fd is not None:
-                os.close(self._owner_fd)  # the folder may have a new owner now
-                self._owner_fd = None
-        finally:
-            self._shut.set()
+        self.sinks.close()
+        self.reporter.stop()  # the final state, reported once more
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)  # the folder may have a new owner now
+            self._owner_fd = None
         return self.health()
 
     def start(self) -> None:

@@ -538,6 +538,7 @@ class SinkDispatcher:
                                          redactor or Redactor(), self.history, replay)
                             for name, s in named.items()]
         self._closed = False
+        self._shut = threading.Event()  # set once close() has closed every sink
 
     @property
     def sinks(self) -> list[Sink]:
@@ -578,9 +579,10 @@ class SinkDispatcher:
                 delivery.put(item)
 
     def flush(self, timeout_s: float | None = 30.0) -> bool:
-        """Wait until every sink has handled everything queued so far; True if all did."""
+        """Wait until every sink has handled everything queued so far; True if all did
+        (once a close has begun: once it has written or dead-lettered every step)."""
         if self._closed:
-            return True
+            return self._shut.wait(timeout_s)
         items = []
         for delivery in self._deliveries:
             items.append(Flush(threading.Event()))
@@ -601,10 +603,17 @@ class SinkDispatcher:
         self._closed = True
         timeout_s = self.delivery.close_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        for delivery in self._deliveries:
-            delivery.begin_close()
-        for delivery in self._deliveries:
-            delivery.finish_close(deadline)
+        try:
+            for delivery in self._deliveries:
+                delivery.begin_close()
+            for delivery in self._deliveries:
+                delivery.finish_close(deadline)
+        finally:
+            self._shut.set()
+
+    def wait_closed(self) -> None:
+        """Return once ``close()`` has closed every sink (its timeout bounds the wait)."""
+        self._shut.wait()
 
     def mark_of(self, sink: Sink) -> Watermark | None:
         """The watermark of ``sink`` (one of this dispatcher's; None if not one of them):
