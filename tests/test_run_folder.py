@@ -224,23 +224,34 @@ def test_stop_with_a_slow_sink_writes_or_dead_letters_every_step_and_never_close
                for i in range(0, len(writes), 2))
 
 
+def one_slow_step(tmp_path, name, seconds, **delivery):
+    """A service whose slow sink takes ``seconds`` a write, with step 0 final (and being
+    written); return its handle and the sink's trace file."""
+    trace = tmp_path / "trace.txt"
+    handle = metricsvc.start_metric_worker(config(tmp_path, name, sinks={
+        "console": None, "jsonl": {}, "delivery": delivery,
+        "custom": [{"target": "tests.sink_fixtures:SlowSink",
+                    "options": {"seconds": seconds, "trace": str(trace)}}]}))
+    one_step(name, 1.0)
+    ray.get(handle.wait_final_res.remote(0, 10))
+    return handle, trace
+
+
+def begin_close(handle):
+    """Close the service as a caller whose own wait runs out first: return, the close
+    still running (the slow sink still writing step 0)."""
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        ray.get(handle.close.remote(), timeout=0.5)
+
+
 def test_a_stop_while_an_earlier_close_still_runs_waits_for_it_and_loses_no_step(
         ray_cluster, tmp_path):
     """A caller whose own wait for ``close`` ran out (or another caller's close, still
     running) and then a stop: the stop's close returns once the first close has closed the
     sinks. A second close answered at once, and the kill right after it ended a sink in the
     middle of a write: its step was neither written nor dead-lettered."""
-    trace = tmp_path / "trace.txt"
-    cfg = config(tmp_path, "close-twice", sinks={
-        "console": None, "jsonl": {},
-        "custom": [{"target": "tests.sink_fixtures:SlowSink",
-                    "options": {"seconds": 2, "trace": str(trace)}}]})
-    handle = metricsvc.start_metric_worker(cfg)
-    one_step("close-twice", 1.0)
-    ray.get(handle.wait_final_res.remote(0, 10))
-    first = handle.close.remote()
-    with pytest.raises(ray.exceptions.GetTimeoutError):
-        ray.get(first, timeout=0.5)  # the slow sink is still writing step 0
+    handle, trace = one_slow_step(tmp_path, "close-twice", 2)
+    begin_close(handle)
     health = metricsvc.stop_metric_worker(handle)
     assert trace.read_text().split() == ["write-start", "write-end", "close"]
     assert health["sinks"]["slow"]["written"] == 1
@@ -251,17 +262,8 @@ def test_a_flush_while_a_close_runs_says_true_only_once_the_sinks_have_the_steps
         ray_cluster, tmp_path):
     """The actor's ``flush()`` says every finished step has reached the sinks: during a
     close it said so at once, while a slow sink was still writing the last step."""
-    trace = tmp_path / "trace.txt"
-    cfg = config(tmp_path, "flush-closing", sinks={
-        "console": None, "jsonl": {},
-        "custom": [{"target": "tests.sink_fixtures:SlowSink",
-                    "options": {"seconds": 2, "trace": str(trace)}}]})
-    handle = metricsvc.start_metric_worker(cfg)
-    one_step("flush-closing", 1.0)
-    ray.get(handle.wait_final_res.remote(0, 10))
-    closing = handle.close.remote()
-    with pytest.raises(ray.exceptions.GetTimeoutError):
-        ray.get(closing, timeout=0.5)  # the slow sink is still writing step 0
+    handle, trace = one_slow_step(tmp_path, "flush-closing", 2)
+    begin_close(handle)
     assert ray.get(handle.flush.remote(0.2), timeout=30) is False  # not within 0.2 s
     assert ray.get(handle.flush.remote(20), timeout=30) is True
     assert trace.read_text().split()[:2] == ["write-start", "write-end"]
@@ -274,14 +276,7 @@ def test_a_stop_waits_past_its_timeout_for_a_close_the_service_still_answers_thr
     that answers is waited for (``close_timeout_s`` bounds it). The stop gave up after
     ``timeout_s`` in all: the steps a slow sink had not written were then lost with the
     driver (its default, 120 s, undercut any close timeout over about 90 s)."""
-    trace = tmp_path / "trace.txt"
-    cfg = config(tmp_path, "stop-waits", sinks={
-        "console": None, "jsonl": {}, "delivery": {"close_timeout_s": 60},
-        "custom": [{"target": "tests.sink_fixtures:SlowSink",
-                    "options": {"seconds": 3, "trace": str(trace)}}]})
-    handle = metricsvc.start_metric_worker(cfg)
-    one_step("stop-waits", 1.0)
-    ray.get(handle.wait_final_res.remote(0, 10))
+    handle, trace = one_slow_step(tmp_path, "stop-waits", 3, close_timeout_s=60)
     health = metricsvc.stop_metric_worker(handle, timeout_s=1)
     assert trace.read_text().split() == ["write-start", "write-end", "close"]
     assert health["sinks"]["slow"]["written"] == 1 and not health["sink_errors"]
