@@ -303,6 +303,22 @@ class SinkHistoryMachine(RuleBasedStateMachine):
         self._nothing_lost()
         self._start(continuing=True)
 
+    @rule()
+    def flush_while_a_close_runs_then_continue(self) -> None:
+        """Another caller's close runs; a flush (and a second close) made meanwhile says
+        True only once every step is written or dead-lettered."""
+        closing = threading.Thread(target=self.d.close)
+        closing.start()
+        give_up = time.monotonic() + 30
+        while not self.d._closed:
+            assert time.monotonic() < give_up, "the close did not begin"
+            time.sleep(0.001)
+        assert self.d.flush(30)
+        self._nothing_lost()
+        self.d.wait_closed()  # the actor's second close waits on the same mark
+        closing.join(30)
+        self._start(continuing=True)
+
     @invariant()
     def a_flowing_sink_holds_the_model(self) -> None:
         if self.gate.is_set():
