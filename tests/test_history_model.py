@@ -6,8 +6,9 @@ flushes unanswered (a new one carries on), ``discard``, ``rewind``,
 SIGKILL of the actor (Ray restarts it), a crash and a new driver resuming the folder
 (``resume_from_step``, or ``run.resume`` alone), a crash between the journal's record
 of a rewind and the other sinks' turn, ``close`` then a resume,
-``stop_metric_worker`` then a new run of the same name (a folder of its own), and a
-stream window recorded, flushed (across a SIGKILL, too) and exported. After each check
+``stop_metric_worker`` then a new run of the same name (a folder of its own), a close its
+caller gave up on, then a flush and a stop, while a sink still reopens after a SIGKILL, and
+a stream window recorded, flushed (across a SIGKILL, too) and exported. After each check
 the journal's latest segment, ``metricsvc report``, TensorBoard (its own reader), a custom
 sink slow to reopen after each restart (each step of a segment once) and ``wait_final``
 equal the model: every published step once, with the values recorded for it, where its
@@ -60,10 +61,13 @@ class RunHistoryMachine(RuleBasedStateMachine):
         super().__init__()
         self.tmp = tempfile.TemporaryDirectory(prefix="metricsvc-model-")
         self.name = f"model-{os.getpid()}-{next(_services)}"
+        self.gate = Path(self.tmp.name) / "gate"  # the custom sink reopens once it exists
+        self.gate.touch()
         self.cfg = {"name": self.name, "world_size": 1, "max_restarts": 1000,
                     "sinks": {"console": None, "jsonl": {}, "tensorboard": {},
                               "custom": [{"target": "tests.sink_fixtures:ReopeningSink",
-                                          "options": {"reopen_s": 0.5}}]},
+                                          "options": {"reopen_s": 0.5,
+                                                      "gate": str(self.gate)}}]},
                     "alerts": [{"key": "m/max", "above": ALERT_ABOVE, "name": "m high"}],
                     "run": {"root": self.tmp.name, "experiment": "m", "trial": "t"}}
         self.model: dict[int, dict[str, float]] = {}
@@ -297,6 +301,39 @@ class RunHistoryMachine(RuleBasedStateMachine):
         own: nothing of the last one reaches it."""
         self._settle()
         metricsvc.stop_metric_worker(self.handle)
+        self._start_anew()
+
+    @rule(values=st.lists(VALUES, min_size=2, max_size=3))
+    def stop_while_a_given_up_close_runs(self, values: list[float]) -> None:
+        """After a SIGKILL of a run with a step journaled, the custom sink reopens only
+        once the test lets it (``gate``), and the steps closed meanwhile wait for it. The
+        driver's close outlasts its caller's wait; the driver flushes and stops. Neither the
+        flush nor the stop's close answers while the sink still reopens; once the service
+        has ended, the run's folder holds every step, none dead-lettered."""
+        self.close_step(values.pop(0), blocking=True)
+        self._settle()
+        ray.get(self.handle.flush.remote(), timeout=60)  # journaled: the restart continues it
+        self.gate.unlink()
+        sigkill(self.handle)
+        self._killed()
+        for value in values:
+            self.close_step(value, blocking=True)
+        closing = self.handle.close.remote()
+        ray.wait([closing], timeout=0.05)  # the caller's own wait ran out
+        flushed, stopping = self.handle.flush.remote(90), self.handle.close.remote()
+        early = ray.wait([flushed, stopping], num_returns=1, timeout=0.5)[0]
+        self.gate.touch()
+        assert not early, "a flush or a second close answered while a sink still reopened"
+        assert ray.get(flushed, timeout=120)
+        self._folder_equals_the_model()
+        health = metricsvc.stop_metric_worker(self.handle)
+        assert not [(name, h["dead_lettered"], h["lost"]) for name, h in health["sinks"].items()
+                    if h["dead_lettered"] or h["lost"]]
+        self._folder_equals_the_model()
+        self._settle()
+        self._start_anew()
+
+    def _start_anew(self) -> None:
         self.cfg["run"] = {**self.cfg["run"], "trial": f"t{next(self.runs)}"}
         self.model, self.extremes, self.samples, self.next = {}, {}, {}, 0
         self.tagged, self.told = {}, {}
@@ -339,6 +376,24 @@ class RunHistoryMachine(RuleBasedStateMachine):
         # through every restart, resend and rewind
         assert {s: f["meta"].get("extremes") for s, f in finals.items()} == self.extremes
         assert {s: _samples_of(f["meta"]) for s, f in finals.items()} == self.samples
+        self._folder_equals_the_model()
+        # What the rank heard of the key the tag leaves out, each time it was told: warned,
+        # or logged where its client was dropped before reading the answer
+        dropped = [s for s in self.logged.said if "dropped before reading it" in s]
+        notices = [s for s in dropped if " came with a notice: " in s]
+        heard = Counter(m.group(1) for said in [
+            *(str(w.message) for w in self.heard if issubclass(w.category, ServiceNotice)),
+            *notices] for m in re.finditer(r"name '([^']*)' shares the sink tag", said))
+        assert set(heard) <= set(PAIR), heard
+        for key in PAIR:
+            assert self.least[key] <= heard[key] <= self.most[key], (
+                key, heard[key], self.least[key], self.most[key], self.told)
+        # No dropped client's batch was refused, left undelivered or left out of its step
+        assert not [s for s in dropped if s not in notices], dropped
+
+    def _folder_equals_the_model(self) -> None:
+        """The run folder's readers (the journal, ``metricsvc report``, TensorBoard, a sink
+        slow to reopen) hold what the model says, its samples and flagged ids too."""
         run = Path(self.tmp.name) / "m" / self.cfg["run"]["trial"]
         if not (run / "metrics.jsonl").exists():
             assert not self.model
@@ -360,19 +415,6 @@ class RunHistoryMachine(RuleBasedStateMachine):
         held, twice = folded(run / "reopening.jsonl")
         assert not twice, ("a step given twice in one segment", twice)
         _same(held, self.model, 1e-9, "a sink slow to reopen")
-        # What the rank heard of the key the tag leaves out, each time it was told: warned,
-        # or logged where its client was dropped before reading the answer
-        dropped = [s for s in self.logged.said if "dropped before reading it" in s]
-        notices = [s for s in dropped if " came with a notice: " in s]
-        heard = Counter(m.group(1) for said in [
-            *(str(w.message) for w in self.heard if issubclass(w.category, ServiceNotice)),
-            *notices] for m in re.finditer(r"name '([^']*)' shares the sink tag", said))
-        assert set(heard) <= set(PAIR), heard
-        for key in PAIR:
-            assert self.least[key] <= heard[key] <= self.most[key], (
-                key, heard[key], self.least[key], self.most[key], self.told)
-        # No dropped client's batch was refused, left undelivered or left out of its step
-        assert not [s for s in dropped if s not in notices], dropped
 
     def teardown(self) -> None:
         from metricsvc.service.combiner import stop_combiners
