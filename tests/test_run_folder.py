@@ -284,7 +284,8 @@ def test_a_stop_waits_past_its_timeout_for_a_close_the_service_still_answers_thr
 
 def test_a_stop_gives_up_on_a_service_that_stops_answering(ray_cluster, tmp_path):
     """Waiting for a close never hangs: a service that answers nothing (its process
-    stopped) is given up once it has been silent for ``timeout_s``."""
+    stopped) is given up once it has been silent for ``timeout_s`` (it took twice that: a
+    wait for the close, then a health call's)."""
     handle = metricsvc.start_metric_worker(config(tmp_path, "stop-silent"))
     one_step("stop-silent", 1.0)
     pid = ray.get(handle.health.remote(), timeout=60)["pid"]
@@ -292,8 +293,8 @@ def test_a_stop_gives_up_on_a_service_that_stops_answering(ray_cluster, tmp_path
     try:
         start = time.monotonic()
         with pytest.raises(ray.exceptions.GetTimeoutError):
-            metricsvc.stop_metric_worker(handle, timeout_s=1)
-        assert time.monotonic() - start < 10
+            metricsvc.stop_metric_worker(handle, timeout_s=2)
+        assert 2 <= time.monotonic() - start < 3.5
     finally:
         os.kill(pid, signal.SIGCONT)
         ray.kill(handle, no_restart=True)
