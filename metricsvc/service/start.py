@@ -270,10 +270,11 @@ ANSWER_S = 30.0  # how long a closing service may go without answering at the dr
 def _closed(handle: Any, answer_s: float) -> dict[str, Any]:
     """Close the service and return its last health, waiting as long as the close runs
     and the service answers (its sinks' ``close_timeout_s`` bounds the close). A service
-    silent for ``answer_s`` raises ``GetTimeoutError``."""
+    silent for ``answer_s`` raises ``GetTimeoutError`` (half of it for the close, then
+    half for a health call)."""
     ref = handle.close.remote()
-    while not ray.wait([ref], timeout=answer_s)[0]:
-        service_health(handle, answer_s)  # still closing, and answering
+    while not ray.wait([ref], timeout=answer_s / 2)[0]:
+        service_health(handle, answer_s / 2)  # still closing, and answering
     return ray_get(ref)
 
 
