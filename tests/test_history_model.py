@@ -469,3 +469,20 @@ def test_every_mix_of_restart_rewind_resume_close_and_streams_keeps_every_reader
             max_examples=examples, stateful_step_count=8, deadline=None,
             phases=[Phase.explicit, Phase.generate], database=None, report_multiple_bugs=False,
             suppress_health_check=list(HealthCheck)))
+
+
+def test_a_stop_during_a_close_given_up_on_after_a_restart_loses_nothing(ray_cluster):
+    """The stop of a run whose close outlasted its caller's wait, while a sink still
+    reopens after a SIGKILL, in one fixed mix CI always runs (per node; a flush read later,
+    a key the tag leaves out, an alert with its samples before it; a step after it, in the
+    next run): the random draws above meet it only now and then."""
+    run = RunHistoryMachine()
+    try:
+        run.start("per_node")
+        run.close_steps([(1.0, True, None), (2e5, False, "acc rate")])
+        run.readers_equal_the_model()
+        run.stop_while_a_given_up_close_runs([3.0, -4.0, 5.0])
+        run.close_step(6.0, blocking=True)
+        run.readers_equal_the_model()
+    finally:
+        run.teardown()
