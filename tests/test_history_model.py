@@ -310,13 +310,14 @@ class RunHistoryMachine(RuleBasedStateMachine):
         driver's close outlasts its caller's wait; the driver flushes and stops. Neither the
         flush nor the stop's close answers while the sink still reopens; once the service
         has ended, the run's folder holds every step, none dead-lettered."""
-        self.close_step(values.pop(0), blocking=True)
+        first, *later = values  # (the drawn list stays as drawn: a failure reports it)
+        self.close_step(first, blocking=True)
         self._settle()
         ray.get(self.handle.flush.remote(), timeout=60)  # journaled: the restart continues it
         self.gate.unlink()
         sigkill(self.handle)
         self._killed()
-        for value in values:
+        for value in later:
             self.close_step(value, blocking=True)
         closing = self.handle.close.remote()
         ray.wait([closing], timeout=0.05)  # the caller's own wait ran out
@@ -330,7 +331,6 @@ class RunHistoryMachine(RuleBasedStateMachine):
         assert not [(name, h["dead_lettered"], h["lost"]) for name, h in health["sinks"].items()
                     if h["dead_lettered"] or h["lost"]]
         self._folder_equals_the_model()
-        self._settle()
         self._start_anew()
 
     def _start_anew(self) -> None:
