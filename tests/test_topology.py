@@ -1,5 +1,7 @@
 """Node-level pre-aggregation: combiners forward each step in one call, results unchanged."""
 
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -8,6 +10,7 @@ import ray
 
 import metricsvc
 from metricsvc.core.keys import combiner_name
+from metricsvc.errors import ServiceUnavailable
 from metricsvc.storage.journal import read_journal
 from tests.chaos.test_chaos import calls_for, rank_data
 from tests.helpers import pooled_ranks, until_named, wait_for_new_incarnation
@@ -200,7 +203,16 @@ def test_stopping_a_per_node_service_ends_the_combiners_it_started(make_worker):
     c.submit_metric({"x": 3.0})
     c.wait_submit(timeout_s=30)
     assert ray.get(again.wait_final_res.remote(0, 30)) == {"x": 3.0}
-    metricsvc.stop_metric_worker(again)
+    # A stop that hears nothing (the service's process stopped) still ends the service
+    # and its combiners: it raised Ray's GetTimeoutError and left them all running, the
+    # service holding its name and run folder. A stop of the ended service says so.
+    os.kill(ray.get(again.health.remote(), timeout=60)["pid"], signal.SIGSTOP)
+    with pytest.raises(ServiceUnavailable, match=f"{cfg.name}.*silent for 2 s.*not closed"):
+        metricsvc.stop_metric_worker(again, timeout_s=2)
+    until_named([*names, cfg.name], cfg.namespace, False,
+                "a stop that gave up on a silent service left these running")
+    with pytest.raises(ServiceUnavailable, match=f"{cfg.name}.*had ended.*not closed"):
+        metricsvc.stop_metric_worker(again, timeout_s=2)
 
 
 def test_a_service_started_right_after_a_stop_of_the_same_name_starts(make_worker):
