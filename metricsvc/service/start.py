@@ -8,6 +8,7 @@ config returns it, another config or another job's live service is refused namin
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import time
 import warnings
@@ -82,12 +83,15 @@ def start_metric_worker(
             update={"root": str(Path(cfg.run.root).resolve())})})
     running = _running(cfg, start_timeout_s)
     if running is not None:
+        _services[running] = (cfg.name, cfg.run.trial and cfg.run.run_dir().resolve())
         return running
     if cfg.run.trial is not None:  # none runs: a new run, whose folder must be its own
+        run_dir = cfg.run.run_dir().resolve()
         if not cfg.run.resume:
-            run_dir = cfg.run.run_dir().resolve()
             check_run_dir(run_dir, cfg.journal(run_dir))
-        _probe(cfg)
+        # resuming after a crash: a holder on its way out (a killed actor's process) may
+        # take a moment to let go
+        _probe(run_dir, grace_s=2.0 if cfg.run.resume else 0.0)
     if cfg.run.trial is None:
         # Fixed here, not in the actor: a restarted actor must find the same run folder.
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"trial": new_trial()})})
@@ -119,7 +123,13 @@ def start_metric_worker(
     # a driver that ends without close() must not lose what the sinks buffer. It waits for
     # the whole close: Ray ends the service once the driver has ended.
     atexit.register(_close_at_exit, handle)
+    _services[handle] = (cfg.name, cfg.run.run_dir().resolve())
     return handle
+
+
+# The services this driver started or found, and their run folders: a stop that hears
+# nothing from one still knows whose combiners to end and which folder it lets go of
+_services: dict[Any, tuple[str, Path | None]] = {}
 
 
 START_PATIENCE_S = 10.0  # a new service silent this long: the driver hears why it may be
@@ -174,13 +184,13 @@ def _running(cfg: ServiceConfig, timeout_s: float, grace_s: float = 30.0) -> Any
             time.sleep(0.05)
 
 
-def _probe(cfg: ServiceConfig, grace_s: float = 2.0) -> None:
-    """Refuse a folder a live service holds. Resuming after a crash, give a holder that is
-    ending (a killed actor's process on its way out) ``grace_s`` to let go first."""
-    deadline = time.monotonic() + (grace_s if cfg.run.resume else 0.0)
+def _probe(run_dir: Path, grace_s: float) -> None:
+    """Refuse a folder a live service holds, once a holder that is ending has had
+    ``grace_s`` to let go."""
+    deadline = time.monotonic() + grace_s
     while True:
         try:
-            return probe_run_dir(cfg.run.run_dir().resolve())
+            return probe_run_dir(run_dir)
         except ValueError:
             if time.monotonic() >= deadline:
                 raise
@@ -229,16 +239,34 @@ def stop_metric_worker(handle: Any = None, *, name: str | None = None,
     answer: a close it still answers through is waited for (``close_timeout_s`` bounds
     it). Call this (or ``worker.close.remote()``) before ``ray.shutdown()``: Ray ends an
     actor's child processes first, and wandb's writer is one of them.
+
+    Raises:
+        ServiceUnavailable: the service was silent for ``timeout_s`` (its process stopped,
+            say) or had ended. It and its combiners are ended all the same, its sinks not
+            closed, and its run folder is free when this raises (where this driver started
+            or found the service).
     """
     handle = handle or get_metric_worker(name, namespace)
-    health = _closed(handle, timeout_s)
+    name, folder = _services.get(handle, (name, None))
+    try:
+        health, why = _closed(handle, timeout_s), ""
+    except ray.exceptions.GetTimeoutError:
+        health, why = None, f"was silent for {timeout_s:g} s while closing and was ended"
+    except ray.exceptions.RayActorError as err:
+        health, why = None, f"had ended ({type(err).__name__})"
     ray.kill(handle, no_restart=True)
-    # The combiners this driver started for it (per_node): closed, the service refuses
-    # what they would still forward
-    from metricsvc.service.combiner import stop_combiners
+    name = health["name"] if health else name
+    if name:  # the combiners this driver started for it (per_node)
+        from metricsvc.service.combiner import stop_combiners
 
-    stop_combiners(health["name"])
-    return health
+        stop_combiners(name)
+    if health:
+        return health
+    if folder is not None:  # a stopped process ends seconds after Ray lets its name go
+        with contextlib.suppress(ValueError):
+            _probe(folder, grace_s=30.0)
+    who = f"MetricWorker {name!r}" if name else "the MetricWorker (given by handle)"
+    raise ServiceUnavailable(f"{who} {why}: its sinks were not closed")
 
 
 # -- the driver's calls, raising metricsvc's own exceptions (never Ray's wrapper) ---------
