@@ -48,6 +48,15 @@ class RankActor:
         return self.client.wait_final_res(step, timeout)
 
 
+def merge_two(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row ``i`` of two record matrices of one shape merged, by the product's one merge
+    (``records.merge_grouped``)."""
+    from metricsvc.core.records import merge_grouped
+
+    n = len(a)
+    return merge_grouped(np.concatenate([a, b]), np.tile(np.arange(n), 2), n)
+
+
 def random_rank_data(seed: int, ranks: int, width: int = 7) -> list[dict[str, np.ndarray]]:
     """Return per-rank arrays with unequal batch sizes and random masks."""
     rng = np.random.default_rng(seed)

@@ -24,6 +24,7 @@ from metricsvc.core.declare import Derived
 from metricsvc.core.records import COUNT, M2_ROOT, MAX, MIN, SUM, SUM_LO
 from metricsvc.core.sketch import SketchSpec, histogram, merge_sparse, quantiles, sparse_counts
 from metricsvc.storage.journal import read_journal
+from tests.helpers import merge_two
 
 SPEC = SketchSpec()
 
@@ -173,8 +174,8 @@ def test_merged_sums_means_std_and_quantiles_equal_the_concatenated_data(case, a
     perm = list(range(len(rows)))
     order.shuffle(perm)
     pairwise = records.identity(1)
-    for i in perm:  # the client's micro-batch merge, in any order ...
-        pairwise = records.merge(pairwise, rows[i][None])
+    for i in perm:  # one micro-batch at a time, in any order ...
+        pairwise = merge_two(pairwise, rows[i][None])
     grouped = records.merge_grouped(rows[perm], np.zeros(len(rows), dtype=np.int64), 1)
     x = t.to(torch.float64).numpy()[mask.numpy()]
     # a sum past float64's range is the flagged overflow case (test_aggregator's), not this

@@ -15,6 +15,7 @@ from metricsvc.core.reduce import (
     is_approximate_plain_key,
     kind_for_key,
 )
+from tests.helpers import merge_two
 
 RULE_TABLE = [
     # the siiRL pitfall: "min" is a substring of "minerva", this key is still a mean
@@ -93,8 +94,8 @@ def test_every_rows_mean_at_once_is_each_rows_mean_bit_for_bit():
         x = scale * (rng.normal(size=n) + rng.choice([0.0, 1e8, -1e12]))
         rows.append(records.summarize_array(x))
     data = np.stack(rows + [records.identity(1)[0]])
-    merged = records.merge(data[:200], data[200:400])  # low parts from exact merges
-    data = np.concatenate([data, merged])
+    both = merge_two(data[:200], data[200:400])  # low parts from exact merges
+    data = np.concatenate([data, both])
     data[::7, records.COUNT] *= 0.37  # weights (AVG of fractional counts)
     got = means(data)
     for row, m in zip(data, got):

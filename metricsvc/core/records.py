@@ -7,15 +7,18 @@ A record is one float64 row of sufficient statistics per key:
   ``sum_lo`` the rest, ``|sum_lo| <= ulp(sum) / 2``): means stay exact to the last bit
   even when the values sit far from 0 (1e12 + N(0, 1), timestamps, byte counts).
 - ``m2_root`` is ``sqrt(M2)``, the root of the sum of squared deviations from the
-  record's own mean. It is built around a pivot near the mean (no ``sumsq/n - mean**2``
-  cancellation) and merged with Chan et al.'s pairwise formula through ``hypot``, so the
-  squares of values near 1e300 never overflow and those near 1e-300 never underflow.
+  record's own mean. It is built, and merged, around a pivot near the mean (no
+  ``sumsq/n - mean**2`` cancellation), its squares scaled where they would leave
+  float64's range, so values near 1e300 never overflow and those near 1e-300 never
+  underflow.
 - ``nonfinite`` counts the NaN/inf values seen in valid positions and excluded.
 
 Merging adds counts and non-finite counts, adds sums exactly (``two_sum``), takes the
-min of mins and the max of maxes, and combines ``M2``s with the offset of the two
-means. The identity record (count 0, min +inf, max -inf) merges as a no-op, so an empty
-population is a documented value, never a fabricated 0.
+min of mins and the max of maxes, and combines ``M2``s with each part's mean offset
+from the common pivot (``merge_grouped``: any number of parts in one pass, the client's
+micro-batches and the service's ranks alike). The identity record (count 0, min +inf,
+max -inf) merges as a no-op, so an empty population is a documented value, never a
+fabricated 0.
 
 The algebra is written in plain arithmetic plus ``where/isfinite/sqrt/hypot`` of an
 array namespace ``xp`` (numpy, or torch on a client's device, or ``SCALARS`` for plain
@@ -164,31 +167,6 @@ def m2_root(n: Any, d1: Any, q: Any, xp: Any = np) -> Any:
         return np.sqrt(_half_plus((q - r) * (q + r)))
     return xp.where(near, xp.sqrt(_half_plus((q - r) * (q + r))),
                     xp.sqrt(_half_plus(q - r)) * xp.sqrt(q + r))
-
-
-def merge_pair(a: Any, b: Any, xp: Any = np) -> Any:
-    """Return the merge of two record arrays of one shape (``[..., NFIELDS]``); neither is
-    changed. Works for numpy and for torch (``xp=torch``) alike."""
-    na, nb = a[..., COUNT], b[..., COUNT]
-    n = na + nb
-    hi, lo = two_sum(a[..., SUM], b[..., SUM])
-    hi, lo = _normalised(hi, lo + a[..., SUM_LO] + b[..., SUM_LO], xp)
-    ma, ra = mean_parts(a[..., SUM], a[..., SUM_LO], na + (na == 0), xp)
-    mb, rb = mean_parts(b[..., SUM], b[..., SUM_LO], nb + (nb == 0), xp)
-    both = na * nb
-    cross = abs((ma - mb) + (ra - rb)) * xp.sqrt(both / (n + (n == 0)))
-    cross = xp.where(both > 0, cross, 0.0)
-    root = xp.hypot(xp.hypot(a[..., M2_ROOT], b[..., M2_ROOT]), cross)
-    low = xp.where(a[..., MIN] < b[..., MIN], a[..., MIN], b[..., MIN])
-    high = xp.where(a[..., MAX] > b[..., MAX], a[..., MAX], b[..., MAX])
-    cols = (hi, n, low, high, root, a[..., NONFINITE] + b[..., NONFINITE], lo)
-    return xp.stack(cols, -1)
-
-
-def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Return the merge of two record matrices of equal shape; neither is changed."""
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        return merge_pair(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
 
 
 def merge_grouped(rows: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
