@@ -251,9 +251,11 @@ def stop_metric_worker(handle: Any = None, *, name: str | None = None,
     try:
         health, why = _closed(handle, timeout_s), ""
     except ray.exceptions.GetTimeoutError:
-        health, why = None, f"was silent for {timeout_s:g} s while closing and was ended"
-    except ray.exceptions.RayActorError as err:
-        health, why = None, f"had ended ({type(err).__name__})"
+        health, why = None, (f"was silent for {timeout_s:g} s while closing and was ended: "
+                             f"its sinks were not closed")
+    except ray.exceptions.ActorDiedError:
+        health, why = None, ("had already ended (stopped, killed or out of restarts): "
+                             "nothing was closed now")
     ray.kill(handle, no_restart=True)
     name = health["name"] if health else name
     if name:  # the combiners this driver started for it (per_node)
@@ -266,7 +268,7 @@ def stop_metric_worker(handle: Any = None, *, name: str | None = None,
         with contextlib.suppress(ValueError):
             _probe(folder, grace_s=30.0)
     who = f"MetricWorker {name!r}" if name else "the MetricWorker (given by handle)"
-    raise ServiceUnavailable(f"{who} {why}: its sinks were not closed")
+    raise ServiceUnavailable(f"{who} {why}")
 
 
 # -- the driver's calls, raising metricsvc's own exceptions (never Ray's wrapper) ---------
