@@ -82,8 +82,7 @@ def start_metric_worker(
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(
             update={"root": str(Path(cfg.run.root).resolve())})})
     running = _running(cfg, start_timeout_s)
-    if running is not None:
-        _services[running] = (cfg.name, cfg.run.trial and cfg.run.run_dir().resolve())
+    if running is not None:  # this job's: started here, so ``_services`` knows it
         return running
     if cfg.run.trial is not None:  # none runs: a new run, whose folder must be its own
         run_dir = cfg.run.run_dir().resolve()
@@ -127,9 +126,9 @@ def start_metric_worker(
     return handle
 
 
-# The services this driver started or found, and their run folders: a stop that hears
-# nothing from one still knows whose combiners to end and which folder it lets go of
-_services: dict[Any, tuple[str, Path | None]] = {}
+# The services this driver started, and their run folders: a stop that hears nothing from
+# one still knows whose combiners to end and which folder it lets go of
+_services: dict[Any, tuple[str, Path]] = {}
 
 
 START_PATIENCE_S = 10.0  # a new service silent this long: the driver hears why it may be
@@ -244,7 +243,7 @@ def stop_metric_worker(handle: Any = None, *, name: str | None = None,
         ServiceUnavailable: the service was silent for ``timeout_s`` (its process stopped,
             say) or had ended. It and its combiners are ended all the same, its sinks not
             closed, and its run folder is free when this raises (where this driver started
-            or found the service).
+            the service).
     """
     handle = handle or get_metric_worker(name, namespace)
     name, folder = _services.get(handle, (name, None))
